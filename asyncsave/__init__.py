@@ -1,0 +1,73 @@
+"""asyncsave: asynchronous, crash-safe checkpoints of PyTorch training state.
+
+Save from an async train pump, keep training while the snapshot is written in the
+background, commit atomically, move the tracker only after the commit, and resume
+from exactly the last committed step::
+
+    async with asyncsave.Checkpointer("runs/exp1") as ckpt:
+        restored = await ckpt.load_latest({"model": model, "optim": opt})
+        ...
+        handle = await ckpt.save(step, {"model": model, "optim": opt})
+        ...
+        info = await handle
+
+See DESIGN.md for the pipeline and its invariants.
+"""
+
+from ._engine import Checkpointer, SaveHandle
+from ._errors import (
+    CheckpointError,
+    CheckpointerClosedError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    InvalidKeyError,
+    InvalidStateError,
+    InvalidStepError,
+    KindMismatchError,
+    MissingItemError,
+    ProtectedCheckpointError,
+    SaveFailedError,
+    StagingBudgetError,
+    UnsafeLoadError,
+    UnsupportedTensorError,
+    UnsupportedTypeError,
+)
+from ._fs import LocalFileSystem
+from ._load import latest, load, verify
+from ._options import CheckpointOptions
+from ._types import CheckpointInfo, Restored, Tagged
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CheckpointOptions",
+    "CheckpointTimeoutError",
+    "Checkpointer",
+    "CheckpointerClosedError",
+    "ChecksumMismatchError",
+    "CorruptCheckpointError",
+    "InvalidKeyError",
+    "InvalidStateError",
+    "InvalidStepError",
+    "KindMismatchError",
+    "LocalFileSystem",
+    "MissingItemError",
+    "ProtectedCheckpointError",
+    "Restored",
+    "SaveFailedError",
+    "SaveHandle",
+    "StagingBudgetError",
+    "Tagged",
+    "UnsafeLoadError",
+    "UnsupportedTensorError",
+    "UnsupportedTypeError",
+    "__version__",
+    "latest",
+    "load",
+    "verify",
+]

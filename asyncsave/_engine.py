@@ -1,0 +1,616 @@
+"""The engine: orchestrates plan → stage → write → commit → track.
+
+It does not serialise or name paths itself: ``_plan`` flattens, ``_format`` lays
+out files, ``_stage`` copies, ``_write`` writes, ``_commit`` publishes, ``_track``
+moves the tracker, ``_load`` reads. One anyio task group per checkpointer runs one
+pipeline task per save; each pipeline is shielded from the caller's cancellation
+(a pump cancelled by preemption still finishes the saves it dispatched) and bounded
+by ``save_timeout_s``; closing waits at most ``close_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Generator, Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import torch
+
+from ._commit import commit_dir, discard, make_temp_dir, recover
+from ._errors import (
+    CheckpointError,
+    CheckpointerClosedError,
+    CheckpointTimeoutError,
+    InvalidStepError,
+    ProtectedCheckpointError,
+    SaveFailedError,
+)
+from ._format import FileLayout, layout_files, staging_nbytes
+from ._load import _apply_template, _check_required, info_of, load, read_checkpoint, resolve
+from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION
+from ._options import CheckpointOptions
+from ._paths import LAYOUTS, MANIFEST_NAME
+from ._plan import Plan, make_plan
+from ._stage import Lease, StagingPool, stage_entries
+from ._track import write_tracker
+from ._types import CheckpointInfo, Restored
+from ._write import write_data_file, write_json
+
+__all__ = ["Checkpointer", "SaveHandle"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_STEP = 2**63 - 1
+
+
+class SaveHandle:
+    """An awaitable for one save. ``await handle`` returns the committed
+    :class:`CheckpointInfo` once the checkpoint is committed and the tracker names
+    it or a newer one durably, or raises :class:`SaveFailedError` (the original
+    error as ``__cause__``).
+
+    A skipped save (step 0 without ``save_step_zero``) resolves to ``None`` at once;
+    ``skipped`` tells it apart. Awaiting a handle again returns (or raises) the same
+    result. Awaiting is bounded by the save's ``save_timeout_s``.
+    """
+
+    def __init__(self, step: int, *, skipped: bool = False) -> None:
+        self.step = step
+        self.skipped = skipped
+        self._staged = anyio.Event()
+        self._done = anyio.Event()
+        self._info: CheckpointInfo | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def resolved(cls, step: int, info: CheckpointInfo | None, *, skipped: bool = False) -> SaveHandle:
+        handle = cls(step, skipped=skipped)
+        handle._info = info
+        handle._staged.set()
+        handle._done.set()
+        return handle
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else "failed" if self._error else "committed" if self.done() else "pending"
+        return f"<SaveHandle step={self.step} {state}>"
+
+    def __await__(self) -> Generator[Any, None, CheckpointInfo | None]:
+        return self.wait().__await__()
+
+    def done(self) -> bool:
+        """Whether the save has committed, failed or been skipped."""
+        return self._done.is_set()
+
+    async def staged(self) -> None:
+        """Return once the snapshot is in host memory: the caller may mutate the
+        tensors it saved. In eager mode ``save()`` already returned after this."""
+        await self._staged.wait()
+
+    async def wait(self, timeout_s: float | None = None) -> CheckpointInfo | None:
+        """Wait for the commit.
+
+        :param timeout_s: an extra bound in seconds (the save's own
+            ``save_timeout_s`` always applies).
+        :raises SaveFailedError: the save failed; ``__cause__`` is the original.
+        :raises CheckpointTimeoutError: ``timeout_s`` passed first (the save goes on).
+        """
+        if timeout_s is None:
+            await self._done.wait()
+        else:
+            with anyio.move_on_after(timeout_s):
+                await self._done.wait()
+            if not self._done.is_set():
+                raise CheckpointTimeoutError(
+                    f"step {self.step} did not commit within {timeout_s} s", step=self.step
+                )
+        return self.result()
+
+    def result(self) -> CheckpointInfo | None:
+        """The committed info, without waiting.
+
+        :raises RuntimeError: the save is still in flight.
+        :raises SaveFailedError: the save failed.
+        """
+        if not self._done.is_set():
+            raise RuntimeError(f"the save of step {self.step} is still in flight")
+        if self._error is not None:
+            raise self._error
+        return self._info
+
+    def _commit(self, info: CheckpointInfo) -> None:
+        self._info = info
+        self._staged.set()
+        self._done.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._staged.set()
+        self._done.set()
+
+
+class Checkpointer:
+    """Saves training state asynchronously under ``root`` and resumes from it.
+
+    Use it as an async context manager; it owns an anyio task group, so it works
+    under asyncio (uvloop too) and trio::
+
+        async with asyncsave.Checkpointer("runs/exp1") as ckpt:
+            restored = await ckpt.load_latest(template)   # None on a fresh run
+            ...
+            handle = await ckpt.save(step, {"model": model, "optim": opt})
+            ...                                          # training goes on
+            info = await handle                          # committed
+
+    Opening makes ``root`` (and parents), removes temporary directories of saves
+    that never committed, removes final-named directories without a manifest, and
+    moves the tracker forward to the newest committed checkpoint. Only one process
+    may save into a ``root`` at a time.
+
+    Leaving the block flushes pending saves (at most ``close_timeout_s``). If the
+    body raised, that exception propagates unchanged and a flush failure is attached
+    to it with ``add_note`` and logged (Source: NVIDIA-NeMo/RL PR #2828 review, where
+    a bare ``finally`` replaced the training error by the flush error); on a clean
+    exit a flush failure is raised.
+
+    After any save fails, the checkpointer refuses further saves: ``save()``,
+    ``wait()`` and close raise :class:`SaveFailedError`. A trainer never goes on
+    believing it is checkpointing; open a new checkpointer to go on.
+
+    :param root: directory holding the checkpoints and the tracker.
+    :param options: a :class:`CheckpointOptions`; keyword ``overrides`` replace
+        single fields (``Checkpointer(root, budget_bytes=2 << 30)``).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        options: CheckpointOptions | None = None,
+        **overrides: Any,
+    ) -> None:
+        options = options or CheckpointOptions()
+        self.options = dataclasses.replace(options, **overrides) if overrides else options
+        self.root = Path(root)
+        self.layout = LAYOUTS[self.options.layout]
+        self._fs = self.options.filesystem
+        self._state = "new"
+        self._pending: dict[int, SaveHandle] = {}
+        self._scopes: dict[int, anyio.CancelScope] = {}
+        self._committed: dict[int, CheckpointInfo | None] = {}
+        self._tracked: int | None = None
+        self._resumed_step: int | None = None
+        self._failure: SaveFailedError | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._pool: StagingPool | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._track_lock: anyio.Lock | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+    async def __aenter__(self) -> Checkpointer:
+        if self._state != "new":
+            raise CheckpointerClosedError("a Checkpointer can be entered only once", path=self.root)
+        self._pool = StagingPool(self.options.budget_bytes)
+        self._limiter = anyio.CapacityLimiter(self.options.writer_threads)
+        self._track_lock = anyio.Lock()
+        recovered = await anyio.to_thread.run_sync(recover, self._fs, self.root, self.layout)
+        self._committed = dict.fromkeys(recovered.committed)
+        if recovered.tracked in recovered.committed:
+            self._tracked = recovered.tracked
+        else:
+            self._tracked = max(recovered.committed, default=None)
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        self._state = "open"
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        error = await self._shutdown()
+        if exc is not None:
+            if error is not None:
+                exc.add_note(f"asyncsave: a checkpoint save also failed during shutdown: {error!r}")
+                logger.error("checkpoint flush failed while %r was propagating", exc, exc_info=error)
+            return False
+        if error is not None:
+            raise error
+        return False
+
+    async def aclose(self) -> None:
+        """Flush pending saves and release staging memory; idempotent.
+
+        :raises SaveFailedError: a save failed during this checkpointer's life and
+            this is the first close.
+        :raises CheckpointTimeoutError: pending saves outlasted ``close_timeout_s``.
+        """
+        error = await self._shutdown()
+        if error is not None:
+            raise error
+
+    async def _shutdown(self) -> SaveFailedError | None:
+        if self._state in ("closing", "closed"):
+            return None
+        if self._state == "new":
+            self._state = "closed"
+            return None
+        self._state = "closing"
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(self.options.close_timeout_s):
+                for handle in list(self._pending.values()):
+                    await handle._done.wait()
+            if self._pending:
+                steps = sorted(self._pending)
+                self._set_failure(
+                    CheckpointTimeoutError(
+                        f"saves of steps {steps} were still running after "
+                        f"close_timeout_s={self.options.close_timeout_s}; abandoned "
+                        "uncommitted (their temporary directories are removed at the "
+                        "next open)",
+                        step=steps[0],
+                        path=self.root,
+                    )
+                )
+                for scope in list(self._scopes.values()):
+                    scope.cancel()
+        # The task group's scope must be exited from outside any scope opened
+        # after it; its pipelines are finished or cancelled by now, so this returns
+        # as soon as their (shielded, bounded) clean-up is done.
+        assert self._tg is not None and self._pool is not None
+        try:
+            await self._tg.__aexit__(None, None, None)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._pool.aclose()
+            self._state = "closed"
+        return self._failure
+
+    def __del__(self) -> None:
+        # Never block or raise here (S4): only say that saves were abandoned.
+        if getattr(self, "_state", "closed") == "open" and self._pending:
+            warnings.warn(
+                f"Checkpointer({str(self.root)!r}) was garbage-collected with saves "
+                f"{sorted(self._pending)} in flight; they never committed",
+                ResourceWarning,
+                stacklevel=1,
+            )
+
+    # -- saving ------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._state != "open":
+            raise CheckpointerClosedError(
+                f"the Checkpointer for {self.root} is {self._state}; use it inside "
+                "`async with`",
+                path=self.root,
+            )
+        if self._failure is not None:
+            raise self._failure
+
+    def _set_failure(self, error: SaveFailedError) -> None:
+        if self._failure is None:
+            self._failure = error
+
+    async def save(self, step: int, state: Any, *, overwrite: bool = False) -> SaveHandle:
+        """Snapshot ``state`` as the checkpoint of ``step`` and write it in the
+        background.
+
+        Returns once the snapshot is consistent (eager): every tensor has been
+        copied into the staging buffer, so the caller may mutate or free its tensors
+        at once (S11). Waits first while an earlier save still holds the staging
+        budget (backpressure).
+
+        :param step: the last trained step (a non-negative int). Step 0 is skipped
+            unless ``save_step_zero``; a step already committed or in flight is a
+            no-op returning the first handle, unless ``overwrite``.
+        :param state: a tree of dicts (str/int keys), lists and tuples whose leaves
+            are tensors (CPU or CUDA, any dtype), TensorDicts, NumPy arrays and
+            scalars, plain values, :class:`Tagged` items and ``Stateful`` objects
+            (their ``state_dict()`` is taken now).
+        :param overwrite: replace a committed checkpoint of the same step
+            atomically; refused for the checkpoint this run resumed from.
+        :raises InvalidStepError: ``step`` is not a non-negative int.
+        :raises InvalidStateError: (or a subclass) naming the key that cannot be
+            stored; nothing is written.
+        :raises StagingBudgetError: the state exceeds an explicit ``budget_bytes``.
+        :raises ProtectedCheckpointError: overwrite of the resumed-from checkpoint.
+        :raises SaveFailedError: an earlier save of this checkpointer failed.
+        :raises CheckpointerClosedError: used outside ``async with``.
+        """
+        t0 = time.perf_counter()
+        self._check_usable()
+        if type(step) is not int or not 0 <= step <= _MAX_STEP:
+            raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
+        if step == 0 and not self.options.save_step_zero:
+            logger.info("not saving step 0 (pass save_step_zero=True to allow it)")
+            return SaveHandle.resolved(0, None, skipped=True)
+        if step == self._resumed_step and overwrite:
+            raise ProtectedCheckpointError(
+                f"step {step} is the checkpoint this run resumed from; it is never "
+                "rewritten",
+                step=step,
+                path=self.root / self.layout.dir_name(step),
+            )
+        pending = self._pending.get(step)
+        if pending is not None:
+            if not overwrite:
+                return pending
+            await pending._done.wait()
+            self._check_usable()
+        if step in self._committed and not overwrite:
+            return SaveHandle.resolved(step, await self._committed_info(step))
+
+        plan = make_plan(state, allow_pickle=self.options.allow_pickle)
+        layouts = layout_files(plan.entries, rank=0, max_files=self.options.writer_threads)
+        nbytes = staging_nbytes(layouts)
+        assert self._pool is not None and self._tg is not None
+        self._pool.check(nbytes)
+        handle = SaveHandle(step)
+        self._pending[step] = handle
+        lease: Lease | None = None
+        try:
+            lease = await self._pool.acquire(nbytes, pin=any(d.type == "cuda" for d in plan.devices))
+            self._check_usable()  # an earlier save may have failed while we waited
+            await stage_entries(lease.buffer, plan.entries, poll_interval_s=self.options.poll_interval_s)
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            self._pending.pop(step, None)
+            raise
+        staged_s = time.perf_counter() - t0
+        handle._staged.set()
+        self._tg.start_soon(self._pipeline, handle, plan, layouts, lease, t0, staged_s, overwrite)
+        return handle
+
+    async def _committed_info(self, step: int) -> CheckpointInfo:
+        info = self._committed.get(step)
+        if info is None:
+            path = self.root / self.layout.dir_name(step)
+            info = info_of(path, await anyio.to_thread.run_sync(read_checkpoint, self._fs, path))
+            self._committed[step] = info
+        return info
+
+    async def _run(self, func: Any, *args: Any) -> Any:
+        """Blocking I/O in a worker thread; a thread stuck past the save's deadline
+        is abandoned (it can only touch the save's temporary directory)."""
+        return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter, abandon_on_cancel=True)
+
+    async def _pipeline(
+        self,
+        handle: SaveHandle,
+        plan: Plan,
+        layouts: list[FileLayout],
+        lease: Lease,
+        t0: float,
+        staged_s: float,
+        overwrite: bool,
+    ) -> None:
+        step = handle.step
+        blocked_s = staged_s
+        tmp: Path | None = None
+        with anyio.CancelScope(shield=True) as scope:
+            self._scopes[step] = scope
+            try:
+                with anyio.fail_after(self.options.save_timeout_s):
+                    tmp = await self._run(make_temp_dir, self._fs, self.root, step)
+                    await self._write_files(tmp, plan, layouts, lease)
+                    lease.release()
+                    written_s = time.perf_counter() - t0
+                    manifest = _manifest_doc(step, plan, layouts, blocked_s, staged_s, written_s)
+                    await self._run(write_json, self._fs, tmp / MANIFEST_NAME, manifest)
+                    final = self.root / self.layout.dir_name(step)
+                    await self._run(functools.partial(commit_dir, overwrite=overwrite), self._fs, tmp, final)
+                    tmp = None  # committed: nothing to discard any more
+                    await self._track(step)
+                info = CheckpointInfo(
+                    step=step,
+                    path=final,
+                    nbytes=sum(e.nbytes for e in plan.entries),
+                    num_tensors=len(plan.leaves),
+                    blocked_s=blocked_s,
+                    staged_s=staged_s,
+                    written_s=written_s,
+                    committed_s=time.perf_counter() - t0,
+                )
+                self._committed[step] = info
+                handle._commit(info)
+                logger.info(
+                    "saved step %d to %s: %d bytes, blocked %.3f s, written %.3f s, committed %.3f s",
+                    step, final, info.nbytes, blocked_s, written_s, info.committed_s,
+                )
+            except Exception as exc:
+                error = _as_save_error(exc, step, tmp, self.options.save_timeout_s)
+                self._fail(handle, error)
+                await self._discard(tmp)
+            except anyio.get_cancelled_exc_class():
+                self._fail(
+                    handle,
+                    CheckpointTimeoutError(
+                        f"save of step {step} was abandoned when close_timeout_s ran out",
+                        step=step,
+                        path=tmp,
+                    ),
+                )
+                await self._discard(tmp)
+                raise
+            finally:
+                lease.release()
+                self._pending.pop(step, None)
+                self._scopes.pop(step, None)
+
+    def _fail(self, handle: SaveHandle, error: SaveFailedError) -> None:
+        self._set_failure(error)
+        handle._fail(error)
+        logger.error("save of step %d failed: %s", handle.step, error, exc_info=error.__cause__)
+
+    async def _discard(self, tmp: Path | None) -> None:
+        if tmp is None:
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+            await anyio.to_thread.run_sync(discard, self._fs, tmp, abandon_on_cancel=True)
+
+    async def _write_files(self, tmp: Path, plan: Plan, layouts: list[FileLayout], lease: Lease) -> None:
+        errors: list[BaseException] = []
+
+        async def write_one(fl: FileLayout) -> None:
+            try:
+                digests = await self._run(write_data_file, self._fs, tmp, fl, plan.entries, lease.buffer)
+            except Exception as exc:  # collected, raised below as the first failure
+                errors.append(exc)
+                return
+            for i, digest in digests.items():
+                plan.entries[i].digest = digest
+
+        async with anyio.create_task_group() as tg:
+            for fl in layouts:
+                tg.start_soon(write_one, fl)
+        if errors:
+            raise errors[0]
+
+    async def _track(self, step: int) -> None:
+        """Move the tracker to ``step`` unless it already names a newer one."""
+        if self.layout.tracker_name is None:
+            return
+        assert self._track_lock is not None
+        async with self._track_lock:
+            if self._tracked is not None and self._tracked >= step:
+                return
+            await self._run(write_tracker, self._fs, self.root / self.layout.tracker_name, step)
+            self._tracked = step
+
+    async def wait(self) -> None:
+        """Wait until every pending save has committed or failed.
+
+        :raises SaveFailedError: a save of this checkpointer failed.
+        """
+        for handle in list(self._pending.values()):
+            await handle._done.wait()
+        if self._failure is not None:
+            raise self._failure
+
+    # -- resuming ----------------------------------------------------------------
+    async def load_latest(
+        self,
+        template: Any = None,
+        *,
+        device: str | torch.device = "cpu",
+        fallback: bool = False,
+        required: Iterable[str | Sequence[Any]] = (),
+    ) -> Restored | None:
+        """Load the checkpoint the tracker names; ``None`` when nothing is committed.
+
+        Reading runs in a worker thread; ``Stateful`` objects of ``template`` are
+        restored on the caller's thread. The step loaded is protected: this run never
+        rewrites it. See :func:`asyncsave.load` for ``template``, ``device``,
+        ``required``; pickled leaves load only if the options allow pickle.
+
+        :raises CheckpointNotFoundError: the tracker names a missing or damaged
+            checkpoint and ``fallback`` is false (a missing or garbage tracker falls
+            back to scanning, with a warning).
+        """
+        if self._state != "open":
+            raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=self.root)
+        info = await anyio.to_thread.run_sync(
+            lambda: resolve(self._fs, self.root, self.layout, fallback=fallback)
+        )
+        if info is None:
+            return None
+        state = await anyio.to_thread.run_sync(
+            lambda: load(
+                info.path,
+                device=device,
+                allow_pickle=self.options.allow_pickle,
+                filesystem=self._fs,
+            )
+        )
+        _check_required(state, required, info.path)
+        state = _apply_template(state, template, (), info.path)
+        self._resumed_step = info.step
+        self._committed.setdefault(info.step, info)
+        return Restored(state, info)
+
+    @property
+    def resumed_step(self) -> int | None:
+        """The step ``load_latest()`` resumed from, if any."""
+        return self._resumed_step
+
+    @property
+    def tracked_step(self) -> int | None:
+        """The step the tracker names, as far as this checkpointer knows."""
+        return self._tracked
+
+    @property
+    def pending_steps(self) -> list[int]:
+        """Steps whose saves are in flight."""
+        return sorted(self._pending)
+
+    @property
+    def staging_pool(self) -> StagingPool | None:
+        """The staging pool (for inspection: capacity, allocations)."""
+        return self._pool
+
+
+def _as_save_error(exc: Exception, step: int, tmp: Path | None, timeout_s: float) -> SaveFailedError:
+    if isinstance(exc, SaveFailedError):
+        return exc
+    if isinstance(exc, TimeoutError) and not isinstance(exc, CheckpointError):
+        error: SaveFailedError = CheckpointTimeoutError(
+            f"save of step {step} did not commit within save_timeout_s={timeout_s}",
+            step=step,
+            path=tmp,
+        )
+    else:
+        path = getattr(exc, "filename", None) or tmp
+        error = SaveFailedError(f"save of step {step} failed: {exc!r}", step=step, path=path)
+    error.__cause__ = exc
+    return error
+
+
+def _manifest_doc(
+    step: int,
+    plan: Plan,
+    layouts: list[FileLayout],
+    blocked_s: float,
+    staged_s: float,
+    written_s: float,
+) -> dict[str, Any]:
+    entries = []
+    for e in plan.entries:
+        entries.append(
+            {
+                "name": e.name,
+                "file": e.file,
+                "offset": e.offset,
+                "nbytes": e.nbytes,
+                CHECKSUM: e.digest,
+            }
+        )
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": 1,
+        "checksum": CHECKSUM,
+        "created_unix_s": time.time(),
+        "files": [{"name": fl.name, "nbytes": fl.nbytes} for fl in layouts],
+        "entries": entries,
+        "tensors": plan.records,
+        "tree": plan.tree,
+        "costs": {
+            k: v
+            for k, v in (("blocked_s", blocked_s), ("staged_s", staged_s), ("written_s", written_s))
+            if math.isfinite(v)
+        },
+    }

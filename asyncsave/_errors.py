@@ -1,0 +1,209 @@
+"""The one exception hierarchy of asyncsave.
+
+Every error asyncsave raises on purpose derives from :class:`CheckpointError`,
+which derives from :class:`Exception` (never ``BaseException``), and also from the
+builtin that fits, so ``except ValueError`` keeps working for callers who do not
+know asyncsave::
+
+    CheckpointError(Exception)
+    ├── InvalidStateError(ValueError)        the state tree given to save() is bad
+    │   ├── UnsupportedTypeError(TypeError)  a leaf type asyncsave cannot store
+    │   ├── UnsupportedTensorError           sparse, quantized, meta, subclass tensors
+    │   └── InvalidKeyError                  a dict key that is not str or int
+    ├── InvalidStepError(ValueError)         negative, bool or non-int step
+    ├── StagingBudgetError(ValueError)       a save larger than an explicit budget
+    ├── SaveFailedError                      "it broke": a background save failed;
+    │   │                                    the original error is ``__cause__``
+    │   └── CheckpointTimeoutError(TimeoutError)  a save or close ran past its bound
+    ├── CheckpointerClosedError(RuntimeError)    "you closed it": used after close
+    ├── ProtectedCheckpointError(PermissionError) overwrite of the resumed checkpoint
+    ├── CheckpointNotFoundError(LookupError) nothing at a path, or the tracker names
+    │   │                                    a checkpoint that does not exist
+    │   └── MissingItemError                 a required item is not in the checkpoint
+    ├── CorruptCheckpointError(ValueError)   damaged manifest, truncated file, tracker
+    │   └── ChecksumMismatchError            garbage; bytes differ from the manifest
+    ├── KindMismatchError(TypeError)         an item's kind tag differs from the one
+    │                                        the loader expects
+    └── UnsafeLoadError(PermissionError)     a pickled leaf and pickle not allowed
+
+The difference between :class:`CheckpointerClosedError` and
+:class:`SaveFailedError` is the one trio teaches: the first means *you* closed the
+checkpointer and then used it; the second means a save *broke* in the background,
+and is raised at the handle, at the next ``save()``/``wait()`` and at close.
+
+Every error carries ``step``, ``path``, ``rank`` and ``key`` attributes (``None``
+where they do not apply) so that logs and callers can act on them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
+    "CheckpointerClosedError",
+    "ChecksumMismatchError",
+    "CorruptCheckpointError",
+    "InvalidKeyError",
+    "InvalidStateError",
+    "InvalidStepError",
+    "KindMismatchError",
+    "MissingItemError",
+    "ProtectedCheckpointError",
+    "SaveFailedError",
+    "StagingBudgetError",
+    "UnsafeLoadError",
+    "UnsupportedTensorError",
+    "UnsupportedTypeError",
+]
+
+
+class CheckpointError(Exception):
+    """Base of every error asyncsave raises on purpose.
+
+    :param message: what went wrong and, where there is one, the fix.
+    :param step: the training step of the checkpoint concerned, if any.
+    :param path: the file or directory concerned, if any.
+    :param rank: the rank concerned (multi-rank saves), if any.
+    :param key: the key path in the state tree (``"optim/state/0/exp_avg"``), if any.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        path: str | os.PathLike[str] | None = None,
+        rank: int | None = None,
+        key: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.step = step
+        self.path = os.fspath(path) if path is not None else None
+        self.rank = rank
+        self.key = key
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep the keyword attributes when the error crosses a process boundary.
+        return (
+            _rebuild,
+            (type(self), self.message, self.step, self.path, self.rank, self.key),
+        )
+
+
+def _rebuild(
+    cls: type[CheckpointError],
+    message: str,
+    step: int | None,
+    path: str | None,
+    rank: int | None,
+    key: str | None,
+) -> CheckpointError:
+    return cls(message, step=step, path=path, rank=rank, key=key)
+
+
+class InvalidStateError(CheckpointError, ValueError):
+    """The state tree passed to ``save()`` cannot be stored; ``key`` names where."""
+
+
+class UnsupportedTypeError(InvalidStateError, TypeError):
+    """A leaf of a type asyncsave does not store without pickle.
+
+    Supported leaves: tensors, TensorDicts, NumPy arrays and scalars, ``int``,
+    ``float``, ``str``, ``bool``, ``None``, ``bytes``, ``torch.dtype``,
+    ``torch.device``, ``torch.Size``, and objects with ``state_dict()`` /
+    ``load_state_dict()``. Anything else needs ``allow_pickle=True`` on both save and
+    load.
+    """
+
+
+class UnsupportedTensorError(InvalidStateError):
+    """A tensor whose bytes cannot be captured as-is: sparse, quantized, meta,
+    nested, or a tensor subclass other than ``nn.Parameter``."""
+
+
+class InvalidKeyError(InvalidStateError):
+    """A dict key that is not ``str`` or ``int`` (``bool`` keys are refused too,
+    since JSON cannot tell ``True`` from ``1`` apart once stored)."""
+
+
+class InvalidStepError(CheckpointError, ValueError):
+    """A step that is not a non-negative ``int``."""
+
+
+class StagingBudgetError(CheckpointError, ValueError):
+    """A save needs more staging bytes than the explicit ``budget_bytes``.
+
+    Raised by ``save()`` before anything is written; the engine stays usable.
+    """
+
+
+class SaveFailedError(CheckpointError):
+    """A save broke in the background ("it broke", not "you closed it").
+
+    ``__cause__`` holds the original exception (an ``OSError`` with its errno for
+    disk faults). Raised by ``await handle`` of the failed save, by every later
+    ``save()`` and ``wait()``, and by closing the checkpointer: after a failure the
+    checkpointer refuses further saves, so that a trainer never goes on believing it
+    is checkpointing. Open a new :class:`~asyncsave.Checkpointer` to go on; it
+    cleans the failed save's temporary directory. Source: NVIDIA/Megatron-LM #6970
+    and deepspeedai/DeepSpeed #7741, where a dead writer was waited on forever.
+    """
+
+
+class CheckpointTimeoutError(SaveFailedError, TimeoutError):
+    """A save, a flush at close or a wait ran past its documented bound."""
+
+
+class CheckpointerClosedError(CheckpointError, RuntimeError):
+    """The checkpointer was used after it was closed ("you closed it")."""
+
+
+class ProtectedCheckpointError(CheckpointError, PermissionError):
+    """An overwrite or update aimed at the checkpoint this run resumed from.
+
+    A checkpoint that was loaded at resume is never rewritten (DESIGN invariant 7):
+    if the new run crashed half-way through rewriting it, nothing would be left to
+    resume from.
+    """
+
+
+class CheckpointNotFoundError(CheckpointError, LookupError):
+    """No checkpoint where one was expected: a path without a manifest, or a
+    tracker naming a step whose directory is missing (pass ``fallback=True`` to
+    scan for the newest committed checkpoint instead)."""
+
+
+class MissingItemError(CheckpointNotFoundError):
+    """A required item (a key path such as ``"dataloader"``) is absent from the
+    checkpoint. Source: the NeMo-RL single-controller checkpointing change, where a
+    checkpoint missing its dataloader state resumed silently from a fresh position.
+    """
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """A checkpoint, or the tracker, is damaged: the manifest is missing fields or
+    is not JSON, a file is truncated or has the wrong size, an entry points outside
+    the checkpoint directory. ``path`` names the file."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """The bytes of a tensor differ from the checksum in the manifest."""
+
+
+class KindMismatchError(CheckpointError, TypeError):
+    """An item was saved with one kind tag and the loader expects another (for
+    example a replay buffer saved by a prioritized sampler loaded into a uniform
+    one)."""
+
+
+class UnsafeLoadError(CheckpointError, PermissionError):
+    """The checkpoint holds pickled leaves and ``allow_pickle`` was not given to
+    ``load()``. Unpickling runs arbitrary code; asyncsave never does it silently."""

@@ -1,0 +1,136 @@
+"""Data-file format: safetensors, laid out so every tensor is naturally aligned.
+
+A data file is a plain safetensors file (8-byte little-endian header length, JSON
+header, packed data) that ``safetensors.safe_open`` opens and mmaps. The library's
+own writer (``safetensors.torch.save_file``) is not used because it serialises
+through an extra in-memory copy and cannot fsync or checksum on the way; the format
+itself is followed exactly (no holes between tensors: safetensors rejects them).
+
+Alignment without holes: the header is padded with spaces so data starts at a
+multiple of 64 bytes, and entries are ordered by element size, largest first. Every
+entry's size is a multiple of its element size, so every entry starts at a multiple
+of its own element size, which is what typed views (and mmap loads) need.
+
+Dtypes safetensors has no name for (complex128, complex32, float8_e8m0fnu,
+float4_e2m1fn_x2, the sub-byte and bits types) and shared-storage blobs are stored
+as ``U8`` byte arrays; the manifest records the real dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+
+import torch
+
+from ._paths import data_file_name
+from ._plan import Entry
+
+__all__ = ["FileLayout", "SAFETENSORS_DTYPES", "layout_files"]
+
+HEADER_ALIGN = 64
+# Below this, one more file costs more (open, fsync) than a parallel writer gains.
+MIN_FILE_BYTES = 64 << 20
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.complex64: "C64",
+    torch.uint64: "U64",
+    torch.uint32: "U32",
+    torch.uint16: "U16",
+}
+
+
+@dataclasses.dataclass
+class FileLayout:
+    """One data file of a save: its name, header bytes and entries in file order."""
+
+    index: int
+    name: str
+    header: bytes  # length prefix + padded JSON header
+    data_nbytes: int
+    entries: list[int]  # indices into Plan.entries, in file order
+    staging_offset: int  # where this file's data starts in the staging buffer
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + self.data_nbytes
+
+
+def layout_files(entries: list[Entry], *, rank: int, max_files: int) -> list[FileLayout]:
+    """Spread ``entries`` over at most ``max_files`` files of balanced size and fix
+    every entry's ``file``, ``offset`` and ``staging_offset``.
+
+    Pure: no I/O. The staging buffer holds the files' data back to back, each
+    starting at a multiple of 64 bytes.
+    """
+    total = sum(e.nbytes for e in entries)
+    n_files = max(1, min(max_files, len(entries), -(-total // MIN_FILE_BYTES)))
+    buckets: list[list[int]] = [[] for _ in range(n_files)]
+    sizes = [0] * n_files
+    for i in sorted(range(len(entries)), key=lambda i: -entries[i].nbytes):
+        target = sizes.index(min(sizes))
+        buckets[target].append(i)
+        sizes[target] += entries[i].nbytes
+    buckets = [b for b in buckets if b] or [[]]
+
+    layouts: list[FileLayout] = []
+    staging = 0
+    for f, bucket in enumerate(buckets):
+        # Largest element size first keeps every entry naturally aligned; the
+        # plan's order breaks ties so the layout is deterministic.
+        order = sorted(bucket, key=lambda i: (-entries[i].align, i))
+        header_obj: dict[str, object] = {
+            "__metadata__": {"format": "pt", "writer": "asyncsave"}
+        }
+        rel = 0
+        for i in order:
+            e = entries[i]
+            st_dtype = SAFETENSORS_DTYPES.get(e.dtype) if not e.is_blob else None
+            shape = list(e.shape) if st_dtype else [e.nbytes]
+            header_obj[e.name] = {
+                "dtype": st_dtype or "U8",
+                "shape": shape,
+                "data_offsets": [rel, rel + e.nbytes],
+            }
+            e.file = f
+            e.offset = rel  # made absolute below, once the header length is known
+            e.staging_offset = staging + rel
+            rel += e.nbytes
+        header = json.dumps(header_obj, separators=(",", ":")).encode("utf-8")
+        pad = -(8 + len(header)) % HEADER_ALIGN
+        header += b" " * pad
+        prefix = struct.pack("<Q", len(header))
+        for i in order:
+            entries[i].offset += len(prefix) + len(header)
+        layouts.append(
+            FileLayout(
+                index=f,
+                name=data_file_name(rank, f),
+                header=prefix + header,
+                data_nbytes=rel,
+                entries=order,
+                staging_offset=staging,
+            )
+        )
+        staging += -(-rel // HEADER_ALIGN) * HEADER_ALIGN
+    return layouts
+
+
+def staging_nbytes(layouts: list[FileLayout]) -> int:
+    """Bytes of staging buffer the files need (each file's data 64-aligned)."""
+    return sum(-(-fl.data_nbytes // HEADER_ALIGN) * HEADER_ALIGN for fl in layouts)

@@ -1,0 +1,551 @@
+"""Load: resolve, verify and read checkpoints back into state trees.
+
+Nothing here unpickles unless the caller passes ``allow_pickle=True``; every path
+comes from a validated manifest and stays inside the checkpoint directory; every
+byte read is checked against its XXH3-64 checksum (``verify=True``, the default).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import pickle
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from ._errors import (
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    InvalidStateError,
+    KindMismatchError,
+    MissingItemError,
+    UnsafeLoadError,
+)
+from ._fs import LocalFileSystem
+from ._manifest import CHECKSUM, Manifest, parse_manifest, torch_dtype
+from ._paths import LAYOUTS, MANIFEST_NAME, Layout
+from ._plan import is_stateful, key_str
+from ._track import read_tracker
+from ._types import CheckpointInfo, Tagged
+
+__all__ = ["latest", "load", "read_checkpoint", "resolve", "scan_steps", "verify"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_MANIFEST_BYTES = 1 << 30
+_READ_CHUNK = 8 << 20
+
+
+def read_checkpoint(fs: LocalFileSystem, path: Path) -> Manifest:
+    """Read and validate the manifest of the checkpoint at ``path`` and check that
+    every data file has the size the manifest says (no data is read).
+
+    :raises CheckpointNotFoundError: ``path`` has no ``manifest.json``.
+    :raises CorruptCheckpointError: the manifest is damaged or a file is missing,
+        truncated or too long.
+    """
+    mpath = path / MANIFEST_NAME
+    try:
+        size = fs.size(mpath)
+        if size > _MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"manifest {mpath} is {size} bytes", path=mpath)
+        raw = fs.read_bytes(mpath)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise CheckpointNotFoundError(
+            f"{path} is not a checkpoint: it has no {MANIFEST_NAME}", path=path
+        ) from exc
+    manifest = parse_manifest(raw, mpath)
+    for f in manifest.files:
+        fpath = path / f["name"]
+        try:
+            actual = fs.size(fpath)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(
+                f"data file {fpath} is missing", path=fpath, step=manifest.step
+            ) from exc
+        if actual != f["nbytes"]:
+            raise CorruptCheckpointError(
+                f"data file {fpath} is {actual} bytes, the manifest says {f['nbytes']} "
+                "(truncated or altered)",
+                path=fpath,
+                step=manifest.step,
+            )
+    return manifest
+
+
+def scan_steps(fs: LocalFileSystem, root: Path, layout: Layout) -> dict[int, Path]:
+    """Final-named directories under ``root`` by step (not checked for content)."""
+    found: dict[int, Path] = {}
+    for name in fs.listdir(root):
+        step = layout.parse_dir_name(name)
+        if step is not None and fs.is_dir(root / name):
+            found[step] = root / name
+    return found
+
+
+
+def info_of(path: Path, manifest: Manifest) -> CheckpointInfo:
+    costs = manifest.costs
+    return CheckpointInfo(
+        step=manifest.step,
+        path=path,
+        nbytes=manifest.nbytes,
+        num_tensors=len(manifest.tensors),
+        world_size=manifest.world_size,
+        blocked_s=costs.get("blocked_s"),
+        staged_s=costs.get("staged_s"),
+        written_s=costs.get("written_s"),
+    )
+
+
+def _check_header(fpath: Path, f: Any, manifest: Manifest, file_index: int) -> None:
+    """The safetensors header must agree with the manifest on every entry."""
+    prefix = f.read(8)
+    if len(prefix) != 8:
+        raise CorruptCheckpointError(f"{fpath} has no safetensors header", path=fpath)
+    (n,) = struct.unpack("<Q", prefix)
+    if n > 100 << 20:
+        raise CorruptCheckpointError(f"{fpath} claims a {n}-byte header", path=fpath)
+    try:
+        header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptCheckpointError(f"{fpath} header is not JSON", path=fpath) from exc
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{fpath} header is not an object", path=fpath)
+    for e in manifest.entries:
+        if e["file"] != file_index:
+            continue
+        h = header.get(e["name"])
+        offsets = h.get("data_offsets") if isinstance(h, dict) else None
+        if offsets != [e["offset"] - 8 - n, e["offset"] - 8 - n + e["nbytes"]]:
+            raise CorruptCheckpointError(
+                f"{fpath}: safetensors header and manifest disagree on {e['name']!r}",
+                path=fpath,
+                key=e["name"],
+            )
+
+
+def _read_entries(
+    fs: LocalFileSystem, path: Path, manifest: Manifest, *, verify: bool
+) -> list[torch.Tensor]:
+    """Read every entry into a fresh ``uint8`` CPU tensor, checking checksums."""
+    out: list[torch.Tensor | None] = [None] * len(manifest.entries)
+    for fi, finfo in enumerate(manifest.files):
+        fpath = path / finfo["name"]
+        with open(fpath, "rb", buffering=0) as f:
+            _check_header(fpath, f, manifest, fi)
+            for ei, e in enumerate(manifest.entries):
+                if e["file"] != fi:
+                    continue
+                buf = torch.empty(e["nbytes"], dtype=torch.uint8)
+                view = memoryview(buf.numpy())
+                f.seek(e["offset"])
+                h = xxhash.xxh3_64()
+                pos = 0
+                while pos < e["nbytes"]:
+                    n = f.readinto(view[pos : pos + _READ_CHUNK])
+                    if not n:
+                        raise CorruptCheckpointError(
+                            f"{fpath} ends inside {e['name']!r} (truncated)",
+                            path=fpath,
+                            key=e["name"],
+                            step=manifest.step,
+                        )
+                    if verify:
+                        h.update(view[pos : pos + n])
+                    pos += n
+                if verify and h.hexdigest() != e[CHECKSUM]:
+                    raise ChecksumMismatchError(
+                        f"{fpath}: bytes of {e['name']!r} do not match their checksum "
+                        f"({h.hexdigest()} != {e[CHECKSUM]})",
+                        path=fpath,
+                        key=e["name"],
+                        step=manifest.step,
+                    )
+                out[ei] = buf
+    return [b for b in out if b is not None]
+
+
+def _build_tensors(
+    manifest: Manifest, raw: list[torch.Tensor], device: torch.device
+) -> list[Any]:
+    on_device: dict[int, torch.Tensor] = {}
+    tensors: list[Any] = []
+    for rec in manifest.tensors:
+        dtype = torch_dtype(rec["dtype"])
+        assert dtype is not None  # validated by parse_manifest
+        kind = rec["kind"]
+        buf = raw[rec["entry"]]
+        if kind in ("tensor", "parameter") and device.type != "cpu":
+            if rec["entry"] not in on_device:
+                on_device[rec["entry"]] = buf.to(device)
+            buf = on_device[rec["entry"]]
+        if rec["stride"] is None:
+            t = buf.view(dtype).view(rec["shape"])
+        else:
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            t = torch.empty(0, dtype=dtype, device=buf.device).set_(
+                buf.untyped_storage(), rec["offset"] // itemsize, rec["shape"], rec["stride"]
+            )
+        if kind == "parameter":
+            t = torch.nn.Parameter(t, requires_grad=rec["requires_grad"])
+        elif kind == "ndarray":
+            t = t.numpy()
+        elif rec["requires_grad"]:
+            t.requires_grad_(True)
+        tensors.append(t)
+    return tensors
+
+
+class _Decoder:
+    def __init__(self, tensors: list[Any], records: list[dict[str, Any]], *, path: Path, allow_pickle: bool) -> None:
+        self.tensors = tensors
+        self.records = records
+        self.path = path
+        self.allow_pickle = allow_pickle
+
+    def bad(self, where: tuple[Any, ...], what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"damaged manifest tree in {self.path} at {key_str(where)!r}: {what}",
+            path=self.path,
+            key=key_str(where),
+        )
+
+    def index(self, node: dict[str, Any], where: tuple[Any, ...]) -> int:
+        i = node.get("index")
+        if type(i) is not int or not 0 <= i < len(self.tensors):
+            raise self.bad(where, "tensor index out of range")
+        return i
+
+    def node(self, node: Any, where: tuple[Any, ...] = ()) -> Any:
+        if len(where) > 1000:
+            raise self.bad(where, "nested too deep")
+        if not isinstance(node, dict) or not isinstance(node.get("type"), str):
+            raise self.bad(where, "node is not an object with a type")
+        kind, v = node["type"], node.get("v")
+        try:
+            if kind == "none":
+                return None
+            if kind == "bool" and type(v) is bool:
+                return v
+            if kind == "int" and type(v) is int:
+                return v
+            if kind == "float" and type(v) is str:
+                return float.fromhex(v)
+            if kind == "str" and type(v) is str:
+                return v
+            if kind == "bytes" and type(v) is str:
+                return base64.b64decode(v, validate=True)
+            if kind == "dtype" and torch_dtype(v) is not None:
+                return torch_dtype(v)
+            if kind == "device" and type(v) is str:
+                return torch.device(v)
+            if kind == "size" and isinstance(v, list) and all(type(n) is int for n in v):
+                return torch.Size(v)
+            if kind == "np_scalar":
+                import numpy as np
+
+                return np.frombuffer(base64.b64decode(v, validate=True), dtype=np.dtype(node["dtype"]))[0]
+        except (ValueError, TypeError, KeyError, IndexError) as exc:
+            raise self.bad(where, f"bad {kind} value") from exc
+        if kind == "tensor":
+            return self.tensors[self.index(node, where)]
+        if kind == "pickle":
+            i = self.index(node, where)
+            if not self.allow_pickle:
+                raise UnsafeLoadError(
+                    f"the leaf at {key_str(where)!r} in {self.path} is pickled; pass "
+                    "allow_pickle=True to load() only if you trust this checkpoint",
+                    path=self.path,
+                    key=key_str(where),
+                )
+            return pickle.loads(self.tensors[i].numpy().tobytes())
+        if kind == "dict":
+            return self.dict(node, where)
+        if kind in ("list", "tuple"):
+            items = node.get("items")
+            if not isinstance(items, list):
+                raise self.bad(where, f"{kind} without items")
+            seq = [self.node(x, (*where, i)) for i, x in enumerate(items)]
+            return seq if kind == "list" else tuple(seq)
+        if kind == "tagged":
+            if not isinstance(node.get("kind"), str) or not node["kind"]:
+                raise self.bad(where, "tagged item without a kind")
+            return Tagged(self.node(node.get("value"), where), node["kind"])
+        if kind == "stateful":
+            return self.node(node.get("state"), where)
+        if kind == "tensordict":
+            return self.tensordict(node, where)
+        raise self.bad(where, f"unknown node type {kind!r}")
+
+    def dict(self, node: dict[str, Any], where: tuple[Any, ...]) -> Any:
+        items = node.get("items")
+        if not isinstance(items, list):
+            raise self.bad(where, "dict without items")
+        out: dict[Any, Any] = OrderedDict() if node.get("ordered") else {}
+        for item in items:
+            if (
+                not isinstance(item, list)
+                or len(item) != 2
+                or not isinstance(item[0], list)
+                or len(item[0]) != 2
+                or (item[0][0], type(item[0][1])) not in (("s", str), ("i", int))
+            ):
+                raise self.bad(where, "malformed dict item")
+            key = item[0][1]
+            out[key] = self.node(item[1], (*where, key))
+        if "metadata" in node:
+            out._metadata = self.node(node["metadata"], (*where, "_metadata"))  # type: ignore[attr-defined]
+        return out
+
+    def tensordict(self, node: dict[str, Any], where: tuple[Any, ...]) -> Any:
+        from tensordict import TensorDict
+
+        items = node.get("items")
+        if not isinstance(items, list) or not all(
+            isinstance(i, list) and len(i) == 2 and isinstance(i[0], str) for i in items
+        ):
+            raise self.bad(where, "tensordict without items")
+        try:
+            td = TensorDict({}, batch_size=node["batch_size"], device=node.get("device"))
+            for key, sub in items:
+                if isinstance(sub, dict) and sub.get("type") == "nontensor":
+                    td.set_non_tensor(key, self.node(sub.get("value"), (*where, key)))
+                else:
+                    td.set(key, self.node(sub, (*where, key)))
+            if node.get("names") is not None:
+                td.names = node["names"]
+        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+            raise self.bad(where, f"cannot rebuild the TensorDict: {exc}") from exc
+        return td
+
+
+def _apply_template(value: Any, template: Any, where: tuple[Any, ...], path: Path) -> Any:
+    """Restore ``Stateful`` objects in place, check kind tags, and require every key
+    the template has."""
+    if template is None:
+        return value
+    if isinstance(template, Tagged):
+        if not isinstance(value, Tagged):
+            raise KindMismatchError(
+                f"{key_str(where)!r} in {path} was saved without a kind tag; the loader "
+                f"expects kind {template.kind!r}",
+                path=path,
+                key=key_str(where),
+            )
+        if value.kind != template.kind:
+            raise KindMismatchError(
+                f"{key_str(where)!r} in {path} was saved as kind {value.kind!r}; the "
+                f"loader expects kind {template.kind!r}",
+                path=path,
+                key=key_str(where),
+            )
+        return Tagged(_apply_template(value.value, template.value, where, path), value.kind)
+    if isinstance(value, Tagged):
+        value = value.value
+    if is_stateful(template):
+        template.load_state_dict(value)
+        return template
+    if isinstance(template, torch.Tensor):
+        if not isinstance(value, torch.Tensor) or value.shape != template.shape or value.dtype != template.dtype:
+            raise InvalidStateError(
+                f"{key_str(where)!r}: the template tensor is {template.dtype} "
+                f"{tuple(template.shape)}, the checkpoint holds "
+                f"{getattr(value, 'dtype', type(value).__name__)} "
+                f"{tuple(getattr(value, 'shape', ()))}",
+                path=path,
+                key=key_str(where),
+            )
+        with torch.no_grad():
+            template.copy_(value)
+        return template
+    if isinstance(template, dict):
+        if not isinstance(value, dict):
+            raise MissingItemError(
+                f"{key_str(where)!r} in {path} is not a dict, the template expects one",
+                path=path,
+                key=key_str(where),
+            )
+        missing = [k for k in template if k not in value]
+        if missing:
+            keys = [key_str((*where, k)) for k in missing]
+            raise MissingItemError(
+                f"checkpoint {path} has no item {', '.join(map(repr, keys))} that the "
+                "template asks for",
+                path=path,
+                key=keys[0],
+            )
+        for k, sub in template.items():
+            value[k] = _apply_template(value[k], sub, (*where, k), path)
+        return value
+    if isinstance(template, (list, tuple)) and isinstance(value, (list, tuple)):
+        if len(template) != len(value):
+            raise MissingItemError(
+                f"{key_str(where)!r} in {path} has {len(value)} items, the template "
+                f"{len(template)}",
+                path=path,
+                key=key_str(where),
+            )
+        applied = [_apply_template(v, t, (*where, i), path) for i, (v, t) in enumerate(zip(value, template))]
+        return applied if isinstance(value, list) else tuple(applied)
+    return value
+
+
+def _check_required(state: Any, required: Iterable[str | Sequence[Any]], path: Path) -> None:
+    missing = []
+    for req in required:
+        parts: Sequence[Any] = req.split("/") if isinstance(req, str) else req
+        node = state
+        for p in parts:
+            if isinstance(node, Tagged):
+                node = node.value
+            if isinstance(node, dict) and p in node:
+                node = node[p]
+            elif isinstance(node, (list, tuple)) and type(p) is int and 0 <= p < len(node):
+                node = node[p]
+            else:
+                missing.append(key_str(tuple(parts)))
+                break
+    if missing:
+        raise MissingItemError(
+            f"checkpoint {path} lacks required item(s) {', '.join(map(repr, missing))}",
+            path=path,
+            key=missing[0],
+        )
+
+
+def load(
+    path: str | os.PathLike[str],
+    template: Any = None,
+    *,
+    device: str | torch.device = "cpu",
+    allow_pickle: bool = False,
+    verify: bool = True,
+    required: Iterable[str | Sequence[Any]] = (),
+    filesystem: LocalFileSystem | None = None,
+) -> Any:
+    """Read the checkpoint at ``path`` back into its state tree.
+
+    Structure and leaf types come back as saved: dicts (``OrderedDict`` with its
+    ``_metadata``), lists, tuples, tensors of every dtype with their shapes,
+    ``nn.Parameter`` with ``requires_grad``, NumPy arrays and scalars, TensorDicts
+    (batch size, device, names), plain leaves, :class:`Tagged` items. Tensors that
+    shared a storage at save time share one again. A lone non-contiguous tensor
+    comes back contiguous with equal values.
+
+    :param path: a checkpoint directory (``runs/exp1/step_40``).
+    :param template: optional tree mirroring the saved one. Where it holds an
+        object with ``load_state_dict()`` (model, optimizer, dataloader), that
+        object is restored in place and returned in the result; a tensor is
+        filled in place (same shape and dtype); a :class:`Tagged` checks the kind.
+        Every key of a template dict must exist in the checkpoint.
+    :param device: where tensors land (``"cpu"`` default; NumPy leaves stay host).
+    :param allow_pickle: unpickle leaves saved with ``allow_pickle=True``. Only for
+        checkpoints you trust: unpickling runs code.
+    :param verify: check every byte against its XXH3-64 checksum while reading.
+    :param required: key paths (``"dataloader"``, ``"trainer/rng"`` or tuples) that
+        must exist.
+    :raises CheckpointNotFoundError: ``path`` holds no manifest.
+    :raises CorruptCheckpointError: damaged manifest, missing/truncated file,
+        header disagreeing with the manifest; :class:`ChecksumMismatchError` for
+        altered bytes.
+    :raises MissingItemError: a required or templated item is absent.
+    :raises KindMismatchError: a :class:`Tagged` kind differs from the template's.
+    :raises UnsafeLoadError: a pickled leaf without ``allow_pickle``.
+    """
+    fs = filesystem or LocalFileSystem()
+    p = Path(path)
+    manifest = read_checkpoint(fs, p)
+    raw = _read_entries(fs, p, manifest, verify=verify)
+    tensors = _build_tensors(manifest, raw, torch.device(device))
+    state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(manifest.tree)
+    _check_required(state, required, p)
+    return _apply_template(state, template, (), p)
+
+
+def verify(path: str | os.PathLike[str], *, filesystem: LocalFileSystem | None = None) -> CheckpointInfo:
+    """Check a checkpoint completely: manifest, file sizes, safetensors headers and
+    the checksum of every byte. Reads everything once; decodes nothing.
+
+    :returns: the checkpoint's :class:`CheckpointInfo`.
+    :raises CheckpointNotFoundError: no manifest at ``path``.
+    :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) naming the
+        file and entry that is wrong.
+    """
+    fs = filesystem or LocalFileSystem()
+    p = Path(path)
+    manifest = read_checkpoint(fs, p)
+    _read_entries(fs, p, manifest, verify=True)
+    return info_of(p, manifest)
+
+
+def resolve(
+    fs: LocalFileSystem, root: Path, layout: Layout, *, fallback: bool
+) -> CheckpointInfo | None:
+    """The checkpoint to resume from: the one the tracker names.
+
+    A missing or unreadable tracker falls back to the newest committed checkpoint,
+    with a warning. A tracker naming a checkpoint that is missing or damaged is an
+    error unless ``fallback`` (then: warning, newest committed checkpoint).
+    """
+    tracked: int | None = None
+    if layout.tracker_name is not None:
+        tracker = root / layout.tracker_name
+        try:
+            tracked = read_tracker(fs, tracker)
+        except CorruptCheckpointError as exc:
+            logger.warning("%s; scanning for committed checkpoints instead", exc)
+    if tracked is not None:
+        path = root / layout.dir_name(tracked)
+        try:
+            return info_of(path, read_checkpoint(fs, path))
+        except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+            if not fallback:
+                raise CheckpointNotFoundError(
+                    f"the tracker in {root} names step {tracked}, but {path} is not a "
+                    f"loadable checkpoint ({exc}); pass fallback=True to resume from "
+                    "the newest committed checkpoint instead",
+                    path=path,
+                    step=tracked,
+                ) from exc
+            logger.warning("%s; falling back to the newest committed checkpoint", exc)
+    if not fs.exists(root):
+        return None
+    found = scan_steps(fs, root, layout)
+    for step in sorted(found, reverse=True):
+        try:
+            info = info_of(found[step], read_checkpoint(fs, found[step]))
+        except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+            logger.warning("skipping %s: %s", found[step], exc)
+            continue
+        if layout.tracker_name is not None:
+            logger.warning("no usable tracker in %s; resuming from the newest committed step %d", root, step)
+        return info
+    return None
+
+
+def latest(
+    root: str | os.PathLike[str],
+    *,
+    layout: str = "asyncsave",
+    fallback: bool = False,
+    filesystem: LocalFileSystem | None = None,
+) -> CheckpointInfo | None:
+    """The latest committed checkpoint under ``root``, or ``None`` if there is none.
+
+    Reads the tracker; checks the manifest and file sizes of the checkpoint it names
+    (not the checksums: :func:`verify` does that).
+
+    :raises CheckpointNotFoundError: the tracker names a checkpoint that is missing
+        or damaged and ``fallback`` is false.
+    """
+    return resolve(filesystem or LocalFileSystem(), Path(root), LAYOUTS[layout], fallback=fallback)

@@ -1,0 +1,207 @@
+"""The manifest: the one file that makes a directory a checkpoint.
+
+``manifest.json`` is written last, after every data file is durable; it names each
+data file with its size, each entry (a run of bytes in a file) with its XXH3-64
+checksum, each tensor with dtype, shape and the entry it lives in, and the state
+tree. Parsing validates every field before anything is read through it, so a
+damaged or hostile manifest is a :class:`~asyncsave.CorruptCheckpointError`, never
+a path outside the checkpoint or a read past a file's end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._errors import CorruptCheckpointError
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "Manifest", "parse_manifest", "torch_dtype"]
+
+FORMAT = "asyncsave"
+FORMAT_VERSION = 1
+CHECKSUM = "xxh3_64"
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_MAX_STEP = 2**63 - 1
+_KINDS = {"tensor", "parameter", "ndarray", "pickle"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest."""
+
+    step: int
+    world_size: int
+    files: list[dict[str, Any]]
+    entries: list[dict[str, Any]]
+    tensors: list[dict[str, Any]]
+    tree: dict[str, Any]
+    costs: dict[str, float]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (the sum of the entries)."""
+        return sum(e["nbytes"] for e in self.entries)
+
+
+def torch_dtype(name: Any) -> torch.dtype | None:
+    """The torch dtype named ``name`` (``"float32"``), or ``None``."""
+    if not isinstance(name, str) or not name.isidentifier():
+        return None
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or dtype in (
+        torch.qint8,
+        torch.quint8,
+        torch.qint32,
+        torch.quint4x2,
+        torch.quint2x4,
+    ):
+        return None
+    return dtype
+
+
+def _fail(path: Path, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"damaged manifest {path}: {what}", path=path)
+
+
+def _int(v: Any, lo: int = 0, hi: int = _MAX_STEP) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
+def _safe_file_name(name: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+        and not name.startswith(".")
+        and name != "manifest.json"
+    )
+
+
+def parse_manifest(raw: bytes, path: Path) -> Manifest:
+    """Decode and validate a manifest.
+
+    :param raw: the bytes of ``manifest.json``.
+    :param path: where it was read from, for error messages.
+    :raises CorruptCheckpointError: naming the first field that is wrong.
+    """
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise _fail(path, f"not JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise _fail(path, "top level is not an object")
+    if doc.get("format") != FORMAT:
+        raise _fail(path, f"format is {doc.get('format')!r}, not {FORMAT!r}")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise _fail(
+            path,
+            f"format_version {doc.get('format_version')!r} is not {FORMAT_VERSION} "
+            "(written by another asyncsave version?)",
+        )
+    if doc.get("checksum") != CHECKSUM:
+        raise _fail(path, f"checksum algorithm {doc.get('checksum')!r} is unknown")
+    step, world_size = doc.get("step"), doc.get("world_size")
+    if not _int(step):
+        raise _fail(path, f"step {step!r} is not a non-negative int")
+    if not _int(world_size, 1, 1 << 24):
+        raise _fail(path, f"world_size {world_size!r} is not a positive int")
+
+    files = doc.get("files")
+    if not isinstance(files, list):
+        raise _fail(path, "files is not a list")
+    names = set()
+    for i, f in enumerate(files):
+        if not isinstance(f, dict) or not _safe_file_name(f.get("name")):
+            raise _fail(path, f"files[{i}] has no safe plain file name")
+        if not _int(f.get("nbytes")):
+            raise _fail(path, f"files[{i}].nbytes is not a non-negative int")
+        if f["name"] in names:
+            raise _fail(path, f"files[{i}] repeats {f['name']!r}")
+        names.add(f["name"])
+
+    entries = doc.get("entries")
+    if not isinstance(entries, list):
+        raise _fail(path, "entries is not a list")
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise _fail(path, f"entries[{i}] is not an object")
+        if not _int(e.get("file"), 0, len(files) - 1):
+            raise _fail(path, f"entries[{i}].file is not an index into files")
+        if not _int(e.get("offset")) or not _int(e.get("nbytes")):
+            raise _fail(path, f"entries[{i}] offset/nbytes are not non-negative ints")
+        if e["offset"] + e["nbytes"] > files[e["file"]]["nbytes"]:
+            raise _fail(path, f"entries[{i}] runs past the end of its file")
+        if not isinstance(e.get(CHECKSUM), str) or not _HEX16.match(e[CHECKSUM]):
+            raise _fail(path, f"entries[{i}] has no {CHECKSUM} checksum")
+
+    tensors = doc.get("tensors")
+    if not isinstance(tensors, list):
+        raise _fail(path, "tensors is not a list")
+    for i, t in enumerate(tensors):
+        _check_tensor(path, i, t, entries)
+
+    tree = doc.get("tree")
+    if not isinstance(tree, dict):
+        raise _fail(path, "tree is not an object")
+    costs = doc.get("costs", {})
+    if not isinstance(costs, dict) or not all(
+        isinstance(v, (int, float)) and math.isfinite(v) for v in costs.values()
+    ):
+        costs = {}
+    return Manifest(
+        step=step,
+        world_size=world_size,
+        files=files,
+        entries=entries,
+        tensors=tensors,
+        tree=tree,
+        costs=costs,
+    )
+
+
+def _check_tensor(path: Path, i: int, t: Any, entries: list[dict[str, Any]]) -> None:
+    where = f"tensors[{i}]"
+    if not isinstance(t, dict):
+        raise _fail(path, f"{where} is not an object")
+    dtype = torch_dtype(t.get("dtype"))
+    if dtype is None:
+        raise _fail(path, f"{where}.dtype {t.get('dtype')!r} is not a torch dtype")
+    if t.get("kind") not in _KINDS:
+        raise _fail(path, f"{where}.kind {t.get('kind')!r} is unknown")
+    shape = t.get("shape")
+    if not isinstance(shape, list) or len(shape) > 64 or not all(_int(n) for n in shape):
+        raise _fail(path, f"{where}.shape is not a list of non-negative ints")
+    if not _int(t.get("entry"), 0, len(entries) - 1) or not _int(t.get("offset")):
+        raise _fail(path, f"{where} entry/offset are out of range")
+    if not isinstance(t.get("requires_grad"), bool):
+        raise _fail(path, f"{where}.requires_grad is not a bool")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    entry_nbytes = entries[t["entry"]]["nbytes"]
+    stride = t.get("stride")
+    numel = math.prod(shape)
+    if stride is None:
+        if t["offset"] != 0 or numel * itemsize != entry_nbytes:
+            raise _fail(
+                path,
+                f"{where} ({t.get('key')!r}) needs {numel * itemsize} bytes but its "
+                f"entry holds {entry_nbytes}",
+            )
+        return
+    if not isinstance(stride, list) or len(stride) != len(shape) or not all(
+        _int(s) for s in stride
+    ):
+        raise _fail(path, f"{where}.stride does not match its shape")
+    if t["offset"] % itemsize:
+        raise _fail(path, f"{where}.offset is not a multiple of its element size")
+    if numel:
+        last = sum((n - 1) * s for n, s in zip(shape, stride))
+        if t["offset"] + (last + 1) * itemsize > entry_nbytes:
+            raise _fail(path, f"{where} ({t.get('key')!r}) reaches past its entry")

@@ -1,0 +1,85 @@
+"""Options of a :class:`~asyncsave.Checkpointer`, as one frozen dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ._fs import LocalFileSystem
+from ._paths import LAYOUTS
+
+__all__ = ["CheckpointOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """How a :class:`~asyncsave.Checkpointer` stages, writes and waits.
+
+    Every field is validated on construction; a bad value raises ``ValueError``
+    naming the field.
+
+    :param layout: naming preset of the final directories and the tracker file.
+        ``"asyncsave"``: ``step_<N>/`` and ``latest_checkpointed_iteration.txt``.
+    :param budget_bytes: bytes of host staging memory, allocated once and reused
+        for every save. ``None`` (default): the size of the first state saved,
+        grown (once, while idle) if a later state is larger. An explicit budget
+        smaller than one save raises :class:`~asyncsave.StagingBudgetError`.
+        While the budget is in use by an earlier save that is still writing,
+        ``save()`` waits (backpressure).
+    :param writer_threads: worker threads that write data files of one save in
+        parallel; the tensors of a save are spread over this many files.
+    :param save_timeout_s: seconds one save may take from dispatch to commit
+        before it fails with :class:`~asyncsave.CheckpointTimeoutError` (a stuck
+        writer thread is abandoned, never waited on).
+    :param close_timeout_s: seconds closing the checkpointer waits for pending
+        saves before it cancels them and raises
+        :class:`~asyncsave.CheckpointTimeoutError`.
+    :param save_step_zero: allow saves at step 0. Off by default: a checkpoint at
+        step 0 holds an untrained model and is almost always an off-by-one.
+    :param allow_pickle: store leaves asyncsave has no format for by pickling them.
+        Loading such a checkpoint needs ``allow_pickle=True`` too.
+    :param poll_interval_s: how often the event loop polls CUDA events of a copy
+        in flight (never a blocking synchronize).
+    :param filesystem: the I/O layer; tests substitute one that injects faults.
+    """
+
+    layout: str = "asyncsave"
+    budget_bytes: int | None = None
+    writer_threads: int = 2
+    save_timeout_s: float = 3600.0
+    close_timeout_s: float = 600.0
+    save_step_zero: bool = False
+    allow_pickle: bool = False
+    poll_interval_s: float = 0.0005
+    filesystem: LocalFileSystem = dataclasses.field(default_factory=LocalFileSystem)
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(
+                f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}"
+            )
+        if self.budget_bytes is not None and (
+            isinstance(self.budget_bytes, bool)
+            or not isinstance(self.budget_bytes, int)
+            or self.budget_bytes <= 0
+        ):
+            raise ValueError(
+                f"budget_bytes={self.budget_bytes!r} must be a positive int or None"
+            )
+        if (
+            isinstance(self.writer_threads, bool)
+            or not isinstance(self.writer_threads, int)
+            or not 1 <= self.writer_threads <= 64
+        ):
+            raise ValueError(
+                f"writer_threads={self.writer_threads!r} must be an int in 1..64"
+            )
+        for name in ("save_timeout_s", "close_timeout_s", "poll_interval_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ValueError(f"{name}={value!r} must be a positive finite number")

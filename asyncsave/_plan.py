@@ -1,0 +1,431 @@
+"""Plan: flatten a state tree into tensor leaves, storage entries and a JSON tree.
+
+The plan is made in the caller's thread at ``save()`` time (it calls the
+``state_dict()`` of ``Stateful`` objects, which touch the caller's objects). Plain
+leaves are encoded to JSON right here, so later mutation of the caller's dicts and
+lists cannot leak into the checkpoint; tensors are captured by reference and copied
+by the stager.
+
+Tensors that share a storage (tied weights, views of one buffer) are grouped: the
+group's covering byte span is stored once as a "blob" entry and each tensor is
+recorded as a view (offset, shape, stride) into it, so they come back sharing one
+storage. A tensor alone on its storage is stored as its own contiguous bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import pickle
+import sys
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ._errors import (
+    InvalidKeyError,
+    InvalidStateError,
+    UnsupportedTensorError,
+    UnsupportedTypeError,
+)
+from ._types import Tagged
+
+__all__ = ["Entry", "Plan", "TensorLeaf", "is_stateful", "key_str", "make_plan"]
+
+MAX_DEPTH = 256
+_BLOB_ALIGN = 16  # the largest element size torch has (complex128)
+
+
+@dataclasses.dataclass
+class TensorLeaf:
+    """One tensor leaf of the tree, before grouping."""
+
+    key: str
+    tensor: torch.Tensor
+    kind: str  # "tensor" | "parameter" | "ndarray"
+    requires_grad: bool
+
+
+@dataclasses.dataclass
+class Entry:
+    """A run of bytes in a data file: one tensor, or the covering span of a storage
+    shared by several tensors (a blob).
+
+    ``source`` is what the stager copies from: the tensor itself (copied through a
+    same-size integer view, so every dtype is copied bit-exactly), or for a blob a
+    ``uint8`` view of the storage span. ``nbytes`` may exceed the source's bytes for
+    a blob (zero padding to a multiple of 16, which keeps the next entry aligned).
+    """
+
+    name: str
+    source: torch.Tensor
+    nbytes: int
+    align: int
+    is_blob: bool
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    # Filled in by the file layout (``_format.layout_files``):
+    file: int = -1
+    offset: int = -1  # absolute offset in its data file
+    staging_offset: int = -1  # offset in the save's staging buffer
+    # Filled in by the writer:
+    digest: str = ""  # XXH3-64 hex digest of the bytes written
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything a save needs that is known before any byte is copied.
+
+    ``records[i]`` describes tensor leaf ``i`` (JSON-ready, written to the
+    manifest); ``tree`` is the JSON-ready tree whose ``{"type": "tensor"}`` nodes
+    refer to leaves by index.
+    """
+
+    tree: dict[str, Any]
+    leaves: list[TensorLeaf]
+    entries: list[Entry]
+    records: list[dict[str, Any]]
+
+    @property
+    def nbytes(self) -> int:
+        """Staging bytes the save needs (sum of entry sizes)."""
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def devices(self) -> set[torch.device]:
+        return {leaf.tensor.device for leaf in self.leaves}
+
+
+def key_str(path: tuple[Any, ...]) -> str:
+    """Human-readable key path, e.g. ``optim/state/0/exp_avg``."""
+    return "/".join(str(p) for p in path) if path else "<root>"
+
+
+def is_stateful(obj: Any) -> bool:
+    """DCP's ``Stateful`` convention: ``state_dict()`` and ``load_state_dict()``."""
+    if isinstance(obj, torch.Tensor) or _is_tensordict(obj):
+        return False
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _is_tensordict(obj: Any) -> bool:
+    # Never import tensordict here: if the caller holds a TensorDict, the module is
+    # already imported.
+    td = sys.modules.get("tensordict")
+    return td is not None and isinstance(obj, td.TensorDictBase)
+
+
+def make_plan(state: Any, *, allow_pickle: bool) -> Plan:
+    """Flatten and validate ``state``.
+
+    :raises InvalidStateError: (or a subclass) naming the offending key path.
+    """
+    flattener = _Flattener(allow_pickle=allow_pickle)
+    tree = flattener.node(state, (), 0)
+    entries, records = _group(flattener.leaves)
+    return Plan(tree=tree, leaves=flattener.leaves, entries=entries, records=records)
+
+
+class _Flattener:
+    def __init__(self, *, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaves: list[TensorLeaf] = []
+        self._on_path: set[int] = set()
+
+    def node(self, obj: Any, path: tuple[Any, ...], depth: int) -> dict[str, Any]:
+        if depth > MAX_DEPTH:
+            raise InvalidStateError(
+                f"state tree is nested deeper than {MAX_DEPTH} levels at "
+                f"{key_str(path)!r}",
+                key=key_str(path),
+            )
+        # Exact type checks: a subclass of int or str (an Enum) would not come back
+        # as itself from JSON.
+        t = type(obj)
+        if obj is None:
+            return {"type": "none"}
+        if t is bool:
+            return {"type": "bool", "v": obj}
+        if t is int:
+            return {"type": "int", "v": obj}
+        if t is float:
+            return {"type": "float", "v": obj.hex()}
+        if t is str:
+            return {"type": "str", "v": obj}
+        if t is bytes:
+            return {"type": "bytes", "v": base64.b64encode(obj).decode("ascii")}
+        if t is torch.dtype:
+            return {"type": "dtype", "v": str(obj).removeprefix("torch.")}
+        if t is torch.device:
+            return {"type": "device", "v": str(obj)}
+        if t is torch.Size:
+            return {"type": "size", "v": list(obj)}
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, path, "parameter" if t is torch.nn.Parameter else "tensor")
+        if _is_numpy_array(obj):
+            return self.ndarray(obj, path)
+        if _is_numpy_scalar(obj):
+            return {
+                "type": "np_scalar",
+                "dtype": obj.dtype.str,
+                "v": base64.b64encode(obj.tobytes()).decode("ascii"),
+            }
+        if t is Tagged:
+            return {
+                "type": "tagged",
+                "kind": obj.kind,
+                "value": self.node(obj.value, path, depth + 1),
+            }
+        if t in (dict, OrderedDict, list, tuple) or _is_tensordict(obj):
+            return self.container(obj, path, depth)
+        if is_stateful(obj):
+            cls = f"{t.__module__}.{t.__qualname__}"
+            return {
+                "type": "stateful",
+                "class": cls,
+                "state": self.node(obj.state_dict(), path, depth + 1),
+            }
+        if self.allow_pickle:
+            return self.pickled(obj, path)
+        raise UnsupportedTypeError(
+            f"cannot store a leaf of type {t.__module__}.{t.__qualname__} at key "
+            f"{key_str(path)!r}: supported leaves are tensors, TensorDicts, NumPy "
+            "arrays and scalars, int, float, str, bool, None, bytes, torch.dtype, "
+            "torch.device, torch.Size and objects with state_dict()/load_state_dict(); "
+            "convert it, or pass allow_pickle=True to both save and load",
+            key=key_str(path),
+        )
+
+    def container(self, obj: Any, path: tuple[Any, ...], depth: int) -> dict[str, Any]:
+        if id(obj) in self._on_path:
+            raise InvalidStateError(
+                f"state tree is recursive: the container at {key_str(path)!r} contains "
+                "itself",
+                key=key_str(path),
+            )
+        self._on_path.add(id(obj))
+        try:
+            if _is_tensordict(obj):
+                return self.tensordict(obj, path, depth)
+            if isinstance(obj, dict):
+                items = []
+                for k, v in obj.items():
+                    items.append([_encode_key(k, path), self.node(v, (*path, k), depth + 1)])
+                out: dict[str, Any] = {"type": "dict", "items": items}
+                if type(obj) is OrderedDict:
+                    out["ordered"] = True
+                    # nn.Module.state_dict() versions its submodules here, and
+                    # load_state_dict() reads it back (BatchNorm, for one).
+                    meta = getattr(obj, "_metadata", None)
+                    if meta is not None:
+                        out["metadata"] = self.node(meta, (*path, "_metadata"), depth + 1)
+                return out
+            kind = "list" if type(obj) is list else "tuple"
+            return {
+                "type": kind,
+                "items": [self.node(v, (*path, i), depth + 1) for i, v in enumerate(obj)],
+            }
+        finally:
+            self._on_path.discard(id(obj))
+
+    def tensordict(self, td: Any, path: tuple[Any, ...], depth: int) -> dict[str, Any]:
+        if type(td).__name__ != "TensorDict":
+            raise UnsupportedTypeError(
+                f"{type(td).__name__} at key {key_str(path)!r} is not a plain "
+                "TensorDict; convert it with .to_tensordict() first",
+                key=key_str(path),
+            )
+        items = []
+        for k in td.keys():
+            v = td.get(k)
+            sub = (*path, k)
+            if type(v).__name__ == "NonTensorData":
+                node = {"type": "nontensor", "value": self.node(v.data, sub, depth + 1)}
+            else:
+                node = self.node(v, sub, depth + 1)
+            items.append([k, node])
+        names = list(td.names) if td._has_names() else None
+        return {
+            "type": "tensordict",
+            "batch_size": list(td.batch_size),
+            "device": None if td.device is None else str(td.device),
+            "names": names,
+            "items": items,
+        }
+
+    def tensor(self, t: torch.Tensor, path: tuple[Any, ...], kind: str) -> dict[str, Any]:
+        key = key_str(path)
+        if t.layout != torch.strided:
+            raise UnsupportedTensorError(
+                f"tensor at key {key!r} has layout {t.layout}; only strided (dense) "
+                "tensors are stored: call .to_dense() first",
+                key=key,
+            )
+        if t.is_quantized:
+            raise UnsupportedTensorError(
+                f"tensor at key {key!r} is quantized ({t.dtype}); store its "
+                "int_repr() and quantization parameters instead",
+                key=key,
+            )
+        if t.is_meta or t.device.type not in ("cpu", "cuda"):
+            raise UnsupportedTensorError(
+                f"tensor at key {key!r} is on device {t.device}; only cpu and cuda "
+                "tensors have bytes to save",
+                key=key,
+            )
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_nested:
+            raise UnsupportedTensorError(
+                f"tensor at key {key!r} is a {type(t).__name__}; only plain tensors "
+                "and nn.Parameter are stored",
+                key=key,
+            )
+        self.leaves.append(TensorLeaf(key, t.detach(), kind, bool(t.requires_grad)))
+        return {"type": "tensor", "index": len(self.leaves) - 1}
+
+    def ndarray(self, a: Any, path: tuple[Any, ...]) -> dict[str, Any]:
+        try:
+            t = torch.from_numpy(a)
+        except (TypeError, ValueError) as exc:
+            raise UnsupportedTensorError(
+                f"NumPy array at key {key_str(path)!r} has dtype {a.dtype} that torch "
+                "cannot hold",
+                key=key_str(path),
+            ) from exc
+        self.leaves.append(TensorLeaf(key_str(path), t, "ndarray", False))
+        return {"type": "tensor", "index": len(self.leaves) - 1}
+
+    def pickled(self, obj: Any, path: tuple[Any, ...]) -> dict[str, Any]:
+        try:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # pickling errors have no common base
+            raise UnsupportedTypeError(
+                f"cannot pickle the leaf at key {key_str(path)!r}: {exc}",
+                key=key_str(path),
+            ) from exc
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.leaves.append(TensorLeaf(key_str(path), t, "pickle", False))
+        return {"type": "pickle", "index": len(self.leaves) - 1}
+
+
+def _encode_key(k: Any, path: tuple[Any, ...]) -> list[Any]:
+    if type(k) is str:
+        return ["s", k]
+    if type(k) is int:
+        return ["i", k]
+    raise InvalidKeyError(
+        f"dict key {k!r} of type {type(k).__name__} under {key_str(path)!r} is not "
+        "str or int",
+        key=key_str((*path, k)),
+    )
+
+
+def _is_numpy_array(obj: Any) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and type(obj) is np.ndarray
+
+
+def _is_numpy_scalar(obj: Any) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(obj, np.generic) and obj.dtype.kind in "biufc"
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]:
+    """Turn leaves into entries: one per lone tensor, one blob per shared storage."""
+    by_storage: dict[tuple[str, int], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.tensor.numel() > 0:
+            by_storage.setdefault(_storage_key(leaf.tensor), []).append(i)
+
+    entries: list[Entry] = []
+    records: list[dict[str, Any]] = [{} for _ in leaves]
+    names: set[str] = set()
+    grouped: set[int] = set()
+    for members in by_storage.values():
+        lone = leaves[members[0]].tensor
+        # A lone CUDA view that is not contiguous is staged as the raw span of its
+        # storage: gathering it would allocate device memory (S12).
+        if len(members) < 2 and not (lone.is_cuda and not lone.is_contiguous()):
+            continue
+        grouped.update(members)
+        spans = [_byte_span(leaves[i].tensor) for i in members]
+        start = min(s for s, _ in spans) // _BLOB_ALIGN * _BLOB_ALIGN
+        end = max(e for _, e in spans)
+        base = leaves[members[0]].tensor
+        source = torch.empty(0, dtype=torch.uint8, device=base.device).set_(
+            base.untyped_storage(), start, (end - start,), (1,)
+        )
+        nbytes = -(-(end - start) // _BLOB_ALIGN) * _BLOB_ALIGN
+        entries.append(
+            Entry(
+                name=_unique(leaves[members[0]].key + "#storage", names),
+                source=source,
+                nbytes=nbytes,
+                align=_BLOB_ALIGN,
+                is_blob=True,
+                dtype=torch.uint8,
+                shape=(nbytes,),
+            )
+        )
+        for i in members:
+            t = leaves[i].tensor
+            records[i] = _record(
+                leaves[i],
+                entry=len(entries) - 1,
+                offset=t.storage_offset() * t.element_size() - start,
+                stride=list(t.stride()),
+            )
+    for i, leaf in enumerate(leaves):
+        if i in grouped:
+            continue
+        t = leaf.tensor
+        entries.append(
+            Entry(
+                name=_unique(leaf.key, names),
+                source=t,
+                nbytes=t.numel() * t.element_size(),
+                align=t.element_size(),
+                is_blob=False,
+                dtype=t.dtype,
+                shape=tuple(t.shape),
+            )
+        )
+        records[i] = _record(leaf, entry=len(entries) - 1, offset=0, stride=None)
+    return entries, records
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) bytes of ``t``'s storage that ``t`` can touch."""
+    size = t.element_size()
+    start = t.storage_offset()
+    last = start + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    return start * size, (last + 1) * size
+
+
+def _record(leaf: TensorLeaf, *, entry: int, offset: int, stride: list[int] | None) -> dict[str, Any]:
+    t = leaf.tensor
+    return {
+        "key": leaf.key,
+        "entry": entry,
+        "offset": offset,
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        "stride": stride,
+        "kind": leaf.kind,
+        "requires_grad": leaf.requires_grad,
+    }
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    candidate, n = name, 1
+    while candidate in taken or candidate == "__metadata__":
+        n += 1
+        candidate = f"{name}#{n}"
+    taken.add(candidate)
+    return candidate

@@ -1,0 +1,217 @@
+"""Stage: copy a planned snapshot into reusable host memory.
+
+The pool owns one host buffer (the "arena") sized by a byte budget, allocated once
+and reused by every save; a save leases it and gives it back once its data files are
+written, and the next save waits (backpressure) until then. For CUDA sources the
+arena is page-locked with ``cudaHostRegister`` on an exact-size allocation (torch's
+caching host allocator rounds pinned blocks up to a power of two, which wastes up to
+half the budget), device-to-host copies run on one side stream per device, and the
+event loop polls a CUDA event for completion instead of synchronizing.
+
+Every entry is copied through a same-size integer view (complex: its real view), so
+every dtype, NaN payloads and float8/float4/bits types included, is copied
+bit-exactly by one ``copy_`` kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+
+from ._errors import StagingBudgetError
+from ._plan import Entry
+
+__all__ = ["Lease", "StagingPool", "as_bits", "stage_entries"]
+
+logger = logging.getLogger(__name__)
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """A view of ``t`` as integers of the same width (complex: as its real and
+    imaginary parts), so a copy moves bits, never converts values."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+class Lease:
+    """A save's hold on the staging arena; ``release()`` is idempotent."""
+
+    def __init__(self, pool: StagingPool, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self._pool: StagingPool | None = pool
+
+    def release(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool._release()
+
+    @property
+    def released(self) -> bool:
+        return self._pool is None
+
+
+class StagingPool:
+    """Host staging memory with a byte budget, allocated once and reused.
+
+    :param budget_bytes: fixed capacity in bytes, or ``None`` to size the arena by
+        the first save (and grow it, while idle, for a larger later save).
+
+    Not thread-safe: used from the event loop only. ``aclose()`` frees the arena
+    (and unregisters pinned memory) and is idempotent.
+    """
+
+    def __init__(self, budget_bytes: int | None) -> None:
+        self.budget_bytes = budget_bytes
+        self._arena: torch.Tensor | None = None
+        self._pinned = False
+        self._busy = anyio.Semaphore(1)
+        self.allocations = 0  # how many times an arena was allocated (S10)
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._arena is None else self._arena.numel()
+
+    @property
+    def arena_ptr(self) -> int | None:
+        return None if self._arena is None else self._arena.data_ptr()
+
+    def check(self, nbytes: int) -> None:
+        """Raise :class:`StagingBudgetError` if a save of ``nbytes`` can never fit."""
+        if self.budget_bytes is not None and nbytes > self.budget_bytes:
+            raise StagingBudgetError(
+                f"the save needs {nbytes} staging bytes but budget_bytes is "
+                f"{self.budget_bytes}; raise budget_bytes or leave it None"
+            )
+
+    async def acquire(self, nbytes: int, *, pin: bool) -> Lease:
+        """Wait until the arena is free, then lease its first ``nbytes`` bytes.
+
+        Cancellation while waiting leaves the pool unchanged.
+        """
+        self.check(nbytes)
+        await self._busy.acquire()
+        try:
+            need = max(nbytes, self.budget_bytes or 0)
+            if self._arena is None or self.capacity < nbytes or (pin and not self._pinned):
+                await anyio.to_thread.run_sync(self._allocate, need, pin)
+            assert self._arena is not None
+            return Lease(self, self._arena[:nbytes])
+        except BaseException:
+            self._busy.release()
+            raise
+
+    def _allocate(self, nbytes: int, pin: bool) -> None:
+        if self._arena is not None and self.capacity >= nbytes:
+            # Same size, only pinning is missing: register the existing buffer.
+            _register(self._arena)
+            self._pinned = True
+            return
+        self._free()
+        self._arena = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        self.allocations += 1
+        logger.debug("staging arena of %d bytes allocated", nbytes)
+        if pin:
+            _register(self._arena)
+            self._pinned = True
+
+    def _release(self) -> None:
+        self._busy.release()
+
+    def _free(self) -> None:
+        if self._arena is not None and self._pinned:
+            _unregister(self._arena)
+        self._arena = None
+        self._pinned = False
+
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self._free)
+
+
+def _register(buf: torch.Tensor) -> None:
+    cudart: Any = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {buf.numel()} bytes failed: {err}")
+
+
+def _unregister(buf: torch.Tensor) -> None:
+    cudart: Any = torch.cuda.cudart()
+    err = cudart.cudaHostUnregister(buf.data_ptr())
+    if int(err) != 0:
+        logger.warning("cudaHostUnregister failed: %s", err)
+
+
+def _destination(buffer: torch.Tensor, e: Entry) -> torch.Tensor:
+    raw = buffer[e.staging_offset : e.staging_offset + e.nbytes]
+    if e.is_blob:
+        return raw
+    return raw.view(e.dtype).view(e.shape)
+
+
+def _copy_cpu(buffer: torch.Tensor, entries: list[Entry]) -> None:
+    for e in entries:
+        dst = _destination(buffer, e)
+        if e.is_blob:
+            n = e.source.numel()
+            dst[:n].copy_(e.source)
+            dst[n:].zero_()
+        else:
+            as_bits(dst).copy_(as_bits(e.source))
+
+
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _enqueue_cuda(buffer: torch.Tensor, entries: list[Entry]) -> list[Any]:
+    """Enqueue device-to-host copies on a side stream per device; returns one
+    recorded event per device. Allocates no device memory: every source is either
+    contiguous or staged as its raw storage span."""
+    events = []
+    by_device: dict[torch.device, list[Entry]] = {}
+    for e in entries:
+        by_device.setdefault(e.source.device, []).append(e)
+    for device, group in by_device.items():
+        stream = _side_streams.get(device)
+        if stream is None:
+            stream = _side_streams[device] = torch.cuda.Stream(device=device)
+        # The copies must see every kernel already queued on the producer stream.
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for e in group:
+                dst = _destination(buffer, e)
+                if e.is_blob:
+                    n = e.source.numel()
+                    dst[:n].copy_(e.source, non_blocking=True)
+                    dst[n:].zero_()
+                else:
+                    as_bits(dst).copy_(as_bits(e.source), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        events.append(event)
+    return events
+
+
+async def stage_entries(
+    buffer: torch.Tensor, entries: list[Entry], *, poll_interval_s: float
+) -> None:
+    """Copy every entry's source into ``buffer`` at its staging offset.
+
+    CUDA copies are enqueued first (from the event loop: launches only), host
+    copies run in a worker thread meanwhile, then CUDA events are polled with
+    ``anyio.sleep`` until done. Returns when the snapshot in ``buffer`` is complete.
+    """
+    cuda = [e for e in entries if e.source.is_cuda]
+    cpu = [e for e in entries if not e.source.is_cuda]
+    events = _enqueue_cuda(buffer, cuda) if cuda else []
+    if cpu:
+        await anyio.to_thread.run_sync(_copy_cpu, buffer, cpu)
+    for event in events:
+        while not event.query():
+            await anyio.sleep(poll_interval_s)

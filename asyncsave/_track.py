@@ -1,0 +1,78 @@
+"""Track: the tracker file that names the latest committed step.
+
+The tracker holds the step as a bare decimal with no newline, the format Megatron
+and verl write and read (``int(f.read().strip())``). It is replaced atomically
+(temp file, fsync, ``rename(2)``, fsync of the directory) and only after the
+checkpoint it names is committed; callers never move it backwards (see the engine).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+
+from ._errors import CorruptCheckpointError
+from ._fs import LocalFileSystem
+from ._paths import temp_file_name
+from ._write import write_bytes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MAX_TRACKER_BYTES", "parse_tracker", "read_tracker", "write_tracker"]
+
+MAX_TRACKER_BYTES = 64
+_MAX_STEP = 2**63 - 1
+
+
+def parse_tracker(raw: bytes, path: Path) -> int:
+    """The step in a tracker's bytes.
+
+    Accepts what Megatron and verl accept: a decimal with surrounding whitespace.
+    :raises CorruptCheckpointError: for anything else (garbage, a sign, a float,
+        a step of 2**63 or more, more than 64 bytes).
+    """
+    if len(raw) > MAX_TRACKER_BYTES:
+        raise CorruptCheckpointError(
+            f"tracker {path} holds {len(raw)} bytes, not a step number", path=path
+        )
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text.isascii() or not text.isdigit():
+        raise CorruptCheckpointError(
+            f"tracker {path} holds {text[:32]!r}, not a non-negative decimal step",
+            path=path,
+        )
+    step = int(text)
+    if step > _MAX_STEP:
+        raise CorruptCheckpointError(f"tracker {path} holds a huge step {text}", path=path)
+    return step
+
+
+def read_tracker(fs: LocalFileSystem, path: Path) -> int | None:
+    """The step the tracker at ``path`` names; ``None`` if there is no tracker.
+
+    :raises CorruptCheckpointError: if the tracker exists but is not a step.
+    """
+    try:
+        raw = fs.read_bytes(path)
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError as exc:
+        raise CorruptCheckpointError(f"tracker {path} is a directory", path=path) from exc
+    return parse_tracker(raw, path)
+
+
+def write_tracker(fs: LocalFileSystem, path: Path, step: int) -> None:
+    """Atomically make the tracker at ``path`` name ``step``; durable on return."""
+    tmp = path.parent / temp_file_name(path.name)
+    try:
+        write_bytes(fs, tmp, str(step).encode("ascii"))
+        fs.replace(tmp, path)
+    except BaseException:
+        try:
+            fs.unlink(tmp)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                logger.warning("could not remove %s", tmp, exc_info=True)
+        raise
+    fs.fsync_dir(path.parent)

@@ -1,0 +1,76 @@
+"""Public value types: what a save returns and what a load gives back."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Generic, NamedTuple, TypeVar
+
+__all__ = ["CheckpointInfo", "Restored", "Tagged"]
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint and, when this process saved it, what it cost.
+
+    :param step: the training step the checkpoint holds (the last trained step).
+    :param path: the checkpoint's final directory.
+    :param nbytes: bytes of tensor data (headers and manifest not counted).
+    :param num_tensors: tensor leaves in the state tree.
+    :param world_size: ranks that wrote it.
+    :param blocked_s: seconds ``save()`` held the caller (plan + backpressure +
+        staging in eager mode); ``None`` when not recorded.
+    :param staged_s: seconds from ``save()`` until the snapshot was in host memory.
+    :param written_s: seconds from ``save()`` until every data file was fsynced.
+    :param committed_s: seconds from ``save()`` until the rename was durable and the
+        tracker named this checkpoint (or a newer one). ``None`` for checkpoints
+        found on disk, since the commit time is not part of the manifest.
+    """
+
+    step: int
+    path: Path
+    nbytes: int
+    num_tensors: int
+    world_size: int = 1
+    blocked_s: float | None = None
+    staged_s: float | None = None
+    written_s: float | None = None
+    committed_s: float | None = None
+
+    @property
+    def write_gbps(self) -> float | None:
+        """Tensor bytes over ``written_s``, in GB/s (10**9 bytes per second)."""
+        if not self.written_s:
+            return None
+        return self.nbytes / self.written_s / 1e9
+
+
+class Restored(NamedTuple):
+    """What :meth:`~asyncsave.Checkpointer.load_latest` returns."""
+
+    state: Any
+    info: CheckpointInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class Tagged(Generic[T]):
+    """An item of the state tree with a kind tag that is checked on load.
+
+    Save ``{"replay": Tagged(buffer_state, kind="uniform-v1")}``; a loader that
+    passes a template holding ``Tagged(buffer, kind="prioritized-v1")`` at the same
+    key gets :class:`~asyncsave.KindMismatchError` instead of a buffer silently
+    loaded from another sampler's state (Source: the NeMo-RL single-controller
+    checkpointing change).
+
+    :param value: any storable subtree, or a ``Stateful`` object.
+    :param kind: a non-empty string naming what ``value`` is.
+    """
+
+    value: T
+    kind: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, str) or not self.kind:
+            raise ValueError(f"Tagged.kind must be a non-empty str, got {self.kind!r}")
