@@ -1,0 +1,163 @@
+"""The ``asyncsave`` command: list, verify and inspect checkpoints.
+
+::
+
+    asyncsave ls ROOT          committed steps, sizes, the tracked one, stray temp dirs
+    asyncsave verify PATH      every checksum of one checkpoint (or of every one in ROOT)
+    asyncsave inspect PATH     the state tree with dtype, shape and bytes per tensor
+
+Read-only: nothing here deletes or moves files. Exit status 0 on success, 1 when a
+checkpoint fails verification or cannot be read, 2 on bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from ._errors import CheckpointError
+from ._fs import LocalFileSystem
+from ._load import read_checkpoint, scan_steps, verify
+from ._manifest import Manifest
+from ._paths import LAYOUTS, MANIFEST_NAME, is_temp_name
+from ._track import read_tracker
+
+__all__ = ["main"]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _ls(root: Path, layout_name: str, out: TextIO) -> int:
+    fs = LocalFileSystem()
+    layout = LAYOUTS[layout_name]
+    if not root.is_dir():
+        print(f"asyncsave: {root} is not a directory", file=sys.stderr)
+        return 1
+    tracked: int | None = None
+    tracker_note = "no tracker"
+    if layout.tracker_name is not None:
+        try:
+            tracked = read_tracker(fs, root / layout.tracker_name)
+            tracker_note = "no tracker" if tracked is None else f"tracker -> step {tracked}"
+        except CheckpointError as exc:
+            tracker_note = f"tracker damaged: {exc}"
+    print(f"{root}  ({tracker_note})", file=out)
+    rc = 0
+    steps = scan_steps(fs, root, layout)
+    for step in sorted(steps):
+        path = steps[step]
+        mark = "*" if step == tracked else " "
+        try:
+            m = read_checkpoint(fs, path)
+            size = sum(f["nbytes"] for f in m.files)
+            print(f" {mark} {path.name:<20} step {step:>10}  {_size(size):>10}  {len(m.tensors):>6} tensors", file=out)
+        except CheckpointError as exc:
+            rc = 1
+            print(f" {mark} {path.name:<20} step {step:>10}  NOT LOADABLE: {exc}", file=out)
+    if tracked is not None and tracked not in steps:
+        rc = 1
+        print(f"   tracker names step {tracked}, which is missing", file=out)
+    for name in fs.listdir(root):
+        if is_temp_name(name):
+            print(f"   {name}  (temporary: an uncommitted save; removed at the next open)", file=out)
+    return rc
+
+
+def _verify(path: Path, layout_name: str, out: TextIO) -> int:
+    fs = LocalFileSystem()
+    if (path / MANIFEST_NAME).exists() or not path.is_dir():
+        targets = [path]
+    else:
+        targets = [p for _, p in sorted(scan_steps(fs, path, LAYOUTS[layout_name]).items())]
+        if not targets:
+            print(f"asyncsave: no checkpoint in {path}", file=sys.stderr)
+            return 1
+    rc = 0
+    for target in targets:
+        try:
+            info = verify(target)
+        except CheckpointError as exc:
+            rc = 1
+            print(f"FAIL {target}: {exc}", file=out)
+            continue
+        print(f"ok   {target}: step {info.step}, {info.num_tensors} tensors, {_size(info.nbytes)} verified", file=out)
+    return rc
+
+
+def _describe(node: Any, m: Manifest, indent: int, label: str, out: TextIO) -> None:
+    pad = "  " * indent
+    kind = node.get("type") if isinstance(node, dict) else None
+    if kind in ("tensor", "pickle"):
+        rec = m.tensors[node["index"]]
+        entry = m.entries[rec["entry"]]
+        nbytes = entry["nbytes"] if rec["stride"] is None else "shared"
+        extra = f" {rec['kind']}" if rec["kind"] not in ("tensor",) else ""
+        print(f"{pad}{label}: {rec['dtype']} {rec['shape']} {nbytes} B{extra}", file=out)
+    elif kind == "dict":
+        print(f"{pad}{label}: {'OrderedDict' if node.get('ordered') else 'dict'}", file=out)
+        for (_, key), sub in node["items"]:
+            _describe(sub, m, indent + 1, repr(key), out)
+    elif kind in ("list", "tuple"):
+        print(f"{pad}{label}: {kind}[{len(node['items'])}]", file=out)
+        for i, sub in enumerate(node["items"]):
+            _describe(sub, m, indent + 1, f"[{i}]", out)
+    elif kind == "tensordict":
+        print(f"{pad}{label}: TensorDict batch_size={node['batch_size']}", file=out)
+        for key, sub in node["items"]:
+            _describe(sub.get("value", sub) if sub.get("type") == "nontensor" else sub, m, indent + 1, repr(key), out)
+    elif kind == "stateful":
+        print(f"{pad}{label}: state_dict of {node['class']}", file=out)
+        _describe(node["state"], m, indent + 1, "state", out)
+    elif kind == "tagged":
+        print(f"{pad}{label}: kind {node['kind']!r}", file=out)
+        _describe(node["value"], m, indent + 1, "value", out)
+    else:
+        value = node.get("v") if isinstance(node, dict) else node
+        if kind == "float" and isinstance(value, str):
+            value = float.fromhex(value)
+        print(f"{pad}{label}: {kind} {value!r}"[:200], file=out)
+
+
+def _inspect(path: Path, out: TextIO) -> int:
+    try:
+        m = read_checkpoint(LocalFileSystem(), path)
+    except CheckpointError as exc:
+        print(f"asyncsave: {exc}", file=sys.stderr)
+        return 1
+    print(f"{path}: step {m.step}, world size {m.world_size}, {len(m.tensors)} tensors, {_size(m.nbytes)}", file=out)
+    _describe(m.tree, m, 0, "state", out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Entry point of the ``asyncsave`` command; returns the exit status."""
+    out = out or sys.stdout
+    parser = argparse.ArgumentParser(prog="asyncsave", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_ls = sub.add_parser("ls", help="list committed checkpoints under ROOT")
+    p_ls.add_argument("root", type=Path)
+    p_ver = sub.add_parser("verify", help="check every checksum of a checkpoint (or of all in a ROOT)")
+    p_ver.add_argument("path", type=Path)
+    p_ins = sub.add_parser("inspect", help="print the state tree of a checkpoint")
+    p_ins.add_argument("path", type=Path)
+    for p in (p_ls, p_ver):
+        p.add_argument("--layout", default="asyncsave", choices=sorted(LAYOUTS))
+    args = parser.parse_args(argv)
+    if args.command == "ls":
+        return _ls(args.root, args.layout, out)
+    if args.command == "verify":
+        return _verify(args.path, args.layout, out)
+    return _inspect(args.path, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
