@@ -1,0 +1,216 @@
+"""Resume: the right checkpoint, never silently from scratch (S1, S13, S17, inv. 8)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import asyncsave
+
+pytestmark = pytest.mark.anyio
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class Cursor:
+    """A dataloader-position stand-in with the Stateful convention."""
+
+    def __init__(self, position: int = 0) -> None:
+        self.position = position
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = state["position"]
+
+
+async def save_steps(root: Path, steps: list[int], **kw: Any) -> None:
+    async with asyncsave.Checkpointer(root, **kw) as ckpt:
+        for step in steps:
+            await (await ckpt.save(step, {"w": torch.full((4,), float(step)), "step": step}))
+
+
+def run_python(code: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_async_saves_are_found_by_a_new_process(tmp_path: Path) -> None:
+    """S1: async saves at 5 and 10 in one process; another process resolves 10."""
+    run_python(
+        f"""
+        import anyio, torch, asyncsave
+        async def main():
+            async with asyncsave.Checkpointer({str(tmp_path)!r}) as ckpt:
+                h5 = await ckpt.save(5, {{"w": torch.ones(3) * 5}})
+                h10 = await ckpt.save(10, {{"w": torch.ones(3) * 10}})
+                # leave without awaiting the handles: the exit flushes them
+        anyio.run(main)
+        """
+    )
+    out = run_python(
+        f"""
+        import asyncsave
+        info = asyncsave.latest({str(tmp_path)!r})
+        print(info.step, asyncsave.load(info.path)["w"].tolist())
+        """
+    )
+    assert out.split() == ["10", "[10.0,", "10.0,", "10.0]"]
+    assert (tmp_path / TRACKER).read_text() == "10"
+
+
+async def test_load_latest_returns_none_when_nothing_is_committed(tmp_path: Path) -> None:
+    async with asyncsave.Checkpointer(tmp_path / "fresh") as ckpt:
+        assert await ckpt.load_latest() is None
+    assert asyncsave.latest(tmp_path / "fresh") is None
+    assert asyncsave.latest(tmp_path / "does-not-exist") is None
+
+
+async def test_load_latest_returns_state_and_info(tmp_path: Path) -> None:
+    await save_steps(tmp_path, [1, 2, 3])
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        restored = await ckpt.load_latest()
+    assert restored is not None
+    state, info = restored
+    assert info.step == 3 and info.path == tmp_path / "step_3"
+    assert state["step"] == 3 and torch.equal(state["w"], torch.full((4,), 3.0))
+
+
+async def test_partial_directory_without_manifest_is_never_a_checkpoint(tmp_path: Path) -> None:
+    """S13: a step directory with data files but no manifest (an interrupted,
+    non-atomic writer) is removed at open and resume takes the last complete one."""
+    await save_steps(tmp_path, [1, 2])
+    partial = tmp_path / "step_3"
+    partial.mkdir()
+    (partial / "data-r00000-000.safetensors").write_bytes(b"\0" * 4096)
+    (tmp_path / TRACKER).write_text("2")
+    assert asyncsave.latest(tmp_path).step == 2  # type: ignore[union-attr]
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        assert not partial.exists()
+        restored = await ckpt.load_latest()
+    assert restored is not None and restored.info.step == 2
+
+
+async def test_garbage_tracker_falls_back_to_scanning_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    await save_steps(tmp_path, [4, 8])
+    (tmp_path / TRACKER).write_text("eight\n")
+    with caplog.at_level(logging.WARNING, logger="asyncsave"):
+        info = asyncsave.latest(tmp_path)
+    assert info is not None and info.step == 8
+    assert any("scanning" in r.getMessage() for r in caplog.records)
+
+
+async def test_missing_tracker_falls_back_to_scanning_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    await save_steps(tmp_path, [4, 8])
+    (tmp_path / TRACKER).unlink()
+    with caplog.at_level(logging.WARNING, logger="asyncsave"):
+        info = asyncsave.latest(tmp_path)
+    assert info is not None and info.step == 8
+    assert any("no usable tracker" in r.getMessage() for r in caplog.records)
+
+
+async def test_tracker_naming_a_missing_checkpoint_is_an_error_unless_fallback(tmp_path: Path) -> None:
+    await save_steps(tmp_path, [4, 8])
+    (tmp_path / TRACKER).write_text("12")
+    with pytest.raises(asyncsave.CheckpointNotFoundError) as err:
+        asyncsave.latest(tmp_path)
+    assert err.value.step == 12 and "fallback=True" in str(err.value)
+    info = asyncsave.latest(tmp_path, fallback=True)
+    assert info is not None and info.step == 8
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(asyncsave.CheckpointNotFoundError):
+            await ckpt.load_latest()
+        restored = await ckpt.load_latest(fallback=True)
+        assert restored is not None and restored.info.step == 8
+
+
+async def test_tracker_naming_a_damaged_checkpoint_is_an_error_unless_fallback(tmp_path: Path) -> None:
+    await save_steps(tmp_path, [4, 8])
+    (tmp_path / "step_8" / "manifest.json").write_text("{not json")
+    with pytest.raises(asyncsave.CheckpointNotFoundError):
+        asyncsave.latest(tmp_path)
+    assert asyncsave.latest(tmp_path, fallback=True).step == 4  # type: ignore[union-attr]
+
+
+async def test_a_commit_the_tracker_missed_is_rolled_forward_at_open(tmp_path: Path) -> None:
+    """A crash between the rename and the tracker update leaves a committed, untracked
+    checkpoint: the next open moves the tracker to it."""
+    await save_steps(tmp_path, [5, 10])
+    (tmp_path / TRACKER).write_text("5")
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.tracked_step == 10
+    assert (tmp_path / TRACKER).read_text() == "10"
+
+
+async def test_a_missing_required_item_is_a_typed_error_naming_it(tmp_path: Path) -> None:
+    """S17: a checkpoint missing its dataloader state never resumes silently."""
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, {"model": {"w": torch.ones(2)}, "trainer": {"step": 1}}))
+    with pytest.raises(asyncsave.MissingItemError) as err:
+        asyncsave.load(tmp_path / "step_1", required=["model", "dataloader"])
+    assert err.value.key == "dataloader" and "dataloader" in str(err.value)
+    with pytest.raises(asyncsave.MissingItemError) as err2:
+        asyncsave.load(tmp_path / "step_1", required=[("trainer", "rng")])
+    assert err2.value.key == "trainer/rng"
+    # A template holding a Stateful object the checkpoint lacks is refused too.
+    with pytest.raises(asyncsave.MissingItemError) as err3:
+        asyncsave.load(tmp_path / "step_1", {"dataloader": Cursor()})
+    assert err3.value.key == "dataloader"
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(asyncsave.MissingItemError):
+            await ckpt.load_latest({"dataloader": Cursor()})
+        with pytest.raises(asyncsave.MissingItemError):
+            await ckpt.load_latest(required=["dataloader"])
+
+
+async def test_kind_tags_are_checked_on_load(tmp_path: Path) -> None:
+    """S17: a replay buffer saved by another sampler type is never loaded blindly."""
+    cursor = Cursor(17)
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, {"replay": asyncsave.Tagged({"ids": torch.arange(5)}, kind="uniform-v1"), "data": asyncsave.Tagged(cursor, "cursor")}))
+    path = tmp_path / "step_1"
+    with pytest.raises(asyncsave.KindMismatchError) as err:
+        asyncsave.load(path, {"replay": asyncsave.Tagged(None, kind="prioritized-v1")})
+    assert err.value.key == "replay" and "uniform-v1" in str(err.value) and "prioritized-v1" in str(err.value)
+    fresh = Cursor()
+    out = asyncsave.load(path, {"replay": asyncsave.Tagged(None, kind="uniform-v1"), "data": asyncsave.Tagged(fresh, "cursor")})
+    assert torch.equal(out["replay"].value["ids"], torch.arange(5)) and out["replay"].kind == "uniform-v1"
+    assert out["data"].value is fresh and fresh.position == 17
+    # Untagged at save time, tagged expectation at load: refused.
+    async with asyncsave.Checkpointer(tmp_path / "b") as ckpt:
+        await (await ckpt.save(1, {"replay": {"ids": torch.arange(3)}}))
+    with pytest.raises(asyncsave.KindMismatchError):
+        asyncsave.load(tmp_path / "b" / "step_1", {"replay": asyncsave.Tagged(None, kind="uniform-v1")})
+
+
+async def test_template_tensors_are_filled_in_place_and_shape_mismatch_is_refused(tmp_path: Path) -> None:
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, {"buf": torch.arange(6.0)}))
+    target = torch.zeros(6)
+    out = asyncsave.load(tmp_path / "step_1", {"buf": target})
+    assert out["buf"] is target and torch.equal(target, torch.arange(6.0))
+    with pytest.raises(asyncsave.InvalidStateError) as err:
+        asyncsave.load(tmp_path / "step_1", {"buf": torch.zeros(5)})
+    assert err.value.key == "buf"
+
+
+def test_resume_reads_the_manifest_not_the_directory_listing(tmp_path: Path) -> None:
+    """A final-named directory is only a checkpoint through its manifest."""
+    (tmp_path / "step_9").mkdir(parents=True)
+    (tmp_path / "step_9" / "manifest.json").write_text(json.dumps({"format": "something-else"}))
+    (tmp_path / TRACKER).write_text("9")
+    with pytest.raises(asyncsave.CheckpointNotFoundError):
+        asyncsave.latest(tmp_path)
+    assert asyncsave.latest(tmp_path, fallback=True) is None
