@@ -1,0 +1,85 @@
+"""CUDA staging: pinned exact-size host buffers, side-stream D2H copies, no device
+memory. Runs where CUDA is present; skips cleanly elsewhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import asyncsave
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+async def test_cuda_tensors_round_trip_bit_exactly(tmp_path: Path) -> None:
+    dev = torch.device("cuda")
+    w = torch.randn(64, 48, device=dev)
+    state = {
+        "w": w,
+        "tied": w,
+        "w_t": w.t(),
+        "slice": torch.randn(32, 32, device=dev)[:, ::2],  # lone non-contiguous view
+        "bf16": torch.randn(1000, device=dev).to(torch.bfloat16),
+        "f8": torch.randn(77, device=dev).to(torch.float8_e4m3fn),
+        "cpu": torch.arange(5),
+        "scalar": torch.tensor(3.5, device=dev),
+    }
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        info = await (await ckpt.save(1, state))
+    assert info is not None
+    out = asyncsave.load(info.path)
+    for k, v in state.items():
+        assert out[k].device.type == "cpu"
+        assert torch.equal(out[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else out[k], (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).cpu()), k
+    assert out["w"].untyped_storage().data_ptr() == out["w_t"].untyped_storage().data_ptr()
+    on_gpu = asyncsave.load(info.path, device="cuda")
+    assert on_gpu["w"].is_cuda and torch.equal(on_gpu["w"], w)
+    assert on_gpu["w"].untyped_storage().data_ptr() == on_gpu["tied"].untyped_storage().data_ptr()
+
+
+async def test_staging_allocates_no_device_memory(tmp_path: Path) -> None:
+    """S12: the snapshot goes to host memory; the device memory peak is unchanged."""
+    dev = torch.device("cuda")
+    state = {f"p{i}": torch.randn(1024, 1024, device=dev) for i in range(16)}  # 64 MiB
+    state["view"] = torch.randn(2048, 2048, device=dev)[:, :1000]  # non-contiguous
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.max_memory_allocated()
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            await (await ckpt.save(step, state))
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before <= 1 << 20
+
+
+async def test_pinned_pool_is_exact_size_and_reused(tmp_path: Path) -> None:
+    state = {"a": torch.randn(3, 1000, 1001, device="cuda")}  # not a power of two
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, state))
+        pool = ckpt.staging_pool
+        assert pool is not None and pool.allocations == 1
+        assert pool._arena is not None and pool._arena.is_pinned()
+        nbytes = 3 * 1000 * 1001 * 4
+        assert nbytes <= pool.capacity < nbytes + 128
+        ptr = pool.arena_ptr
+        await (await ckpt.save(2, state))
+        assert pool.allocations == 1 and pool.arena_ptr == ptr
+
+
+async def test_copies_see_kernels_queued_before_save_and_mutation_after(tmp_path: Path) -> None:
+    """S11 on CUDA: the snapshot holds the value computed before save() (queued on
+    the current stream) and not the in-place update made right after it returns."""
+    x = torch.randn(4096, 4096, device="cuda")
+    y = x * 2 + 1  # queued, maybe not finished, when save() is called
+    expected = (x * 2 + 1).cpu()
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        handle = await ckpt.save(1, {"y": y})
+        y.mul_(0)
+        await handle
+    assert torch.equal(asyncsave.load(tmp_path / "step_1")["y"], expected)
