@@ -16,8 +16,8 @@ See DESIGN.md for the pipeline and its invariants.
 
 from ._engine import Checkpointer, SaveHandle
 from ._errors import (
-    CheckpointError,
     CheckpointerClosedError,
+    CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     ChecksumMismatchError,

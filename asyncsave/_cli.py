@@ -59,7 +59,10 @@ def _ls(root: Path, layout_name: str, out: TextIO) -> int:
         try:
             m = read_checkpoint(fs, path)
             size = sum(f["nbytes"] for f in m.files)
-            print(f" {mark} {path.name:<20} step {step:>10}  {_size(size):>10}  {len(m.tensors):>6} tensors", file=out)
+            print(
+                f" {mark} {path.name:<20} step {step:>10}  {_size(size):>10}  {len(m.tensors):>6} tensors",
+                file=out,
+            )
         except CheckpointError as exc:
             rc = 1
             print(f" {mark} {path.name:<20} step {step:>10}  NOT LOADABLE: {exc}", file=out)
@@ -68,7 +71,9 @@ def _ls(root: Path, layout_name: str, out: TextIO) -> int:
         print(f"   tracker names step {tracked}, which is missing", file=out)
     for name in fs.listdir(root):
         if is_temp_name(name):
-            print(f"   {name}  (temporary: an uncommitted save; removed at the next open)", file=out)
+            print(
+                f"   {name}  (temporary: an uncommitted save; removed at the next open)", file=out
+            )
     return rc
 
 
@@ -89,7 +94,10 @@ def _verify(path: Path, layout_name: str, out: TextIO) -> int:
             rc = 1
             print(f"FAIL {target}: {exc}", file=out)
             continue
-        print(f"ok   {target}: step {info.step}, {info.num_tensors} tensors, {_size(info.nbytes)} verified", file=out)
+        print(
+            f"ok   {target}: step {info.step}, {info.num_tensors} tensors, {_size(info.nbytes)} verified",
+            file=out,
+        )
     return rc
 
 
@@ -113,7 +121,13 @@ def _describe(node: Any, m: Manifest, indent: int, label: str, out: TextIO) -> N
     elif kind == "tensordict":
         print(f"{pad}{label}: TensorDict batch_size={node['batch_size']}", file=out)
         for key, sub in node["items"]:
-            _describe(sub.get("value", sub) if sub.get("type") == "nontensor" else sub, m, indent + 1, repr(key), out)
+            _describe(
+                sub.get("value", sub) if sub.get("type") == "nontensor" else sub,
+                m,
+                indent + 1,
+                repr(key),
+                out,
+            )
     elif kind == "stateful":
         print(f"{pad}{label}: state_dict of {node['class']}", file=out)
         _describe(node["state"], m, indent + 1, "state", out)
@@ -133,7 +147,10 @@ def _inspect(path: Path, out: TextIO) -> int:
     except CheckpointError as exc:
         print(f"asyncsave: {exc}", file=sys.stderr)
         return 1
-    print(f"{path}: step {m.step}, world size {m.world_size}, {len(m.tensors)} tensors, {_size(m.nbytes)}", file=out)
+    print(
+        f"{path}: step {m.step}, world size {m.world_size}, {len(m.tensors)} tensors, {_size(m.nbytes)}",
+        file=out,
+    )
     _describe(m.tree, m, 0, "state", out)
     return 0
 
@@ -145,7 +162,9 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_ls = sub.add_parser("ls", help="list committed checkpoints under ROOT")
     p_ls.add_argument("root", type=Path)
-    p_ver = sub.add_parser("verify", help="check every checksum of a checkpoint (or of all in a ROOT)")
+    p_ver = sub.add_parser(
+        "verify", help="check every checksum of a checkpoint (or of all in a ROOT)"
+    )
     p_ver.add_argument("path", type=Path)
     p_ins = sub.add_parser("inspect", help="print the state tree of a checkpoint")
     p_ins.add_argument("path", type=Path)

@@ -42,7 +42,7 @@ def make_temp_dir(fs: LocalFileSystem, root: Path, step: int) -> Path:
 
 
 def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) -> None:
-    """Steps 3–5 of the protocol: fsync ``tmp``, rename it to ``final``, fsync the
+    """Steps 3 to 5 of the protocol: fsync ``tmp``, rename it to ``final``, fsync the
     parent.
 
     With ``overwrite``, an existing ``final`` is swapped out atomically

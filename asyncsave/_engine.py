@@ -29,8 +29,8 @@ import torch
 
 from ._commit import commit_dir, discard, make_temp_dir, recover
 from ._errors import (
-    CheckpointError,
     CheckpointerClosedError,
+    CheckpointError,
     CheckpointTimeoutError,
     InvalidStepError,
     ProtectedCheckpointError,
@@ -74,7 +74,9 @@ class SaveHandle:
         self._error: BaseException | None = None
 
     @classmethod
-    def resolved(cls, step: int, info: CheckpointInfo | None, *, skipped: bool = False) -> SaveHandle:
+    def resolved(
+        cls, step: int, info: CheckpointInfo | None, *, skipped: bool = False
+    ) -> SaveHandle:
         handle = cls(step, skipped=skipped)
         handle._info = info
         handle._staged.set()
@@ -82,7 +84,15 @@ class SaveHandle:
         return handle
 
     def __repr__(self) -> str:
-        state = "skipped" if self.skipped else "failed" if self._error else "committed" if self.done() else "pending"
+        state = (
+            "skipped"
+            if self.skipped
+            else "failed"
+            if self._error
+            else "committed"
+            if self.done()
+            else "pending"
+        )
         return f"<SaveHandle step={self.step} {state}>"
 
     def __await__(self) -> Generator[Any, None, CheckpointInfo | None]:
@@ -224,7 +234,9 @@ class Checkpointer:
         if exc is not None:
             if error is not None:
                 exc.add_note(f"asyncsave: a checkpoint save also failed during shutdown: {error!r}")
-                logger.error("checkpoint flush failed while %r was propagating", exc, exc_info=error)
+                logger.error(
+                    "checkpoint flush failed while %r was propagating", exc, exc_info=error
+                )
             return False
         if error is not None:
             raise error
@@ -292,8 +304,7 @@ class Checkpointer:
     def _check_usable(self) -> None:
         if self._state != "open":
             raise CheckpointerClosedError(
-                f"the Checkpointer for {self.root} is {self._state}; use it inside "
-                "`async with`",
+                f"the Checkpointer for {self.root} is {self._state}; use it inside `async with`",
                 path=self.root,
             )
         if self._failure is not None:
@@ -338,8 +349,7 @@ class Checkpointer:
             return SaveHandle.resolved(0, None, skipped=True)
         if step == self._resumed_step and overwrite:
             raise ProtectedCheckpointError(
-                f"step {step} is the checkpoint this run resumed from; it is never "
-                "rewritten",
+                f"step {step} is the checkpoint this run resumed from; it is never rewritten",
                 step=step,
                 path=self.root / self.layout.dir_name(step),
             )
@@ -361,9 +371,13 @@ class Checkpointer:
         self._pending[step] = handle
         lease: Lease | None = None
         try:
-            lease = await self._pool.acquire(nbytes, pin=any(d.type == "cuda" for d in plan.devices))
+            lease = await self._pool.acquire(
+                nbytes, pin=any(d.type == "cuda" for d in plan.devices)
+            )
             self._check_usable()  # an earlier save may have failed while we waited
-            await stage_entries(lease.buffer, plan.entries, poll_interval_s=self.options.poll_interval_s)
+            await stage_entries(
+                lease.buffer, plan.entries, poll_interval_s=self.options.poll_interval_s
+            )
         except BaseException:
             if lease is not None:
                 lease.release()
@@ -385,7 +399,9 @@ class Checkpointer:
     async def _run(self, func: Any, *args: Any) -> Any:
         """Blocking I/O in a worker thread; a thread stuck past the save's deadline
         is abandoned (it can only touch the save's temporary directory)."""
-        return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter, abandon_on_cancel=True)
+        return await anyio.to_thread.run_sync(
+            func, *args, limiter=self._limiter, abandon_on_cancel=True
+        )
 
     async def _pipeline(
         self,
@@ -411,7 +427,9 @@ class Checkpointer:
                     manifest = _manifest_doc(step, plan, layouts, blocked_s, staged_s, written_s)
                     await self._run(write_json, self._fs, tmp / MANIFEST_NAME, manifest)
                     final = self.root / self.layout.dir_name(step)
-                    await self._run(functools.partial(commit_dir, overwrite=overwrite), self._fs, tmp, final)
+                    await self._run(
+                        functools.partial(commit_dir, overwrite=overwrite), self._fs, tmp, final
+                    )
                     tmp = None  # committed: nothing to discard any more
                     await self._track(step)
                 info = CheckpointInfo(
@@ -428,7 +446,12 @@ class Checkpointer:
                 handle._commit(info)
                 logger.info(
                     "saved step %d to %s: %d bytes, blocked %.3f s, written %.3f s, committed %.3f s",
-                    step, final, info.nbytes, blocked_s, written_s, info.committed_s,
+                    step,
+                    final,
+                    info.nbytes,
+                    blocked_s,
+                    written_s,
+                    info.committed_s,
                 )
             except Exception as exc:
                 error = _as_save_error(exc, step, tmp, self.options.save_timeout_s)
@@ -461,12 +484,16 @@ class Checkpointer:
         with anyio.CancelScope(shield=True), anyio.move_on_after(30):
             await anyio.to_thread.run_sync(discard, self._fs, tmp, abandon_on_cancel=True)
 
-    async def _write_files(self, tmp: Path, plan: Plan, layouts: list[FileLayout], lease: Lease) -> None:
+    async def _write_files(
+        self, tmp: Path, plan: Plan, layouts: list[FileLayout], lease: Lease
+    ) -> None:
         errors: list[BaseException] = []
 
         async def write_one(fl: FileLayout) -> None:
             try:
-                digests = await self._run(write_data_file, self._fs, tmp, fl, plan.entries, lease.buffer)
+                digests = await self._run(
+                    write_data_file, self._fs, tmp, fl, plan.entries, lease.buffer
+                )
             except Exception as exc:  # collected, raised below as the first failure
                 errors.append(exc)
                 return
@@ -521,7 +548,9 @@ class Checkpointer:
             back to scanning, with a warning).
         """
         if self._state != "open":
-            raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=self.root)
+            raise CheckpointerClosedError(
+                "load_latest() needs an open Checkpointer", path=self.root
+            )
         info = await anyio.to_thread.run_sync(
             lambda: resolve(self._fs, self.root, self.layout, fallback=fallback)
         )
@@ -562,7 +591,9 @@ class Checkpointer:
         return self._pool
 
 
-def _as_save_error(exc: Exception, step: int, tmp: Path | None, timeout_s: float) -> SaveFailedError:
+def _as_save_error(
+    exc: Exception, step: int, tmp: Path | None, timeout_s: float
+) -> SaveFailedError:
     if isinstance(exc, SaveFailedError):
         return exc
     if isinstance(exc, TimeoutError) and not isinstance(exc, CheckpointError):

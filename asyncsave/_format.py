@@ -94,9 +94,7 @@ def layout_files(entries: list[Entry], *, rank: int, max_files: int) -> list[Fil
         # Largest element size first keeps every entry naturally aligned; the
         # plan's order breaks ties so the layout is deterministic.
         order = sorted(bucket, key=lambda i: (-entries[i].align, i))
-        header_obj: dict[str, object] = {
-            "__metadata__": {"format": "pt", "writer": "asyncsave"}
-        }
+        header_obj: dict[str, object] = {"__metadata__": {"format": "pt", "writer": "asyncsave"}}
         rel = 0
         for i in order:
             e = entries[i]

@@ -92,9 +92,7 @@ class LocalFileSystem:
         renameat2 = getattr(libc, "renameat2", None)
         if renameat2 is None:
             raise OSError(errno.ENOSYS, "renameat2 is not available", str(a))
-        rc = renameat2(
-            _AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE
-        )
+        rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
         if rc != 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), str(a), None, str(b))

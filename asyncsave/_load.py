@@ -92,7 +92,6 @@ def scan_steps(fs: LocalFileSystem, root: Path, layout: Layout) -> dict[int, Pat
     return found
 
 
-
 def info_of(path: Path, manifest: Manifest) -> CheckpointInfo:
     costs = manifest.costs
     return CheckpointInfo(
@@ -147,7 +146,7 @@ def _read_entries(
                 if e["file"] != fi:
                     continue
                 buf = torch.empty(e["nbytes"], dtype=torch.uint8)
-                view = memoryview(buf.numpy())
+                view = memoryview(buf.numpy())  # type: ignore[arg-type]
                 f.seek(e["offset"])
                 h = xxhash.xxh3_64()
                 pos = 0
@@ -175,9 +174,7 @@ def _read_entries(
     return [b for b in out if b is not None]
 
 
-def _build_tensors(
-    manifest: Manifest, raw: list[torch.Tensor], device: torch.device
-) -> list[Any]:
+def _build_tensors(manifest: Manifest, raw: list[torch.Tensor], device: torch.device) -> list[Any]:
     on_device: dict[int, torch.Tensor] = {}
     tensors: list[Any] = []
     for rec in manifest.tensors:
@@ -207,7 +204,9 @@ def _build_tensors(
 
 
 class _Decoder:
-    def __init__(self, tensors: list[Any], records: list[dict[str, Any]], *, path: Path, allow_pickle: bool) -> None:
+    def __init__(
+        self, tensors: list[Any], records: list[dict[str, Any]], *, path: Path, allow_pickle: bool
+    ) -> None:
         self.tensors = tensors
         self.records = records
         self.path = path
@@ -251,10 +250,12 @@ class _Decoder:
                 return torch.device(v)
             if kind == "size" and isinstance(v, list) and all(type(n) is int for n in v):
                 return torch.Size(v)
-            if kind == "np_scalar":
+            if kind == "np_scalar" and type(v) is str:
                 import numpy as np
 
-                return np.frombuffer(base64.b64decode(v, validate=True), dtype=np.dtype(node["dtype"]))[0]
+                return np.frombuffer(
+                    base64.b64decode(v, validate=True), dtype=np.dtype(node["dtype"])
+                )[0]
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise self.bad(where, f"bad {kind} value") from exc
         if kind == "tensor":
@@ -270,7 +271,7 @@ class _Decoder:
                 )
             return pickle.loads(self.tensors[i].numpy().tobytes())
         if kind == "dict":
-            return self.dict(node, where)
+            return self.mapping(node, where)
         if kind in ("list", "tuple"):
             items = node.get("items")
             if not isinstance(items, list):
@@ -287,7 +288,7 @@ class _Decoder:
             return self.tensordict(node, where)
         raise self.bad(where, f"unknown node type {kind!r}")
 
-    def dict(self, node: dict[str, Any], where: tuple[Any, ...]) -> Any:
+    def mapping(self, node: dict[str, Any], where: tuple[Any, ...]) -> Any:
         items = node.get("items")
         if not isinstance(items, list):
             raise self.bad(where, "dict without items")
@@ -356,7 +357,11 @@ def _apply_template(value: Any, template: Any, where: tuple[Any, ...], path: Pat
         template.load_state_dict(value)
         return template
     if isinstance(template, torch.Tensor):
-        if not isinstance(value, torch.Tensor) or value.shape != template.shape or value.dtype != template.dtype:
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.shape != template.shape
+            or value.dtype != template.dtype
+        ):
             raise InvalidStateError(
                 f"{key_str(where)!r}: the template tensor is {template.dtype} "
                 f"{tuple(template.shape)}, the checkpoint holds "
@@ -395,7 +400,10 @@ def _apply_template(value: Any, template: Any, where: tuple[Any, ...], path: Pat
                 path=path,
                 key=key_str(where),
             )
-        applied = [_apply_template(v, t, (*where, i), path) for i, (v, t) in enumerate(zip(value, template))]
+        applied = [
+            _apply_template(v, t, (*where, i), path)
+            for i, (v, t) in enumerate(zip(value, template, strict=True))
+        ]
         return applied if isinstance(value, list) else tuple(applied)
     return value
 
@@ -467,12 +475,16 @@ def load(
     manifest = read_checkpoint(fs, p)
     raw = _read_entries(fs, p, manifest, verify=verify)
     tensors = _build_tensors(manifest, raw, torch.device(device))
-    state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(manifest.tree)
+    state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(
+        manifest.tree
+    )
     _check_required(state, required, p)
     return _apply_template(state, template, (), p)
 
 
-def verify(path: str | os.PathLike[str], *, filesystem: LocalFileSystem | None = None) -> CheckpointInfo:
+def verify(
+    path: str | os.PathLike[str], *, filesystem: LocalFileSystem | None = None
+) -> CheckpointInfo:
     """Check a checkpoint completely: manifest, file sizes, safetensors headers and
     the checksum of every byte. Reads everything once; decodes nothing.
 
@@ -528,7 +540,9 @@ def resolve(
             logger.warning("skipping %s: %s", found[step], exc)
             continue
         if layout.tracker_name is not None:
-            logger.warning("no usable tracker in %s; resuming from the newest committed step %d", root, step)
+            logger.warning(
+                "no usable tracker in %s; resuming from the newest committed step %d", root, step
+            )
         return info
     return None
 

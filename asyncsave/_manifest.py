@@ -113,6 +113,7 @@ def parse_manifest(raw: bytes, path: Path) -> Manifest:
         raise _fail(path, f"step {step!r} is not a non-negative int")
     if not _int(world_size, 1, 1 << 24):
         raise _fail(path, f"world_size {world_size!r} is not a positive int")
+    assert isinstance(step, int) and isinstance(world_size, int)
 
     files = doc.get("files")
     if not isinstance(files, list):
@@ -195,13 +196,15 @@ def _check_tensor(path: Path, i: int, t: Any, entries: list[dict[str, Any]]) -> 
                 f"entry holds {entry_nbytes}",
             )
         return
-    if not isinstance(stride, list) or len(stride) != len(shape) or not all(
-        _int(s) for s in stride
+    if (
+        not isinstance(stride, list)
+        or len(stride) != len(shape)
+        or not all(_int(s) for s in stride)
     ):
         raise _fail(path, f"{where}.stride does not match its shape")
     if t["offset"] % itemsize:
         raise _fail(path, f"{where}.offset is not a multiple of its element size")
     if numel:
-        last = sum((n - 1) * s for n, s in zip(shape, stride))
+        last = sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
         if t["offset"] + (last + 1) * itemsize > entry_nbytes:
             raise _fail(path, f"{where} ({t.get('key')!r}) reaches past its entry")

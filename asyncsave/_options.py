@@ -55,25 +55,19 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
-            raise ValueError(
-                f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}"
-            )
+            raise ValueError(f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}")
         if self.budget_bytes is not None and (
             isinstance(self.budget_bytes, bool)
             or not isinstance(self.budget_bytes, int)
             or self.budget_bytes <= 0
         ):
-            raise ValueError(
-                f"budget_bytes={self.budget_bytes!r} must be a positive int or None"
-            )
+            raise ValueError(f"budget_bytes={self.budget_bytes!r} must be a positive int or None")
         if (
             isinstance(self.writer_threads, bool)
             or not isinstance(self.writer_threads, int)
             or not 1 <= self.writer_threads <= 64
         ):
-            raise ValueError(
-                f"writer_threads={self.writer_threads!r} must be an int in 1..64"
-            )
+            raise ValueError(f"writer_threads={self.writer_threads!r} must be an int in 1..64")
         for name in ("save_timeout_s", "close_timeout_s", "poll_interval_s"):
             value = getattr(self, name)
             if (

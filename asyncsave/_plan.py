@@ -138,8 +138,7 @@ class _Flattener:
     def node(self, obj: Any, path: tuple[Any, ...], depth: int) -> dict[str, Any]:
         if depth > MAX_DEPTH:
             raise InvalidStateError(
-                f"state tree is nested deeper than {MAX_DEPTH} levels at "
-                f"{key_str(path)!r}",
+                f"state tree is nested deeper than {MAX_DEPTH} levels at {key_str(path)!r}",
                 key=key_str(path),
             )
         # Exact type checks: a subclass of int or str (an Enum) would not come back
@@ -202,8 +201,7 @@ class _Flattener:
     def container(self, obj: Any, path: tuple[Any, ...], depth: int) -> dict[str, Any]:
         if id(obj) in self._on_path:
             raise InvalidStateError(
-                f"state tree is recursive: the container at {key_str(path)!r} contains "
-                "itself",
+                f"state tree is recursive: the container at {key_str(path)!r} contains itself",
                 key=key_str(path),
             )
         self._on_path.add(id(obj))
@@ -290,8 +288,7 @@ class _Flattener:
             t = torch.from_numpy(a)
         except (TypeError, ValueError) as exc:
             raise UnsupportedTensorError(
-                f"NumPy array at key {key_str(path)!r} has dtype {a.dtype} that torch "
-                "cannot hold",
+                f"NumPy array at key {key_str(path)!r} has dtype {a.dtype} that torch cannot hold",
                 key=key_str(path),
             ) from exc
         self.leaves.append(TensorLeaf(key_str(path), t, "ndarray", False))
@@ -316,8 +313,7 @@ def _encode_key(k: Any, path: tuple[Any, ...]) -> list[Any]:
     if type(k) is int:
         return ["i", k]
     raise InvalidKeyError(
-        f"dict key {k!r} of type {type(k).__name__} under {key_str(path)!r} is not "
-        "str or int",
+        f"dict key {k!r} of type {type(k).__name__} under {key_str(path)!r} is not str or int",
         key=key_str((*path, k)),
     )
 
@@ -378,7 +374,7 @@ def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]
             records[i] = _record(
                 leaves[i],
                 entry=len(entries) - 1,
-                offset=t.storage_offset() * t.element_size() - start,
+                offset=int(t.storage_offset()) * t.element_size() - start,
                 stride=list(t.stride()),
             )
     for i, leaf in enumerate(leaves):
@@ -403,12 +399,14 @@ def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """[start, end) bytes of ``t``'s storage that ``t`` can touch."""
     size = t.element_size()
-    start = t.storage_offset()
-    last = start + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    start = int(t.storage_offset())
+    last = start + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if n > 0)
     return start * size, (last + 1) * size
 
 
-def _record(leaf: TensorLeaf, *, entry: int, offset: int, stride: list[int] | None) -> dict[str, Any]:
+def _record(
+    leaf: TensorLeaf, *, entry: int, offset: int, stride: list[int] | None
+) -> dict[str, Any]:
     t = leaf.tensor
     return {
         "key": leaf.key,

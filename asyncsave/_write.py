@@ -49,7 +49,7 @@ def write_data_file(
     :raises OSError: from any write, fsync or close; the partial file is left for
         the caller to remove with its temporary directory.
     """
-    view = memoryview(buffer.numpy())
+    view = memoryview(buffer.numpy())  # type: ignore[arg-type]
     digests: dict[int, str] = {}
     fd = fs.create(directory / layout.name)
     try:

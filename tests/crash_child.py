@@ -18,7 +18,10 @@ import asyncsave
 def state_of(step: int) -> dict[str, object]:
     g = torch.Generator().manual_seed(step)
     return {
-        "model": {"w": torch.randn(2560, 1024, generator=g), "b": torch.randn(1024, generator=g).half()},
+        "model": {
+            "w": torch.randn(2560, 1024, generator=g),
+            "b": torch.randn(1024, generator=g).half(),
+        },
         "optim": {"m": torch.randn(512, 512, generator=g, dtype=torch.float64)},
         "trainer": {"step": step, "name": f"run-{step}"},
     }

@@ -14,7 +14,19 @@ from asyncsave import LocalFileSystem
 
 PROCEED = object()  # an action returning this lets the real call go ahead
 
-OPS = ("create", "write", "fsync", "close", "mkdir", "fsync_dir", "rename", "replace", "exchange", "remove_tree", "unlink")
+OPS = (
+    "create",
+    "write",
+    "fsync",
+    "close",
+    "mkdir",
+    "fsync_dir",
+    "rename",
+    "replace",
+    "exchange",
+    "remove_tree",
+    "unlink",
+)
 
 
 class FaultyFS(LocalFileSystem):
@@ -26,7 +38,14 @@ class FaultyFS(LocalFileSystem):
     ahead), ``kill()`` (SIGKILL this process, for crash tests).
     """
 
-    def __init__(self, op: str, action: Callable[[], Any], *, n: int = 1, where: Callable[[str], bool] = lambda p: True) -> None:
+    def __init__(
+        self,
+        op: str,
+        action: Callable[[], Any],
+        *,
+        n: int = 1,
+        where: Callable[[str], bool] = lambda p: True,
+    ) -> None:
         assert op in OPS, op
         self.op, self.action, self.n, self.where = op, action, n, where
         self.seen = 0

@@ -64,7 +64,9 @@ def test_inspect_prints_the_tree_with_dtype_shape_and_bytes(tmp_path: Path) -> N
     assert "'step': int 1" in text
 
 
-def test_inspect_of_a_non_checkpoint_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_of_a_non_checkpoint_fails_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rc, _ = run("inspect", str(tmp_path))
     assert rc == 1
     assert "no manifest.json" in capsys.readouterr().err
@@ -72,6 +74,11 @@ def test_inspect_of_a_non_checkpoint_fails_cleanly(tmp_path: Path, capsys: pytes
 
 def test_the_installed_command_runs(tmp_path: Path) -> None:
     make_root(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "asyncsave", "ls", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncsave", "ls", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "step_2" in proc.stdout

@@ -18,7 +18,7 @@ import torch
 import asyncsave
 
 sys.path.insert(0, str(Path(__file__).parent))
-from crash_child import state_of  # noqa: E402
+from crash_child import state_of
 
 pytestmark = pytest.mark.slow
 
@@ -54,12 +54,24 @@ def assert_same(a: dict, b: dict) -> None:
             assert a[group][k].dtype == v.dtype and torch.equal(a[group][k], v), (group, k)
 
 
-@pytest.mark.parametrize(("op", "where", "n"), KILL_POINTS, ids=[f"{o}-{n}-{'+'.join(w)}" for o, w, n in KILL_POINTS])
+@pytest.mark.parametrize(
+    ("op", "where", "n"), KILL_POINTS, ids=[f"{o}-{n}-{'+'.join(w)}" for o, w, n in KILL_POINTS]
+)
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_sigkill_mid_save_leaves_last_commit_loadable(tmp_path: Path, op: str, where: tuple[str, ...], n: int, backend: str) -> None:
+def test_sigkill_mid_save_leaves_last_commit_loadable(
+    tmp_path: Path, op: str, where: tuple[str, ...], n: int, backend: str
+) -> None:
     root = tmp_path / "ckpt"
     proc = subprocess.run(
-        [sys.executable, str(HERE / "crash_child.py"), str(root), op, str(n), ",".join(where), backend],
+        [
+            sys.executable,
+            str(HERE / "crash_child.py"),
+            str(root),
+            op,
+            str(n),
+            ",".join(where),
+            backend,
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -36,7 +36,10 @@ async def test_cuda_tensors_round_trip_bit_exactly(tmp_path: Path) -> None:
     out = asyncsave.load(info.path)
     for k, v in state.items():
         assert out[k].device.type == "cpu"
-        assert torch.equal(out[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else out[k], (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).cpu()), k
+        assert torch.equal(
+            out[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else out[k],
+            (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).cpu(),
+        ), k
     assert out["w"].untyped_storage().data_ptr() == out["w_t"].untyped_storage().data_ptr()
     on_gpu = asyncsave.load(info.path, device="cuda")
     assert on_gpu["w"].is_cuda and torch.equal(on_gpu["w"], w)

@@ -49,7 +49,11 @@ async def test_await_handle_returns_after_commit_and_tracker(tmp_path: Path) -> 
         assert temp_dirs(tmp_path) == []
         assert asyncsave.verify(info.path).step == 3
         assert info.nbytes == 64 * 64 * 4 and info.num_tensors == 1
-        assert info.blocked_s is not None and info.written_s is not None and info.committed_s is not None
+        assert (
+            info.blocked_s is not None
+            and info.written_s is not None
+            and info.committed_s is not None
+        )
         assert 0 <= info.blocked_s <= info.written_s <= info.committed_s
 
 
@@ -86,7 +90,9 @@ async def test_tracker_never_moves_backwards_when_saves_finish_out_of_order(tmp_
     assert asyncsave.latest(tmp_path).step == 10  # type: ignore[union-attr]
 
 
-async def test_saved_is_logged_at_commit_not_at_dispatch(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_saved_is_logged_at_commit_not_at_dispatch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     gate = threading.Event()
     fs = FaultyFS("rename", pause(gate))
     caplog.set_level(logging.INFO, logger="asyncsave")
@@ -178,7 +184,9 @@ async def test_bad_steps_raise_invalid_step_error(tmp_path: Path, step: Any) -> 
 # -- snapshots (S10, S11) --------------------------------------------------------
 
 
-async def test_mutating_tensors_after_save_returns_does_not_leak_into_checkpoint(tmp_path: Path) -> None:
+async def test_mutating_tensors_after_save_returns_does_not_leak_into_checkpoint(
+    tmp_path: Path,
+) -> None:
     gate = threading.Event()
     fs = FaultyFS("write", pause(gate), where=lambda p: p.endswith(".safetensors"))
     model = torch.nn.Linear(16, 16)
@@ -190,7 +198,9 @@ async def test_mutating_tensors_after_save_returns_does_not_leak_into_checkpoint
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     expected_avg = opt.state[model.weight]["exp_avg"].clone()
     async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
-        handle = await ckpt.save(1, {"model": model, "optim": opt, "buf": buf, "counters": counters})
+        handle = await ckpt.save(
+            1, {"model": model, "optim": opt, "buf": buf, "counters": counters}
+        )
         # Mutate everything in place while the write is still held back.
         with torch.no_grad():
             for p in model.parameters():
@@ -339,7 +349,9 @@ async def test_close_is_bounded_by_close_timeout(tmp_path: Path) -> None:
     assert not (tmp_path / "step_1").exists()
 
 
-async def test_training_error_propagates_unchanged_with_flush_error_attached(tmp_path: Path) -> None:
+async def test_training_error_propagates_unchanged_with_flush_error_attached(
+    tmp_path: Path,
+) -> None:
     fs = FaultyFS("write", raise_errno(errno.ENOSPC), where=lambda p: p.endswith(".safetensors"))
     e1 = KeyError("training blew up")
     with pytest.raises(KeyError) as caught:
@@ -356,7 +368,9 @@ async def test_flush_error_is_raised_on_a_clean_exit(tmp_path: Path) -> None:
     with pytest.raises(asyncsave.SaveFailedError) as caught:
         async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
             await ckpt.save(1, small_state())
-    assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == errno.ENOSPC
+    assert (
+        isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == errno.ENOSPC
+    )
 
 
 async def test_training_error_with_clean_flush_propagates_without_note(tmp_path: Path) -> None:
@@ -368,7 +382,9 @@ async def test_training_error_with_clean_flush_propagates_without_note(tmp_path:
     assert tracker(tmp_path) == "1"  # the pending save was flushed
 
 
-async def test_cancelled_pump_still_commits_dispatched_save_and_leaves_no_partial_dir(tmp_path: Path) -> None:
+async def test_cancelled_pump_still_commits_dispatched_save_and_leaves_no_partial_dir(
+    tmp_path: Path,
+) -> None:
     gate = threading.Event()
     fs = FaultyFS("write", pause(gate), where=lambda p: p.endswith(".safetensors"))
     timer = threading.Timer(0.5, gate.set)  # the disk answers after the cancellation

@@ -18,7 +18,15 @@ def test_final_names_of_the_default_layout() -> None:
     assert layout.dir_name(40) == "step_40"
     assert layout.parse_dir_name("step_40") == 40
     assert layout.parse_dir_name("step_0") == 0
-    for name in ("step_", "step_-1", "step_04", "step_4x", "xstep_4", ".asyncsave-tmp-4-abc", "step_1" + "0" * 30):
+    for name in (
+        "step_",
+        "step_-1",
+        "step_04",
+        "step_4x",
+        "xstep_4",
+        ".asyncsave-tmp-4-abc",
+        "step_1" + "0" * 30,
+    ):
         assert layout.parse_dir_name(name) is None, name
     assert layout.tracker_name == "latest_checkpointed_iteration.txt"
 

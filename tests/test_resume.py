@@ -103,7 +103,9 @@ async def test_partial_directory_without_manifest_is_never_a_checkpoint(tmp_path
     assert restored is not None and restored.info.step == 2
 
 
-async def test_garbage_tracker_falls_back_to_scanning_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_garbage_tracker_falls_back_to_scanning_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     await save_steps(tmp_path, [4, 8])
     (tmp_path / TRACKER).write_text("eight\n")
     with caplog.at_level(logging.WARNING, logger="asyncsave"):
@@ -112,7 +114,9 @@ async def test_garbage_tracker_falls_back_to_scanning_with_a_warning(tmp_path: P
     assert any("scanning" in r.getMessage() for r in caplog.records)
 
 
-async def test_missing_tracker_falls_back_to_scanning_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_missing_tracker_falls_back_to_scanning_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     await save_steps(tmp_path, [4, 8])
     (tmp_path / TRACKER).unlink()
     with caplog.at_level(logging.WARNING, logger="asyncsave"):
@@ -121,7 +125,9 @@ async def test_missing_tracker_falls_back_to_scanning_with_a_warning(tmp_path: P
     assert any("no usable tracker" in r.getMessage() for r in caplog.records)
 
 
-async def test_tracker_naming_a_missing_checkpoint_is_an_error_unless_fallback(tmp_path: Path) -> None:
+async def test_tracker_naming_a_missing_checkpoint_is_an_error_unless_fallback(
+    tmp_path: Path,
+) -> None:
     await save_steps(tmp_path, [4, 8])
     (tmp_path / TRACKER).write_text("12")
     with pytest.raises(asyncsave.CheckpointNotFoundError) as err:
@@ -136,7 +142,9 @@ async def test_tracker_naming_a_missing_checkpoint_is_an_error_unless_fallback(t
         assert restored is not None and restored.info.step == 8
 
 
-async def test_tracker_naming_a_damaged_checkpoint_is_an_error_unless_fallback(tmp_path: Path) -> None:
+async def test_tracker_naming_a_damaged_checkpoint_is_an_error_unless_fallback(
+    tmp_path: Path,
+) -> None:
     await save_steps(tmp_path, [4, 8])
     (tmp_path / "step_8" / "manifest.json").write_text("{not json")
     with pytest.raises(asyncsave.CheckpointNotFoundError):
@@ -179,23 +187,48 @@ async def test_kind_tags_are_checked_on_load(tmp_path: Path) -> None:
     """S17: a replay buffer saved by another sampler type is never loaded blindly."""
     cursor = Cursor(17)
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
-        await (await ckpt.save(1, {"replay": asyncsave.Tagged({"ids": torch.arange(5)}, kind="uniform-v1"), "data": asyncsave.Tagged(cursor, "cursor")}))
+        await (
+            await ckpt.save(
+                1,
+                {
+                    "replay": asyncsave.Tagged({"ids": torch.arange(5)}, kind="uniform-v1"),
+                    "data": asyncsave.Tagged(cursor, "cursor"),
+                },
+            )
+        )
     path = tmp_path / "step_1"
     with pytest.raises(asyncsave.KindMismatchError) as err:
         asyncsave.load(path, {"replay": asyncsave.Tagged(None, kind="prioritized-v1")})
-    assert err.value.key == "replay" and "uniform-v1" in str(err.value) and "prioritized-v1" in str(err.value)
+    assert (
+        err.value.key == "replay"
+        and "uniform-v1" in str(err.value)
+        and "prioritized-v1" in str(err.value)
+    )
     fresh = Cursor()
-    out = asyncsave.load(path, {"replay": asyncsave.Tagged(None, kind="uniform-v1"), "data": asyncsave.Tagged(fresh, "cursor")})
-    assert torch.equal(out["replay"].value["ids"], torch.arange(5)) and out["replay"].kind == "uniform-v1"
+    out = asyncsave.load(
+        path,
+        {
+            "replay": asyncsave.Tagged(None, kind="uniform-v1"),
+            "data": asyncsave.Tagged(fresh, "cursor"),
+        },
+    )
+    assert (
+        torch.equal(out["replay"].value["ids"], torch.arange(5))
+        and out["replay"].kind == "uniform-v1"
+    )
     assert out["data"].value is fresh and fresh.position == 17
     # Untagged at save time, tagged expectation at load: refused.
     async with asyncsave.Checkpointer(tmp_path / "b") as ckpt:
         await (await ckpt.save(1, {"replay": {"ids": torch.arange(3)}}))
     with pytest.raises(asyncsave.KindMismatchError):
-        asyncsave.load(tmp_path / "b" / "step_1", {"replay": asyncsave.Tagged(None, kind="uniform-v1")})
+        asyncsave.load(
+            tmp_path / "b" / "step_1", {"replay": asyncsave.Tagged(None, kind="uniform-v1")}
+        )
 
 
-async def test_template_tensors_are_filled_in_place_and_shape_mismatch_is_refused(tmp_path: Path) -> None:
+async def test_template_tensors_are_filled_in_place_and_shape_mismatch_is_refused(
+    tmp_path: Path,
+) -> None:
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         await (await ckpt.save(1, {"buf": torch.arange(6.0)}))
     target = torch.zeros(6)

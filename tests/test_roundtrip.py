@@ -18,13 +18,30 @@ import asyncsave
 pytestmark = pytest.mark.anyio
 
 ALL_DTYPES = [
-    torch.float64, torch.float32, torch.float16, torch.bfloat16,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-    torch.float8_e8m0fnu, torch.float4_e2m1fn_x2,
-    torch.complex32, torch.complex64, torch.complex128,
-    torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.uint8, torch.uint16, torch.uint32, torch.uint64,
-    torch.bool, torch.bits8, torch.bits16,
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+    torch.float4_e2m1fn_x2,
+    torch.complex32,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+    torch.bool,
+    torch.bits8,
+    torch.bits16,
 ]
 
 
@@ -42,7 +59,12 @@ def random_bits(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return bool(torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+    return bool(
+        torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8),
+            b.contiguous().reshape(-1).view(torch.uint8),
+        )
+    )
 
 
 async def save_and_load(tmp_path: Path, state: Any, **load_kw: Any) -> Any:
@@ -97,7 +119,10 @@ async def test_tied_weights_of_a_model_stay_tied(tmp_path: Path) -> None:
     model = Tied()
     out = await save_and_load(tmp_path, {"model": model.state_dict()})
     sd = out["model"]
-    assert sd["embed.weight"].untyped_storage().data_ptr() == sd["head.weight"].untyped_storage().data_ptr()
+    assert (
+        sd["embed.weight"].untyped_storage().data_ptr()
+        == sd["head.weight"].untyped_storage().data_ptr()
+    )
     fresh = Tied()
     fresh.load_state_dict(sd)
     assert torch.equal(fresh.head.weight, model.head.weight)
@@ -134,7 +159,12 @@ async def test_plain_leaves_and_containers_keep_their_types(tmp_path: Path) -> N
 
 async def test_numpy_arrays_and_scalars_come_back_as_numpy(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
-    state = {"arr": rng.random((3, 4)), "u32": np.arange(5, dtype=np.uint32), "scalar": np.float32(1.5), "i": np.int64(-7)}
+    state = {
+        "arr": rng.random((3, 4)),
+        "u32": np.arange(5, dtype=np.uint32),
+        "scalar": np.float32(1.5),
+        "i": np.int64(-7),
+    }
     out = await save_and_load(tmp_path, state)
     assert type(out["arr"]) is np.ndarray and np.array_equal(out["arr"], state["arr"])
     assert out["u32"].dtype == np.uint32 and np.array_equal(out["u32"], state["u32"])
@@ -154,7 +184,9 @@ async def test_parameters_and_requires_grad_are_kept(tmp_path: Path) -> None:
 
 
 async def test_tensordict_round_trips_nested_with_batch_size_and_names(tmp_path: Path) -> None:
-    inner = TensorDict({"b": torch.randn(4, 2).t().contiguous().t(), "ids": torch.arange(4)}, batch_size=[4])
+    inner = TensorDict(
+        {"b": torch.randn(4, 2).t().contiguous().t(), "ids": torch.arange(4)}, batch_size=[4]
+    )
     td = TensorDict(
         {
             "obs": torch.randn(4, 3, dtype=torch.float64),
@@ -178,7 +210,9 @@ async def test_tensordict_round_trips_nested_with_batch_size_and_names(tmp_path:
 
 
 async def test_real_optimizer_state_dict_loads_back(tmp_path: Path) -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
     for _ in range(3):
         model(torch.randn(8, 6)).pow(2).mean().backward()
@@ -186,7 +220,9 @@ async def test_real_optimizer_state_dict_loads_back(tmp_path: Path) -> None:
         opt.zero_grad()
     out = await save_and_load(tmp_path, {"model": model.state_dict(), "optim": opt.state_dict()})
     assert out["model"]._metadata == model.state_dict()._metadata
-    model2 = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2))
+    model2 = torch.nn.Sequential(
+        torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 2)
+    )
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1.0)
     model2.load_state_dict(out["model"])
     opt2.load_state_dict(out["optim"])
@@ -196,7 +232,7 @@ async def test_real_optimizer_state_dict_loads_back(tmp_path: Path) -> None:
     for m, o in ((model, opt), (model2, opt2)):
         m(x).pow(2).mean().backward()
         o.step()
-    for a, b in zip(model.parameters(), model2.parameters()):
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -214,11 +250,17 @@ async def test_stateful_objects_are_captured_and_restored_in_place(tmp_path: Pat
     assert restored is not None and restored.info.step == 5
     assert restored.state["model"] is model2 and restored.state["optim"] is opt2
     assert torch.equal(model2.weight, model.weight)
-    assert torch.equal(opt2.state[model2.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
+    assert torch.equal(
+        opt2.state[model2.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"]
+    )
 
 
 async def test_data_files_open_with_safetensors(tmp_path: Path) -> None:
-    state = {"w": torch.randn(4, 4), "c": torch.randn(3, dtype=torch.complex128), "h": torch.randn(5).half()}
+    state = {
+        "w": torch.randn(4, 4),
+        "c": torch.randn(3, dtype=torch.complex128),
+        "h": torch.randn(5).half(),
+    }
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         info = await (await ckpt.save(1, state))
     assert info is not None

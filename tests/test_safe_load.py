@@ -24,7 +24,11 @@ class Opaque:
 
 
 async def make(tmp_path: Path, state: Any | None = None, **kw: Any) -> Path:
-    state = state if state is not None else {"w": torch.randn(32, 32), "b": torch.arange(10), "meta": {"k": 1}}
+    state = (
+        state
+        if state is not None
+        else {"w": torch.randn(32, 32), "b": torch.arange(10), "meta": {"k": 1}}
+    )
     async with asyncsave.Checkpointer(tmp_path, **kw) as ckpt:
         info = await (await ckpt.save(1, state))
     assert info is not None
@@ -102,7 +106,10 @@ async def test_missing_manifest_is_not_a_checkpoint(tmp_path: Path) -> None:
         (lambda d: {**d, "format": "torch"}, "format"),
         (lambda d: {**d, "format_version": 99}, "format_version"),
         (lambda d: {**d, "step": -3}, "step"),
-        (lambda d: {**d, "files": [{"name": "../../etc/passwd", "nbytes": 1}]}, "safe plain file name"),
+        (
+            lambda d: {**d, "files": [{"name": "../../etc/passwd", "nbytes": 1}]},
+            "safe plain file name",
+        ),
         (lambda d: {**d, "files": [{"name": "/etc/passwd", "nbytes": 1}]}, "safe plain file name"),
         (lambda d: {**d, "entries": [{**d["entries"][0], "offset": 10**12}]}, "past the end"),
         (lambda d: {**d, "entries": [{**d["entries"][0], "xxh3_64": "zz"}]}, "checksum"),
@@ -164,10 +171,20 @@ async def test_tracker_garbage_never_resumes_from_scratch(tmp_path: Path, conten
     assert info is not None and info.step == 1
 
 
-async def test_keys_with_slashes_dots_and_nul_round_trip_inside_the_directory(tmp_path: Path) -> None:
-    state = {"../../escape": torch.ones(2), "a/b": torch.zeros(2), "nul\x00key": 3, "x" * 5000: torch.arange(3)}
+async def test_keys_with_slashes_dots_and_nul_round_trip_inside_the_directory(
+    tmp_path: Path,
+) -> None:
+    state = {
+        "../../escape": torch.ones(2),
+        "a/b": torch.zeros(2),
+        "nul\x00key": 3,
+        "x" * 5000: torch.arange(3),
+    }
     path = await make(tmp_path, state)
-    assert sorted(p.name for p in path.iterdir()) == ["data-r00000-000.safetensors", "manifest.json"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "data-r00000-000.safetensors",
+        "manifest.json",
+    ]
     out = asyncsave.load(path)
     assert list(out) == list(state)
     assert torch.equal(out["../../escape"], torch.ones(2)) and out["nul\x00key"] == 3
@@ -177,7 +194,11 @@ async def test_keys_with_slashes_dots_and_nul_round_trip_inside_the_directory(tm
     ("state", "error", "key"),
     [
         ({"s": torch.ones(3).to_sparse()}, asyncsave.UnsupportedTensorError, "s"),
-        ({"q": torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8)}, asyncsave.UnsupportedTensorError, "q"),
+        (
+            {"q": torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8)},
+            asyncsave.UnsupportedTensorError,
+            "q",
+        ),
         ({"m": torch.empty(3, device="meta")}, asyncsave.UnsupportedTensorError, "m"),
         ({(1, 2): 3}, asyncsave.InvalidKeyError, "(1, 2)"),
         ({True: 3}, asyncsave.InvalidKeyError, "True"),
@@ -186,7 +207,9 @@ async def test_keys_with_slashes_dots_and_nul_round_trip_inside_the_directory(tm
         ({"f": lambda: 0}, asyncsave.UnsupportedTypeError, "f"),
     ],
 )
-async def test_bad_leaves_and_keys_are_typed_errors_naming_the_key(tmp_path: Path, state: Any, error: type, key: str) -> None:
+async def test_bad_leaves_and_keys_are_typed_errors_naming_the_key(
+    tmp_path: Path, state: Any, error: type, key: str
+) -> None:
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         with pytest.raises(error) as err:
             await ckpt.save(1, state)
