@@ -13,6 +13,7 @@ checkpoint fails verification or cannot be read, 2 on bad usage.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -114,6 +115,11 @@ def _describe(node: Any, m: Manifest, indent: int, label: str, out: TextIO) -> N
         print(f"{pad}{label}: {'OrderedDict' if node.get('ordered') else 'dict'}", file=out)
         for (_, key), sub in node["items"]:
             _describe(sub, m, indent + 1, repr(key), out)
+    elif kind in ("list", "tuple") and len(node["items"]) > 6 and all(
+        isinstance(i, dict) and i.get("type") in ("int", "bool", "str") for i in node["items"]
+    ):
+        values = [i["v"] for i in node["items"]]
+        print(f"{pad}{label}: {kind}[{len(values)}] {values[:3]} ... {values[-1]!r}", file=out)
     elif kind in ("list", "tuple"):
         print(f"{pad}{label}: {kind}[{len(node['items'])}]", file=out)
         for i, sub in enumerate(node["items"]):
@@ -171,11 +177,16 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     for p in (p_ls, p_ver):
         p.add_argument("--layout", default="asyncsave", choices=sorted(LAYOUTS))
     args = parser.parse_args(argv)
-    if args.command == "ls":
-        return _ls(args.root, args.layout, out)
-    if args.command == "verify":
-        return _verify(args.path, args.layout, out)
-    return _inspect(args.path, out)
+    try:
+        if args.command == "ls":
+            return _ls(args.root, args.layout, out)
+        if args.command == "verify":
+            return _verify(args.path, args.layout, out)
+        return _inspect(args.path, out)
+    except BrokenPipeError:
+        # `asyncsave inspect PATH | head`: the reader left; not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
