@@ -33,7 +33,7 @@ import torch
 import asyncsave
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from train_resume import GPT, ModelConfig  # noqa: E402
+from train_resume import GPT, ModelConfig
 
 
 def example_state() -> dict[str, Any]:
@@ -62,7 +62,14 @@ def raw_write_fsync(path: Path, buf: torch.Tensor) -> float:
 def torch_save_fsync(path: Path, state: dict[str, Any]) -> float:
     t0 = time.perf_counter()
     with open(path, "wb") as f:
-        torch.save({"model": state["model"].state_dict(), "optim": state["optim"].state_dict(), "trainer": state["trainer"]}, f)
+        torch.save(
+            {
+                "model": state["model"].state_dict(),
+                "optim": state["optim"].state_dict(),
+                "trainer": state["trainer"],
+            },
+            f,
+        )
         f.flush()
         os.fsync(f.fileno())
     return time.perf_counter() - t0
@@ -77,7 +84,9 @@ async def asyncsave_runs(root: Path, state: dict[str, Any], repeats: int) -> lis
             blocked = time.perf_counter() - t0
             info = await handle
             assert info is not None
-            rows.append({"blocked_s": blocked, "durable_s": time.perf_counter() - t0, "nbytes": info.nbytes})
+            rows.append(
+                {"blocked_s": blocked, "durable_s": time.perf_counter() - t0, "nbytes": info.nbytes}
+            )
             shutil.rmtree(info.path)
     return rows
 
@@ -123,10 +132,18 @@ def main() -> None:
     result["raw_write_gbps"] = nbytes / result["raw_write_fsync_s"] / 1e9
     shutil.rmtree(args.dir, ignore_errors=True)
     print(f"state {nbytes / 1e6:.1f} MB, medians of {args.repeats}")
-    print(f"  save() blocked        {result['save_blocked_s'] * 1e3:8.1f} ms  ({result['blocked_over_memcpy']:.2f} x memcpy {result['memcpy_s'] * 1e3:.1f} ms; first save {result['first_save_blocked_s'] * 1e3:.1f} ms)")
-    print(f"  save durable          {result['save_durable_s'] * 1e3:8.1f} ms  ({result['durable_over_raw']:.2f} x raw write+fsync {result['raw_write_fsync_s'] * 1e3:.1f} ms)")
-    print(f"  write throughput      {result['write_gbps']:8.2f} GB/s (raw {result['raw_write_gbps']:.2f} GB/s)")
-    print(f"  torch.save + fsync    {result['torch_save_fsync_s'] * 1e3:8.1f} ms (blocks the caller throughout)")
+    print(
+        f"  save() blocked        {result['save_blocked_s'] * 1e3:8.1f} ms  ({result['blocked_over_memcpy']:.2f} x memcpy {result['memcpy_s'] * 1e3:.1f} ms; first save {result['first_save_blocked_s'] * 1e3:.1f} ms)"
+    )
+    print(
+        f"  save durable          {result['save_durable_s'] * 1e3:8.1f} ms  ({result['durable_over_raw']:.2f} x raw write+fsync {result['raw_write_fsync_s'] * 1e3:.1f} ms)"
+    )
+    print(
+        f"  write throughput      {result['write_gbps']:8.2f} GB/s (raw {result['raw_write_gbps']:.2f} GB/s)"
+    )
+    print(
+        f"  torch.save + fsync    {result['torch_save_fsync_s'] * 1e3:8.1f} ms (blocks the caller throughout)"
+    )
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 
