@@ -37,6 +37,7 @@ from ._errors import (
 from ._fs import LocalFileSystem
 from ._load import latest, load, verify
 from ._options import CheckpointOptions
+from ._sync import SyncCheckpointer, SyncSaveHandle
 from ._types import CheckpointInfo, Restored, Tagged
 
 __version__ = "0.1.0"
@@ -62,6 +63,8 @@ __all__ = [
     "SaveFailedError",
     "SaveHandle",
     "StagingBudgetError",
+    "SyncCheckpointer",
+    "SyncSaveHandle",
     "Tagged",
     "UnsafeLoadError",
     "UnsupportedTensorError",

@@ -115,8 +115,12 @@ def _describe(node: Any, m: Manifest, indent: int, label: str, out: TextIO) -> N
         print(f"{pad}{label}: {'OrderedDict' if node.get('ordered') else 'dict'}", file=out)
         for (_, key), sub in node["items"]:
             _describe(sub, m, indent + 1, repr(key), out)
-    elif kind in ("list", "tuple") and len(node["items"]) > 6 and all(
-        isinstance(i, dict) and i.get("type") in ("int", "bool", "str") for i in node["items"]
+    elif (
+        kind in ("list", "tuple")
+        and len(node["items"]) > 6
+        and all(
+            isinstance(i, dict) and i.get("type") in ("int", "bool", "str") for i in node["items"]
+        )
     ):
         values = [i["v"] for i in node["items"]]
         print(f"{pad}{label}: {kind}[{len(values)}] {values[:3]} ... {values[-1]!r}", file=out)

@@ -426,3 +426,13 @@ async def test_bad_input_names_the_key_and_writes_nothing(tmp_path: Path) -> Non
         assert isinstance(err.value, TypeError) and isinstance(err.value, asyncsave.CheckpointError)
         assert await (await ckpt.save(2, small_state())) is not None
     assert entries(tmp_path) == ["latest_checkpointed_iteration.txt", "step_2"]
+
+
+def test_garbage_collection_with_saves_in_flight_only_warns(tmp_path: Path) -> None:
+    """S4: nothing blocks or raises in ``__del__``."""
+    ckpt = asyncsave.Checkpointer(tmp_path)
+    ckpt._state = "open"  # as if abandoned mid-save without closing
+    ckpt._pending[7] = object()  # type: ignore[assignment]
+    with pytest.warns(ResourceWarning, match=r"saves \[7\] in flight"):
+        ckpt.__del__()
+    ckpt._state = "closed"

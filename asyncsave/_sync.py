@@ -1,0 +1,141 @@
+"""The synchronous facade: the same engine, driven from a plain training loop.
+
+An anyio blocking portal runs an event loop in a background thread; the
+:class:`~asyncsave.Checkpointer` lives there, entered and exited by one task of the
+portal (anyio's ``wrap_async_context_manager``), and every call from the caller's
+thread is forwarded with ``portal.call``. No second engine, no second set of
+semantics: saves, errors, timeouts and the exit behaviour are the async ones.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, ExitStack
+from types import TracebackType
+from typing import Any
+
+import anyio.from_thread
+import torch
+
+from ._engine import Checkpointer, SaveHandle
+from ._errors import CheckpointerClosedError
+from ._options import CheckpointOptions
+from ._types import CheckpointInfo, Restored
+
+__all__ = ["SyncCheckpointer", "SyncSaveHandle"]
+
+
+class SyncSaveHandle:
+    """A save in flight, seen from a synchronous caller (future-like)."""
+
+    def __init__(self, portal: anyio.from_thread.BlockingPortal, handle: SaveHandle) -> None:
+        self._portal = portal
+        self._handle = handle
+        self.step = handle.step
+        self.skipped = handle.skipped
+
+    def __repr__(self) -> str:
+        return f"<SyncSaveHandle of {self._handle!r}>"
+
+    def done(self) -> bool:
+        """Whether the save has committed, failed or been skipped."""
+        return self._handle.done()
+
+    def result(self, timeout_s: float | None = None) -> CheckpointInfo | None:
+        """Block until the checkpoint is committed and tracked; see
+        :meth:`SaveHandle.wait` for what is raised."""
+        return self._portal.call(self._handle.wait, timeout_s)
+
+
+class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
+    """:class:`~asyncsave.Checkpointer` for synchronous code::
+
+        with asyncsave.SyncCheckpointer("runs/exp1") as ckpt:
+            restored = ckpt.load_latest({"model": model, "optim": opt})
+            for step in ...:
+                train_step()
+                handle = ckpt.save(step, {"model": model, "optim": opt})  # returns once staged
+            handle.result()
+
+    :param root: as for :class:`~asyncsave.Checkpointer`.
+    :param options: as for :class:`~asyncsave.Checkpointer`; keyword overrides too.
+    :param backend: the event loop run in the background thread (``"asyncio"`` or
+        ``"trio"``).
+
+    Methods may be called from any thread but not from the portal's own event loop.
+    Leaving the block flushes pending saves with the async exit semantics: the
+    body's exception propagates unchanged, a flush failure is attached as a note.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        options: CheckpointOptions | None = None,
+        *,
+        backend: str = "asyncio",
+        **overrides: Any,
+    ) -> None:
+        self._ckpt = Checkpointer(root, options, **overrides)
+        self._backend = backend
+        self._stack: ExitStack | None = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The async engine underneath (for inspection)."""
+        return self._ckpt
+
+    def __enter__(self) -> SyncCheckpointer:
+        if self._stack is not None:
+            raise CheckpointerClosedError("a SyncCheckpointer can be entered only once")
+        stack = ExitStack()
+        portal = stack.enter_context(anyio.from_thread.start_blocking_portal(self._backend))
+        try:
+            stack.enter_context(portal.wrap_async_context_manager(self._ckpt))
+        except BaseException:
+            stack.close()
+            raise
+        self._stack, self._portal = stack, portal
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._stack is not None
+        stack, self._portal = self._stack, None
+        return stack.__exit__(exc_type, exc, tb)
+
+    def _call(self, func: Any, *args: Any) -> Any:
+        if self._portal is None:
+            raise CheckpointerClosedError("use the SyncCheckpointer inside `with`")
+        return self._portal.call(func, *args)
+
+    def save(self, step: int, state: Any, *, overwrite: bool = False) -> SyncSaveHandle:
+        """Snapshot ``state`` and return once it is staged; see
+        :meth:`Checkpointer.save` for arguments and errors."""
+        handle = self._call(lambda: self._ckpt.save(step, state, overwrite=overwrite))
+        assert self._portal is not None
+        return SyncSaveHandle(self._portal, handle)
+
+    def wait(self) -> None:
+        """Block until every pending save has committed or failed."""
+        self._call(self._ckpt.wait)
+
+    def load_latest(
+        self,
+        template: Any = None,
+        *,
+        device: str | torch.device = "cpu",
+        fallback: bool = False,
+        required: Iterable[str | Sequence[Any]] = (),
+    ) -> Restored | None:
+        """See :meth:`Checkpointer.load_latest`."""
+        return self._call(
+            lambda: self._ckpt.load_latest(
+                template, device=device, fallback=fallback, required=required
+            )
+        )
