@@ -28,11 +28,13 @@ from ._errors import (
     KindMismatchError,
     MissingItemError,
     ProtectedCheckpointError,
+    RootInUseError,
     SaveFailedError,
     StagingBudgetError,
     UnsafeLoadError,
     UnsupportedTensorError,
     UnsupportedTypeError,
+    WaitTimeoutError,
 )
 from ._fs import LocalFileSystem
 from ._load import latest, load, verify
@@ -60,6 +62,7 @@ __all__ = [
     "MissingItemError",
     "ProtectedCheckpointError",
     "Restored",
+    "RootInUseError",
     "SaveFailedError",
     "SaveHandle",
     "StagingBudgetError",
@@ -69,6 +72,7 @@ __all__ = [
     "UnsafeLoadError",
     "UnsupportedTensorError",
     "UnsupportedTypeError",
+    "WaitTimeoutError",
     "__version__",
     "latest",
     "load",

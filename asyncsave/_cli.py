@@ -40,6 +40,9 @@ def _size(n: float) -> str:
 def _ls(root: Path, layout_name: str, out: TextIO) -> int:
     fs = LocalFileSystem()
     layout = LAYOUTS[layout_name]
+    if not root.exists():
+        print(f"asyncsave: {root}: no such file or directory", file=sys.stderr)
+        return 1
     if not root.is_dir():
         print(f"asyncsave: {root} is not a directory", file=sys.stderr)
         return 1
@@ -75,11 +78,18 @@ def _ls(root: Path, layout_name: str, out: TextIO) -> int:
             print(
                 f"   {name}  (temporary: an uncommitted save; removed at the next open)", file=out
             )
+        elif name.startswith((".asyncsave-damaged-", ".asyncsave-incomplete-")):
+            print(f"   {name}  (moved aside at open: not a loadable checkpoint)", file=out)
     return rc
 
 
 def _verify(path: Path, layout_name: str, out: TextIO) -> int:
     fs = LocalFileSystem()
+    if not path.exists():
+        print(f"asyncsave: {path}: no such file or directory", file=sys.stderr)
+        return 1
+    if path.name == MANIFEST_NAME:
+        path = path.parent
     if (path / MANIFEST_NAME).exists() or not path.is_dir():
         targets = [path]
     else:
@@ -152,6 +162,11 @@ def _describe(node: Any, m: Manifest, indent: int, label: str, out: TextIO) -> N
 
 
 def _inspect(path: Path, out: TextIO) -> int:
+    if not path.exists():
+        print(f"asyncsave: {path}: no such file or directory", file=sys.stderr)
+        return 1
+    if path.name == MANIFEST_NAME:
+        path = path.parent
     try:
         m = read_checkpoint(LocalFileSystem(), path)
     except CheckpointError as exc:
@@ -161,14 +176,21 @@ def _inspect(path: Path, out: TextIO) -> int:
         f"{path}: step {m.step}, world size {m.world_size}, {len(m.tensors)} tensors, {_size(m.nbytes)}",
         file=out,
     )
-    _describe(m.tree, m, 0, "state", out)
+    try:
+        _describe(m.tree, m, 0, "state", out)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        # The manifest passed its own checksum but its tree is malformed.
+        print(f"asyncsave: damaged state tree in {path}: {exc!r}", file=sys.stderr)
+        return 1
     return 0
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Entry point of the ``asyncsave`` command; returns the exit status."""
     out = out or sys.stdout
-    parser = argparse.ArgumentParser(prog="asyncsave", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="asyncsave", description="List, verify and inspect asyncsave checkpoints."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_ls = sub.add_parser("ls", help="list committed checkpoints under ROOT")
     p_ls.add_argument("root", type=Path)

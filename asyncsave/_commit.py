@@ -23,15 +23,36 @@ import errno
 import logging
 from pathlib import Path
 
-from ._errors import CheckpointError, CorruptCheckpointError
+from ._errors import CheckpointError, CorruptCheckpointError, RootInUseError
 from ._fs import LocalFileSystem
 from ._load import read_checkpoint, scan_steps
-from ._paths import MANIFEST_NAME, Layout, is_temp_name, temp_dir_name
+from ._paths import LOCK_NAME, MANIFEST_NAME, Layout, aside_dir_name, is_temp_name, temp_dir_name
 from ._track import read_tracker, write_tracker
 
-__all__ = ["Recovered", "commit_dir", "discard", "make_temp_dir", "recover"]
+__all__ = ["Recovered", "commit_dir", "discard", "lock_root", "make_temp_dir", "recover"]
 
 logger = logging.getLogger(__name__)
+
+
+def lock_root(fs: LocalFileSystem, root: Path) -> int:
+    """Create ``root`` (and parents, durably) and take its saver lock.
+
+    :returns: the lock's descriptor; release with ``fs.unlock``.
+    :raises RootInUseError: another checkpointer holds the root.
+    """
+    if fs.exists(root) and not fs.is_dir(root):
+        raise CheckpointError(f"checkpoint root {root} is not a directory", path=root)
+    if not fs.exists(root):
+        fs.makedirs(root)
+        fs.fsync_dir(root.parent)
+    fd = fs.lock(root / LOCK_NAME)
+    if fd is None:
+        raise RootInUseError(
+            f"{root} is in use by another Checkpointer (it holds {LOCK_NAME}); one saver "
+            "per root. To read while it saves, use asyncsave.latest() and asyncsave.load()",
+            path=root,
+        )
+    return fd
 
 
 def make_temp_dir(fs: LocalFileSystem, root: Path, step: int) -> Path:
@@ -86,19 +107,22 @@ class Recovered:
 
     committed: dict[int, Path]  # verified committed checkpoints by step
     tracked: int | None  # the step the tracker names after recovery
-    removed: list[Path]  # temporary and manifest-less directories removed
-    damaged: list[Path]  # final-named directories with a damaged manifest (kept)
+    removed: list[Path]  # temporary directories removed, manifest-less ones moved aside
+    damaged: list[Path]  # damaged checkpoints, moved aside (kept for inspection)
 
 
 def recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     """Bring ``root`` to a clean state when a checkpointer opens.
 
-    Removes temporary files and directories of saves that never committed, and
+    Removes temporary files and directories of saves that never committed; moves
     directories under a final name that hold no manifest (a partial directory from
-    a non-atomic writer: NeMo-Automodel #3254); keeps damaged checkpoints that do
-    have a manifest (they are skipped, with a warning, not deleted); moves the
-    tracker forward to the newest committed checkpoint if a crash came between
-    commit and tracker update. Assumes no other process is saving into ``root``.
+    a non-atomic writer: NeMo-Automodel #3254, or another tool's files) and damaged
+    checkpoints (a manifest that fails to parse, a file of the wrong size) aside
+    under names no resolver matches, so their bytes are kept and their step can be
+    saved again;
+    moves the tracker forward to the newest committed checkpoint if a crash came
+    between commit and tracker update. The caller holds the root's lock
+    (:func:`lock_root`).
     """
     fs.makedirs(root)
     removed: list[Path] = []
@@ -114,23 +138,31 @@ def recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     damaged: list[Path] = []
     for step, path in scan_steps(fs, root, layout).items():
         if not fs.exists(path / MANIFEST_NAME):
-            logger.warning("removing %s: it has no manifest, so it never committed", path)
-            fs.remove_tree(path)
+            # Never a checkpoint (S13); maybe another tool's files: moved, not deleted.
+            aside = root / aside_dir_name("incomplete", step)
+            logger.warning("moving %s aside to %s: it has no manifest", path, aside.name)
+            fs.rename(path, aside)
             removed.append(path)
             continue
         try:
-            read_checkpoint(fs, path)
+            read_checkpoint(fs, path, expect_step=step)
         except CorruptCheckpointError as exc:
-            logger.warning("skipping damaged checkpoint %s: %s", path, exc)
-            damaged.append(path)
+            aside = root / aside_dir_name("damaged", step)
+            logger.warning("moving damaged checkpoint %s aside to %s: %s", path, aside.name, exc)
+            fs.rename(path, aside)
+            damaged.append(aside)
             continue
         committed[step] = path
-    if removed:
+    if removed or damaged:
         fs.fsync_dir(root)
 
     tracked: int | None = None
     if layout.tracker_name is not None:
         tracker = root / layout.tracker_name
+        if fs.is_dir(tracker):
+            raise CorruptCheckpointError(
+                f"tracker {tracker} is a directory; move it away to save here", path=tracker
+            )
         try:
             tracked = read_tracker(fs, tracker)
         except CorruptCheckpointError as exc:

@@ -27,25 +27,36 @@ import anyio.abc
 import anyio.to_thread
 import torch
 
-from ._commit import commit_dir, discard, make_temp_dir, recover
+from ._commit import commit_dir, discard, lock_root, make_temp_dir, recover
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
+    CheckpointNotFoundError,
     CheckpointTimeoutError,
+    CorruptCheckpointError,
     InvalidStepError,
     ProtectedCheckpointError,
     SaveFailedError,
+    WaitTimeoutError,
 )
 from ._format import FileLayout, layout_files, staging_nbytes
-from ._load import _apply_template, _check_required, info_of, load, read_checkpoint, resolve
-from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION
+from ._load import (
+    _apply_template,
+    _check_required,
+    info_of,
+    load,
+    older_committed,
+    read_checkpoint,
+    resolve,
+)
+from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest
 from ._options import CheckpointOptions
 from ._paths import LAYOUTS, MANIFEST_NAME
 from ._plan import Plan, make_plan
 from ._stage import Lease, StagingPool, stage_entries
-from ._track import write_tracker
+from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
-from ._write import write_data_file, write_json
+from ._write import write_bytes, write_data_file
 
 __all__ = ["Checkpointer", "SaveHandle"]
 
@@ -113,7 +124,8 @@ class SaveHandle:
         :param timeout_s: an extra bound in seconds (the save's own
             ``save_timeout_s`` always applies).
         :raises SaveFailedError: the save failed; ``__cause__`` is the original.
-        :raises CheckpointTimeoutError: ``timeout_s`` passed first (the save goes on).
+        :raises WaitTimeoutError: ``timeout_s`` passed first (the save goes on; this is
+            not a failure of the save).
         """
         if timeout_s is None:
             await self._done.wait()
@@ -121,8 +133,9 @@ class SaveHandle:
             with anyio.move_on_after(timeout_s):
                 await self._done.wait()
             if not self._done.is_set():
-                raise CheckpointTimeoutError(
-                    f"step {self.step} did not commit within {timeout_s} s", step=self.step
+                raise WaitTimeoutError(
+                    f"step {self.step} did not commit within {timeout_s} s (the save goes on)",
+                    step=self.step,
                 )
         return self.result()
 
@@ -162,10 +175,15 @@ class Checkpointer:
             ...                                          # training goes on
             info = await handle                          # committed
 
-    Opening makes ``root`` (and parents), removes temporary directories of saves
-    that never committed, removes final-named directories without a manifest, and
-    moves the tracker forward to the newest committed checkpoint. Only one process
-    may save into a ``root`` at a time.
+    Opening makes ``root`` (and parents), takes the root's saver lock (a second
+    checkpointer on the same root raises :class:`RootInUseError`), removes temporary
+    directories of saves that never committed and final-named directories without a
+    manifest, moves damaged checkpoints aside, and moves the tracker forward to the
+    newest committed checkpoint. Readers use :func:`asyncsave.latest` and
+    :func:`asyncsave.load`, which change nothing.
+
+    Enter and leave it with ``async with`` (or ``aclose()`` from the task that
+    entered it): it holds a task group, whose scope belongs to that task.
 
     Leaving the block flushes pending saves (at most ``close_timeout_s``). If the
     body raised, that exception propagates unchanged and a flush failure is attached
@@ -197,13 +215,13 @@ class Checkpointer:
         self._pending: dict[int, SaveHandle] = {}
         self._scopes: dict[int, anyio.CancelScope] = {}
         self._committed: dict[int, CheckpointInfo | None] = {}
-        self._tracked: int | None = None
+        self._tracker: TrackerWriter | None = None
+        self._lock_fd: int | None = None
         self._resumed_step: int | None = None
         self._failure: SaveFailedError | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._pool: StagingPool | None = None
         self._limiter: anyio.CapacityLimiter | None = None
-        self._track_lock: anyio.Lock | None = None
 
     # -- lifecycle ---------------------------------------------------------------
     async def __aenter__(self) -> Checkpointer:
@@ -211,13 +229,20 @@ class Checkpointer:
             raise CheckpointerClosedError("a Checkpointer can be entered only once", path=self.root)
         self._pool = StagingPool(self.options.budget_bytes)
         self._limiter = anyio.CapacityLimiter(self.options.writer_threads)
-        self._track_lock = anyio.Lock()
-        recovered = await anyio.to_thread.run_sync(recover, self._fs, self.root, self.layout)
+        self._lock_fd = await anyio.to_thread.run_sync(lock_root, self._fs, self.root)
+        try:
+            recovered = await anyio.to_thread.run_sync(recover, self._fs, self.root, self.layout)
+        except BaseException:
+            self._unlock()
+            raise
         self._committed = dict.fromkeys(recovered.committed)
+        baseline: int | None
         if recovered.tracked in recovered.committed:
-            self._tracked = recovered.tracked
+            baseline = recovered.tracked
         else:
-            self._tracked = max(recovered.committed, default=None)
+            baseline = max(recovered.committed, default=None)
+        if self.layout.tracker_name is not None:
+            self._tracker = TrackerWriter(self._fs, self.root / self.layout.tracker_name, baseline)
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
@@ -232,7 +257,7 @@ class Checkpointer:
     ) -> bool:
         error = await self._shutdown()
         if exc is not None:
-            if error is not None:
+            if error is not None and error is not exc:
                 exc.add_note(f"asyncsave: a checkpoint save also failed during shutdown: {error!r}")
                 logger.error(
                     "checkpoint flush failed while %r was propagating", exc, exc_info=error
@@ -262,8 +287,8 @@ class Checkpointer:
         self._state = "closing"
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self.options.close_timeout_s):
-                for handle in list(self._pending.values()):
-                    await handle._done.wait()
+                while self._pending:
+                    await next(iter(self._pending.values()))._done.wait()
             if self._pending:
                 steps = sorted(self._pending)
                 self._set_failure(
@@ -287,8 +312,14 @@ class Checkpointer:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._pool.aclose()
+            self._unlock()
             self._state = "closed"
         return self._failure
+
+    def _unlock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            self._fs.unlock(fd)
 
     def __del__(self) -> None:
         # Never block or raise here (S4): only say that saves were abandoned.
@@ -354,11 +385,15 @@ class Checkpointer:
                 path=self.root / self.layout.dir_name(step),
             )
         pending = self._pending.get(step)
-        if pending is not None:
-            if not overwrite:
-                return pending
+        if pending is not None and not overwrite:
+            # The first call may still be staging: the caller may mutate its
+            # tensors once we return, so the snapshot must be taken by then.
+            await pending.staged()
+            return pending
+        while pending is not None:  # overwrite: one save of a step at a time
             await pending._done.wait()
             self._check_usable()
+            pending = self._pending.get(step)
         if step in self._committed and not overwrite:
             return SaveHandle.resolved(step, await self._committed_info(step))
 
@@ -376,13 +411,28 @@ class Checkpointer:
             )
             self._check_usable()  # an earlier save may have failed while we waited
             await stage_entries(
-                lease.buffer, plan.entries, poll_interval_s=self.options.poll_interval_s
+                lease,
+                plan.entries,
+                poll_interval_s=self.options.poll_interval_s,
+                timeout_s=self.options.save_timeout_s,
             )
-        except BaseException:
+        except BaseException as exc:
+            # Whoever shares this handle (a duplicate save() of the same step, or a
+            # close waiting for it) must hear of it: nothing else will resolve it.
+            error = SaveFailedError(
+                f"save() of step {step} ended before its snapshot was taken: {exc!r}",
+                step=step,
+            )
+            error.__cause__ = exc
+            handle._fail(error)
             if lease is not None:
+                if lease.poisoned:
+                    self._set_failure(error)  # the staging memory is lost for good
                 lease.release()
-            self._pending.pop(step, None)
+            if self._pending.get(step) is handle:
+                del self._pending[step]
             raise
+        plan.release_sources()
         staged_s = time.perf_counter() - t0
         handle._staged.set()
         self._tg.start_soon(self._pipeline, handle, plan, layouts, lease, t0, staged_s, overwrite)
@@ -416,6 +466,7 @@ class Checkpointer:
         step = handle.step
         blocked_s = staged_s
         tmp: Path | None = None
+        committing = False
         with anyio.CancelScope(shield=True) as scope:
             self._scopes[step] = scope
             try:
@@ -425,11 +476,22 @@ class Checkpointer:
                     lease.release()
                     written_s = time.perf_counter() - t0
                     manifest = _manifest_doc(step, plan, layouts, blocked_s, staged_s, written_s)
-                    await self._run(write_json, self._fs, tmp / MANIFEST_NAME, manifest)
-                    final = self.root / self.layout.dir_name(step)
                     await self._run(
-                        functools.partial(commit_dir, overwrite=overwrite), self._fs, tmp, final
+                        write_bytes, self._fs, tmp / MANIFEST_NAME, encode_manifest(manifest)
                     )
+                    final = self.root / self.layout.dir_name(step)
+                    # From here on a thread abandoned at the deadline may still
+                    # rename: the temp dir is left to the next open, never removed
+                    # under its feet.
+                    committing = True
+                    try:
+                        await self._run(
+                            functools.partial(commit_dir, overwrite=overwrite), self._fs, tmp, final
+                        )
+                    except Exception:
+                        committing = False  # the thread finished: nothing runs on
+                        raise
+                    committing = False
                     tmp = None  # committed: nothing to discard any more
                     await self._track(step)
                 info = CheckpointInfo(
@@ -456,7 +518,8 @@ class Checkpointer:
             except Exception as exc:
                 error = _as_save_error(exc, step, tmp, self.options.save_timeout_s)
                 self._fail(handle, error)
-                await self._discard(tmp)
+                if not committing:
+                    await self._discard(tmp)
             except anyio.get_cancelled_exc_class():
                 self._fail(
                     handle,
@@ -466,11 +529,13 @@ class Checkpointer:
                         path=tmp,
                     ),
                 )
-                await self._discard(tmp)
+                if not committing:
+                    await self._discard(tmp)
                 raise
             finally:
                 lease.release()
-                self._pending.pop(step, None)
+                if self._pending.get(step) is handle:
+                    del self._pending[step]
                 self._scopes.pop(step, None)
 
     def _fail(self, handle: SaveHandle, error: SaveFailedError) -> None:
@@ -508,22 +573,19 @@ class Checkpointer:
 
     async def _track(self, step: int) -> None:
         """Move the tracker to ``step`` unless it already names a newer one."""
-        if self.layout.tracker_name is None:
-            return
-        assert self._track_lock is not None
-        async with self._track_lock:
-            if self._tracked is not None and self._tracked >= step:
-                return
-            await self._run(write_tracker, self._fs, self.root / self.layout.tracker_name, step)
-            self._tracked = step
+        if self._tracker is not None:
+            await self._run(self._tracker.advance, step)
 
     async def wait(self) -> None:
         """Wait until every pending save has committed or failed.
 
         :raises SaveFailedError: a save of this checkpointer failed.
+        :raises CheckpointerClosedError: the checkpointer was never entered.
         """
-        for handle in list(self._pending.values()):
-            await handle._done.wait()
+        if self._state == "new":
+            raise CheckpointerClosedError("wait() needs an entered Checkpointer", path=self.root)
+        while self._pending:
+            await next(iter(self._pending.values()))._done.wait()
         if self._failure is not None:
             raise self._failure
 
@@ -545,7 +607,10 @@ class Checkpointer:
 
         :raises CheckpointNotFoundError: the tracker names a missing or damaged
             checkpoint and ``fallback`` is false (a missing or garbage tracker falls
-            back to scanning, with a warning).
+            back to scanning, with a warning). With ``fallback``, a checkpoint whose
+            bytes fail their checksums is skipped for the next older one.
+        :raises CorruptCheckpointError: the checkpoint's bytes are damaged and
+            ``fallback`` is false.
         """
         if self._state != "open":
             raise CheckpointerClosedError(
@@ -556,14 +621,35 @@ class Checkpointer:
         )
         if info is None:
             return None
-        state = await anyio.to_thread.run_sync(
-            lambda: load(
-                info.path,
-                device=device,
-                allow_pickle=self.options.allow_pickle,
-                filesystem=self._fs,
-            )
-        )
+        while True:
+            path = info.path
+            try:
+                state = await anyio.to_thread.run_sync(
+                    functools.partial(
+                        load,
+                        path,
+                        device=device,
+                        allow_pickle=self.options.allow_pickle,
+                        filesystem=self._fs,
+                    )
+                )
+                break
+            except CorruptCheckpointError as exc:
+                if not fallback:
+                    raise
+                logger.warning(
+                    "cannot load %s (%s); falling back to an older checkpoint", path, exc
+                )
+                step = info.step
+                older = await anyio.to_thread.run_sync(
+                    older_committed, self._fs, self.root, self.layout, step
+                )
+                if older is None:
+                    raise CheckpointNotFoundError(
+                        f"no loadable checkpoint in {self.root} at or below step {step}",
+                        path=self.root,
+                    ) from exc
+                info = older
         _check_required(state, required, info.path)
         state = _apply_template(state, template, (), info.path)
         self._resumed_step = info.step
@@ -578,7 +664,7 @@ class Checkpointer:
     @property
     def tracked_step(self) -> int | None:
         """The step the tracker names, as far as this checkpointer knows."""
-        return self._tracked
+        return None if self._tracker is None else self._tracker.highest
 
     @property
     def pending_steps(self) -> list[int]:

@@ -15,7 +15,10 @@ know asyncsave::
     ├── SaveFailedError                      "it broke": a background save failed;
     │   │                                    the original error is ``__cause__``
     │   └── CheckpointTimeoutError(TimeoutError)  a save or close ran past its bound
+    ├── WaitTimeoutError(TimeoutError)       a wait with a timeout ran out; the save
+    │                                        goes on (not a failure)
     ├── CheckpointerClosedError(RuntimeError)    "you closed it": used after close
+    ├── RootInUseError(RuntimeError)         another checkpointer saves into this root
     ├── ProtectedCheckpointError(PermissionError) overwrite of the resumed checkpoint
     ├── CheckpointNotFoundError(LookupError) nothing at a path, or the tracker names
     │   │                                    a checkpoint that does not exist
@@ -53,11 +56,13 @@ __all__ = [
     "KindMismatchError",
     "MissingItemError",
     "ProtectedCheckpointError",
+    "RootInUseError",
     "SaveFailedError",
     "StagingBudgetError",
     "UnsafeLoadError",
     "UnsupportedTensorError",
     "UnsupportedTypeError",
+    "WaitTimeoutError",
 ]
 
 
@@ -162,8 +167,20 @@ class CheckpointTimeoutError(SaveFailedError, TimeoutError):
     """A save, a flush at close or a wait ran past its documented bound."""
 
 
+class WaitTimeoutError(CheckpointError, TimeoutError):
+    """``handle.wait(timeout_s=...)`` ran out before the commit. The save goes on and
+    the checkpointer stays usable: wait again, or let close flush it."""
+
+
 class CheckpointerClosedError(CheckpointError, RuntimeError):
     """The checkpointer was used after it was closed ("you closed it")."""
+
+
+class RootInUseError(CheckpointError, RuntimeError):
+    """Another :class:`~asyncsave.Checkpointer` (in this process or another) holds
+    the root. Opening one removes the temporary directories of uncommitted saves, so
+    two savers on one root would destroy each other's in-flight saves. Readers use
+    :func:`asyncsave.latest` and :func:`asyncsave.load`, which take no lock."""
 
 
 class ProtectedCheckpointError(CheckpointError, PermissionError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -103,3 +104,25 @@ class LocalFileSystem:
 
     def unlink(self, path: Path) -> None:
         path.unlink()
+
+    # -- locking -----------------------------------------------------------------
+    def lock(self, path: Path) -> int | None:
+        """Take an exclusive advisory lock (``flock``) on ``path``, creating it.
+
+        :returns: the descriptor holding the lock, or ``None`` if another open
+            file description holds it (this process or another).
+        """
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def unlock(self, fd: int) -> None:
+        """Release a lock taken by :meth:`lock` (closing releases it)."""
+        os.close(fd)

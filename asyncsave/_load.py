@@ -45,10 +45,12 @@ _MAX_MANIFEST_BYTES = 1 << 30
 _READ_CHUNK = 8 << 20
 
 
-def read_checkpoint(fs: LocalFileSystem, path: Path) -> Manifest:
+def read_checkpoint(fs: LocalFileSystem, path: Path, *, expect_step: int | None = None) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path`` and check that
     every data file has the size the manifest says (no data is read).
 
+    :param expect_step: the step the directory's name says; a manifest of another
+        step (a copied or renamed directory) is refused.
     :raises CheckpointNotFoundError: ``path`` has no ``manifest.json``.
     :raises CorruptCheckpointError: the manifest is damaged or a file is missing,
         truncated or too long.
@@ -63,7 +65,16 @@ def read_checkpoint(fs: LocalFileSystem, path: Path) -> Manifest:
         raise CheckpointNotFoundError(
             f"{path} is not a checkpoint: it has no {MANIFEST_NAME}", path=path
         ) from exc
+    except IsADirectoryError as exc:
+        raise CorruptCheckpointError(f"{mpath} is a directory", path=mpath) from exc
     manifest = parse_manifest(raw, mpath)
+    if expect_step is not None and manifest.step != expect_step:
+        raise CorruptCheckpointError(
+            f"{path} holds the manifest of step {manifest.step}, not {expect_step} "
+            "(a copied or renamed directory?)",
+            path=path,
+            step=manifest.step,
+        )
     for f in manifest.files:
         fpath = path / f["name"]
         try:
@@ -178,39 +189,63 @@ def _build_tensors(manifest: Manifest, raw: list[torch.Tensor], device: torch.de
     on_device: dict[int, torch.Tensor] = {}
     tensors: list[Any] = []
     for rec in manifest.tensors:
-        dtype = torch_dtype(rec["dtype"])
-        assert dtype is not None  # validated by parse_manifest
-        kind = rec["kind"]
-        buf = raw[rec["entry"]]
-        if kind in ("tensor", "parameter") and device.type != "cpu":
-            if rec["entry"] not in on_device:
-                on_device[rec["entry"]] = buf.to(device)
-            buf = on_device[rec["entry"]]
-        if rec["stride"] is None:
-            t = buf.view(dtype).view(rec["shape"])
-        else:
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            t = torch.empty(0, dtype=dtype, device=buf.device).set_(
-                buf.untyped_storage(), rec["offset"] // itemsize, rec["shape"], rec["stride"]
-            )
-        if kind == "parameter":
-            t = torch.nn.Parameter(t, requires_grad=rec["requires_grad"])
-        elif kind == "ndarray":
-            t = t.numpy()
-        elif rec["requires_grad"]:
-            t.requires_grad_(True)
-        tensors.append(t)
+        try:
+            tensors.append(_build_tensor(rec, raw, on_device, device))
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise CorruptCheckpointError(
+                f"cannot rebuild tensor {rec.get('key')!r} ({rec['dtype']} {rec['shape']}, "
+                f"{rec['kind']}): {exc}",
+                key=rec.get("key") if isinstance(rec.get("key"), str) else None,
+                step=manifest.step,
+            ) from exc
     return tensors
+
+
+def _build_tensor(
+    rec: dict[str, Any],
+    raw: list[torch.Tensor],
+    on_device: dict[int, torch.Tensor],
+    device: torch.device,
+) -> Any:
+    dtype = torch_dtype(rec["dtype"])
+    assert dtype is not None  # validated by parse_manifest
+    kind = rec["kind"]
+    buf = raw[rec["entry"]]
+    if kind in ("tensor", "parameter") and device.type != "cpu":
+        if rec["entry"] not in on_device:
+            on_device[rec["entry"]] = buf.to(device)
+        buf = on_device[rec["entry"]]
+    if rec["stride"] is None:
+        t = buf.view(dtype).view(rec["shape"])
+    else:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        t = torch.empty(0, dtype=dtype, device=buf.device).set_(
+            buf.untyped_storage(), rec["offset"] // itemsize, rec["shape"], rec["stride"]
+        )
+    if kind == "parameter":
+        t = torch.nn.Parameter(t, requires_grad=rec["requires_grad"])
+    elif kind == "ndarray":
+        t = t.numpy()
+    elif rec["requires_grad"]:
+        t.requires_grad_(True)
+    return t
 
 
 class _Decoder:
     def __init__(
-        self, tensors: list[Any], records: list[dict[str, Any]], *, path: Path, allow_pickle: bool
+        self,
+        tensors: list[Any],
+        records: list[dict[str, Any]],
+        *,
+        path: Path,
+        allow_pickle: bool,
+        unpickle: bool = True,
     ) -> None:
         self.tensors = tensors
         self.records = records
         self.path = path
         self.allow_pickle = allow_pickle
+        self.unpickle = unpickle  # False: check the tree's shape, run no pickle
 
     def bad(self, where: tuple[Any, ...], what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -238,6 +273,8 @@ class _Decoder:
                 return v
             if kind == "int" and type(v) is int:
                 return v
+            if kind == "bigint" and type(v) is str and len(v) < 1 << 20:
+                return int(v, 16)
             if kind == "float" and type(v) is str:
                 return float.fromhex(v)
             if kind == "str" and type(v) is str:
@@ -256,12 +293,14 @@ class _Decoder:
                 return np.frombuffer(
                     base64.b64decode(v, validate=True), dtype=np.dtype(node["dtype"])
                 )[0]
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
             raise self.bad(where, f"bad {kind} value") from exc
         if kind == "tensor":
             return self.tensors[self.index(node, where)]
         if kind == "pickle":
             i = self.index(node, where)
+            if not self.unpickle:
+                return None
             if not self.allow_pickle:
                 raise UnsafeLoadError(
                     f"the leaf at {key_str(where)!r} in {self.path} is pickled; pass "
@@ -305,6 +344,8 @@ class _Decoder:
             key = item[0][1]
             out[key] = self.node(item[1], (*where, key))
         if "metadata" in node:
+            if not isinstance(out, OrderedDict):
+                raise self.bad(where, "metadata on a plain dict")
             out._metadata = self.node(node["metadata"], (*where, "_metadata"))  # type: ignore[attr-defined]
         return out
 
@@ -354,7 +395,15 @@ def _apply_template(value: Any, template: Any, where: tuple[Any, ...], path: Pat
     if isinstance(value, Tagged):
         value = value.value
     if is_stateful(template):
-        template.load_state_dict(value)
+        try:
+            template.load_state_dict(value)
+        except Exception as exc:  # the object's own loader: translate at this boundary
+            raise InvalidStateError(
+                f"{key_str(where)!r}: {type(template).__name__}.load_state_dict() refused "
+                f"what {path} holds there: {exc}",
+                path=path,
+                key=key_str(where),
+            ) from exc
         return template
     if isinstance(template, torch.Tensor):
         if (
@@ -416,6 +465,10 @@ def _check_required(state: Any, required: Iterable[str | Sequence[Any]], path: P
         for p in parts:
             if isinstance(node, Tagged):
                 node = node.value
+            if isinstance(node, dict) and p not in node and isinstance(p, str):
+                # "optim/state/0/exp_avg": a path segment may name an int key
+                if p.lstrip("-").isdigit() and int(p) in node:
+                    p = int(p)
             if isinstance(node, dict) and p in node:
                 node = node[p]
             elif isinstance(node, (list, tuple)) and type(p) is int and 0 <= p < len(node):
@@ -472,9 +525,10 @@ def load(
     """
     fs = filesystem or LocalFileSystem()
     p = Path(path)
+    target = _device(device)
     manifest = read_checkpoint(fs, p)
     raw = _read_entries(fs, p, manifest, verify=verify)
-    tensors = _build_tensors(manifest, raw, torch.device(device))
+    tensors = _build_tensors(manifest, raw, target)
     state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(
         manifest.tree
     )
@@ -482,11 +536,25 @@ def load(
     return _apply_template(state, template, (), p)
 
 
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device={device!r} is not a torch device") from exc
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} asked for, but CUDA is not available")
+    if target.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: asyncsave loads to cpu or cuda")
+    return target
+
+
 def verify(
     path: str | os.PathLike[str], *, filesystem: LocalFileSystem | None = None
 ) -> CheckpointInfo:
-    """Check a checkpoint completely: manifest, file sizes, safetensors headers and
-    the checksum of every byte. Reads everything once; decodes nothing.
+    """Check a checkpoint completely: manifest (and its own checksum), file sizes,
+    safetensors headers, the checksum of every byte, and that every tensor and the
+    state tree can be rebuilt (pickled leaves are not unpickled). Reads every byte
+    once.
 
     :returns: the checkpoint's :class:`CheckpointInfo`.
     :raises CheckpointNotFoundError: no manifest at ``path``.
@@ -496,7 +564,10 @@ def verify(
     fs = filesystem or LocalFileSystem()
     p = Path(path)
     manifest = read_checkpoint(fs, p)
-    _read_entries(fs, p, manifest, verify=True)
+    raw = _read_entries(fs, p, manifest, verify=True)
+    tensors = _build_tensors(manifest, raw, torch.device("cpu"))
+    decoder = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=False, unpickle=False)
+    decoder.node(manifest.tree)
     return info_of(p, manifest)
 
 
@@ -509,6 +580,10 @@ def resolve(
     with a warning. A tracker naming a checkpoint that is missing or damaged is an
     error unless ``fallback`` (then: warning, newest committed checkpoint).
     """
+    if not fs.exists(root):
+        return None
+    if not fs.is_dir(root):
+        raise CheckpointNotFoundError(f"{root} is not a directory", path=root)
     tracked: int | None = None
     if layout.tracker_name is not None:
         tracker = root / layout.tracker_name
@@ -519,7 +594,7 @@ def resolve(
     if tracked is not None:
         path = root / layout.dir_name(tracked)
         try:
-            return info_of(path, read_checkpoint(fs, path))
+            return info_of(path, read_checkpoint(fs, path, expect_step=tracked))
         except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
             if not fallback:
                 raise CheckpointNotFoundError(
@@ -530,12 +605,10 @@ def resolve(
                     step=tracked,
                 ) from exc
             logger.warning("%s; falling back to the newest committed checkpoint", exc)
-    if not fs.exists(root):
-        return None
     found = scan_steps(fs, root, layout)
     for step in sorted(found, reverse=True):
         try:
-            info = info_of(found[step], read_checkpoint(fs, found[step]))
+            info = info_of(found[step], read_checkpoint(fs, found[step], expect_step=step))
         except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
             logger.warning("skipping %s: %s", found[step], exc)
             continue
@@ -544,6 +617,20 @@ def resolve(
                 "no usable tracker in %s; resuming from the newest committed step %d", root, step
             )
         return info
+    return None
+
+
+def older_committed(
+    fs: LocalFileSystem, root: Path, layout: Layout, below: int
+) -> CheckpointInfo | None:
+    """The newest checkpoint under ``root`` older than step ``below`` whose manifest
+    and file sizes check out, or ``None``."""
+    found = scan_steps(fs, root, layout)
+    for step in sorted((s for s in found if s < below), reverse=True):
+        try:
+            return info_of(found[step], read_checkpoint(fs, found[step], expect_step=step))
+        except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+            logger.warning("skipping %s: %s", found[step], exc)
     return None
 
 

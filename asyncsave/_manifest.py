@@ -18,14 +18,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from ._errors import CorruptCheckpointError
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "Manifest", "parse_manifest", "torch_dtype"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "Manifest",
+    "encode_manifest",
+    "parse_manifest",
+    "torch_dtype",
+]
 
 FORMAT = "asyncsave"
 FORMAT_VERSION = 1
 CHECKSUM = "xxh3_64"
+SELF_CHECKSUM = "manifest_xxh3_64"  # last field: XXH3-64 of the document without it
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _MAX_STEP = 2**63 - 1
 _KINDS = {"tensor", "parameter", "ndarray", "pickle"}
@@ -85,6 +94,19 @@ def _safe_file_name(name: Any) -> bool:
     )
 
 
+def _canonical(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+def encode_manifest(doc: dict[str, Any]) -> bytes:
+    """The manifest's bytes: compact JSON whose last field is the XXH3-64 of the
+    document without that field, so an edited manifest (a changed offset, step or
+    dataloader position) is detected, not trusted."""
+    body = _canonical(doc)
+    digest = xxhash.xxh3_64_hexdigest(body)
+    return body[:-1] + f',"{SELF_CHECKSUM}":"{digest}"}}'.encode("ascii")
+
+
 def parse_manifest(raw: bytes, path: Path) -> Manifest:
     """Decode and validate a manifest.
 
@@ -98,6 +120,9 @@ def parse_manifest(raw: bytes, path: Path) -> Manifest:
         raise _fail(path, f"not JSON ({exc})") from exc
     if not isinstance(doc, dict):
         raise _fail(path, "top level is not an object")
+    digest = doc.pop(SELF_CHECKSUM, None)
+    if digest != xxhash.xxh3_64_hexdigest(_canonical(doc)):
+        raise _fail(path, "its own checksum does not match (edited or damaged)")
     if doc.get("format") != FORMAT:
         raise _fail(path, f"format is {doc.get('format')!r}, not {FORMAT!r}")
     if doc.get("format_version") != FORMAT_VERSION:
@@ -134,6 +159,8 @@ def parse_manifest(raw: bytes, path: Path) -> Manifest:
     for i, e in enumerate(entries):
         if not isinstance(e, dict):
             raise _fail(path, f"entries[{i}] is not an object")
+        if not isinstance(e.get("name"), str):
+            raise _fail(path, f"entries[{i}] has no name")
         if not _int(e.get("file"), 0, len(files) - 1):
             raise _fail(path, f"entries[{i}].file is not an index into files")
         if not _int(e.get("offset")) or not _int(e.get("nbytes")):
@@ -184,6 +211,8 @@ def _check_tensor(path: Path, i: int, t: Any, entries: list[dict[str, Any]]) -> 
         raise _fail(path, f"{where} entry/offset are out of range")
     if not isinstance(t.get("requires_grad"), bool):
         raise _fail(path, f"{where}.requires_grad is not a bool")
+    if t["requires_grad"] and not (dtype.is_floating_point or dtype.is_complex):
+        raise _fail(path, f"{where} requires grad but has dtype {dtype}")
     itemsize = torch.empty(0, dtype=dtype).element_size()
     entry_nbytes = entries[t["entry"]]["nbytes"]
     stride = t.get("stride")

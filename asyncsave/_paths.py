@@ -14,8 +14,10 @@ import uuid
 
 __all__ = [
     "LAYOUTS",
+    "LOCK_NAME",
     "MANIFEST_NAME",
     "Layout",
+    "aside_dir_name",
     "data_file_name",
     "is_temp_name",
     "temp_dir_name",
@@ -23,6 +25,7 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
+LOCK_NAME = ".asyncsave.lock"
 _TEMP_PREFIX = ".asyncsave-tmp-"
 _TEMP_RE = re.compile(r"^\.asyncsave-tmp-")
 
@@ -80,6 +83,13 @@ def temp_dir_name(step: int) -> str:
 def temp_file_name(final_name: str) -> str:
     """A fresh temporary name for a file about to be replaced atomically."""
     return f"{_TEMP_PREFIX}{final_name}-{uuid.uuid4().hex[:12]}"
+
+
+def aside_dir_name(why: str, step: int) -> str:
+    """Where a final-named directory that is not a loadable checkpoint of ``step``
+    is moved at open (``why``: ``"damaged"`` or ``"incomplete"``): kept for
+    inspection, out of every resolver's way (no ``step_`` substring)."""
+    return f".asyncsave-{why}-{step}-{uuid.uuid4().hex[:12]}"
 
 
 def is_temp_name(name: str) -> bool:

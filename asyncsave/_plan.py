@@ -42,7 +42,7 @@ class TensorLeaf:
     """One tensor leaf of the tree, before grouping."""
 
     key: str
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None  # dropped once staged (see Plan.release_sources)
     kind: str  # "tensor" | "parameter" | "ndarray"
     requires_grad: bool
 
@@ -59,7 +59,7 @@ class Entry:
     """
 
     name: str
-    source: torch.Tensor
+    source: torch.Tensor | None  # dropped once staged (see Plan.release_sources)
     nbytes: int
     align: int
     is_blob: bool
@@ -94,7 +94,16 @@ class Plan:
 
     @property
     def devices(self) -> set[torch.device]:
-        return {leaf.tensor.device for leaf in self.leaves}
+        return {leaf.tensor.device for leaf in self.leaves if leaf.tensor is not None}
+
+    def release_sources(self) -> None:
+        """Drop every reference to the caller's tensors once they are staged, so
+        that their memory (device memory too) is freed when the caller drops them,
+        not when the save commits."""
+        for e in self.entries:
+            e.source = None
+        for leaf in self.leaves:
+            leaf.tensor = None
 
 
 def key_str(path: tuple[Any, ...]) -> str:
@@ -149,7 +158,10 @@ class _Flattener:
         if t is bool:
             return {"type": "bool", "v": obj}
         if t is int:
-            return {"type": "int", "v": obj}
+            if -(2**63) <= obj < 2**64:
+                return {"type": "int", "v": obj}
+            # Past 64 bits: hex, which has no digit limit (decimal str() does).
+            return {"type": "bigint", "v": hex(obj)}
         if t is float:
             return {"type": "float", "v": obj.hex()}
         if t is str:
@@ -280,7 +292,11 @@ class _Flattener:
                 "and nn.Parameter are stored",
                 key=key,
             )
-        self.leaves.append(TensorLeaf(key, t.detach(), kind, bool(t.requires_grad)))
+        data = t.detach()
+        if data.is_conj() or data.is_neg():
+            # Lazy conjugate/negative views: their bytes are not their values.
+            data = data.resolve_conj().resolve_neg()
+        self.leaves.append(TensorLeaf(key, data, kind, bool(t.requires_grad)))
         return {"type": "tensor", "index": len(self.leaves) - 1}
 
     def ndarray(self, a: Any, path: tuple[Any, ...]) -> dict[str, Any]:
@@ -288,7 +304,9 @@ class _Flattener:
             t = torch.from_numpy(a)
         except (TypeError, ValueError) as exc:
             raise UnsupportedTensorError(
-                f"NumPy array at key {key_str(path)!r} has dtype {a.dtype} that torch cannot hold",
+                f"NumPy array at key {key_str(path)!r} (dtype {a.dtype}, strides "
+                f"{a.strides}) cannot be held by torch: {exc}; pass a native-endian, "
+                "positively strided copy (np.ascontiguousarray)",
                 key=key_str(path),
             ) from exc
         self.leaves.append(TensorLeaf(key_str(path), t, "ndarray", False))
@@ -334,26 +352,30 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]:
     """Turn leaves into entries: one per lone tensor, one blob per shared storage."""
+    ts: list[torch.Tensor] = []
+    for leaf in leaves:
+        assert leaf.tensor is not None
+        ts.append(leaf.tensor)
     by_storage: dict[tuple[str, int], list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        if leaf.tensor.numel() > 0:
-            by_storage.setdefault(_storage_key(leaf.tensor), []).append(i)
+    for i, t in enumerate(ts):
+        if t.numel() > 0:
+            by_storage.setdefault(_storage_key(t), []).append(i)
 
     entries: list[Entry] = []
     records: list[dict[str, Any]] = [{} for _ in leaves]
     names: set[str] = set()
     grouped: set[int] = set()
     for members in by_storage.values():
-        lone = leaves[members[0]].tensor
+        lone = ts[members[0]]
         # A lone CUDA view that is not contiguous is staged as the raw span of its
         # storage: gathering it would allocate device memory (S12).
         if len(members) < 2 and not (lone.is_cuda and not lone.is_contiguous()):
             continue
         grouped.update(members)
-        spans = [_byte_span(leaves[i].tensor) for i in members]
+        spans = [_byte_span(ts[i]) for i in members]
         start = min(s for s, _ in spans) // _BLOB_ALIGN * _BLOB_ALIGN
         end = max(e for _, e in spans)
-        base = leaves[members[0]].tensor
+        base = ts[members[0]]
         source = torch.empty(0, dtype=torch.uint8, device=base.device).set_(
             base.untyped_storage(), start, (end - start,), (1,)
         )
@@ -370,9 +392,10 @@ def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]
             )
         )
         for i in members:
-            t = leaves[i].tensor
+            t = ts[i]
             records[i] = _record(
                 leaves[i],
+                t,
                 entry=len(entries) - 1,
                 offset=int(t.storage_offset()) * t.element_size() - start,
                 stride=list(t.stride()),
@@ -380,7 +403,7 @@ def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]
     for i, leaf in enumerate(leaves):
         if i in grouped:
             continue
-        t = leaf.tensor
+        t = ts[i]
         entries.append(
             Entry(
                 name=_unique(leaf.key, names),
@@ -392,7 +415,7 @@ def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]
                 shape=tuple(t.shape),
             )
         )
-        records[i] = _record(leaf, entry=len(entries) - 1, offset=0, stride=None)
+        records[i] = _record(leaf, t, entry=len(entries) - 1, offset=0, stride=None)
     return entries, records
 
 
@@ -405,9 +428,8 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _record(
-    leaf: TensorLeaf, *, entry: int, offset: int, stride: list[int] | None
+    leaf: TensorLeaf, t: torch.Tensor, *, entry: int, offset: int, stride: list[int] | None
 ) -> dict[str, Any]:
-    t = leaf.tensor
     return {
         "key": leaf.key,
         "entry": entry,

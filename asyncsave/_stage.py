@@ -22,7 +22,7 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._errors import StagingBudgetError
+from ._errors import CheckpointTimeoutError, StagingBudgetError
 from ._plan import Entry
 
 __all__ = ["Lease", "StagingPool", "as_bits", "stage_entries"]
@@ -41,16 +41,27 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 class Lease:
-    """A save's hold on the staging arena; ``release()`` is idempotent."""
+    """A save's hold on the staging arena; ``release()`` is idempotent.
+
+    A lease whose device-to-host copies could not be seen to finish is *poisoned*:
+    the device may still write into it, so it is never handed to another save and
+    its memory is never freed (leaked on purpose, with a warning).
+    """
 
     def __init__(self, pool: StagingPool, buffer: torch.Tensor) -> None:
         self.buffer = buffer
         self._pool: StagingPool | None = pool
+        self.poisoned = False
 
     def release(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None:
+        if pool is not None and not self.poisoned:
             pool._release()
+
+    def poison(self) -> None:
+        if self._pool is not None:
+            self._pool._poisoned = True
+        self.poisoned = True
 
     @property
     def released(self) -> bool:
@@ -72,6 +83,7 @@ class StagingPool:
         self._arena: torch.Tensor | None = None
         self._pinned = False
         self._busy = anyio.Semaphore(1)
+        self._poisoned = False
         self.allocations = 0  # how many times an arena was allocated (S10)
 
     @property
@@ -131,6 +143,13 @@ class StagingPool:
         self._pinned = False
 
     async def aclose(self) -> None:
+        if self._poisoned:
+            logger.warning(
+                "not freeing the %d-byte staging arena: device copies into it never finished",
+                self.capacity,
+            )
+            self._arena = None
+            return
         await anyio.to_thread.run_sync(self._free)
 
 
@@ -157,6 +176,7 @@ def _destination(buffer: torch.Tensor, e: Entry) -> torch.Tensor:
 
 def _copy_cpu(buffer: torch.Tensor, entries: list[Entry]) -> None:
     for e in entries:
+        assert e.source is not None
         dst = _destination(buffer, e)
         if e.is_blob:
             n = e.source.numel()
@@ -176,6 +196,7 @@ def _enqueue_cuda(buffer: torch.Tensor, entries: list[Entry]) -> list[Any]:
     events = []
     by_device: dict[torch.device, list[Entry]] = {}
     for e in entries:
+        assert e.source is not None
         by_device.setdefault(e.source.device, []).append(e)
     for device, group in by_device.items():
         stream = _side_streams.get(device)
@@ -185,6 +206,7 @@ def _enqueue_cuda(buffer: torch.Tensor, entries: list[Entry]) -> list[Any]:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for e in group:
+                assert e.source is not None
                 dst = _destination(buffer, e)
                 if e.is_blob:
                     n = e.source.numel()
@@ -198,20 +220,48 @@ def _enqueue_cuda(buffer: torch.Tensor, entries: list[Entry]) -> list[Any]:
     return events
 
 
+async def _wait_events(events: list[Any], poll_interval_s: float, timeout_s: float) -> bool:
+    """Poll CUDA events without blocking the loop; ``False`` if ``timeout_s`` ran out."""
+    with anyio.move_on_after(timeout_s):
+        for event in events:
+            while not event.query():
+                await anyio.sleep(poll_interval_s)
+        return True
+    return False
+
+
 async def stage_entries(
-    buffer: torch.Tensor, entries: list[Entry], *, poll_interval_s: float
+    lease: Lease, entries: list[Entry], *, poll_interval_s: float, timeout_s: float
 ) -> None:
-    """Copy every entry's source into ``buffer`` at its staging offset.
+    """Copy every entry's source into the lease's buffer at its staging offset.
 
     CUDA copies are enqueued first (from the event loop: launches only), host
-    copies run in a worker thread meanwhile, then CUDA events are polled with
-    ``anyio.sleep`` until done. Returns when the snapshot in ``buffer`` is complete.
+    copies run in a worker thread meanwhile (never abandoned: the buffer is not
+    reused while a thread may still write into it), then CUDA events are polled with
+    ``anyio.sleep`` until done. Returns when the snapshot is complete.
+
+    If the caller is cancelled or the copies outlast ``timeout_s``, this waits
+    (shielded, at most ``timeout_s``) for copies already queued to land before it
+    lets the buffer go; copies that never land poison the lease (see :class:`Lease`).
+
+    :raises CheckpointTimeoutError: the device copies did not finish in ``timeout_s``.
     """
-    cuda = [e for e in entries if e.source.is_cuda]
-    cpu = [e for e in entries if not e.source.is_cuda]
+    buffer = lease.buffer
+    cuda = [e for e in entries if e.source is not None and e.source.is_cuda]
+    cpu = [e for e in entries if e.source is not None and not e.source.is_cuda]
     events = _enqueue_cuda(buffer, cuda) if cuda else []
-    if cpu:
-        await anyio.to_thread.run_sync(_copy_cpu, buffer, cpu)
-    for event in events:
-        while not event.query():
-            await anyio.sleep(poll_interval_s)
+    try:
+        if cpu:
+            await anyio.to_thread.run_sync(_copy_cpu, buffer, cpu)
+        if not await _wait_events(events, poll_interval_s, timeout_s):
+            raise CheckpointTimeoutError(
+                f"device-to-host copies did not finish within {timeout_s} s (a kernel "
+                "queued before save() may be hung)"
+            )
+    except BaseException:
+        if events:
+            with anyio.CancelScope(shield=True):
+                landed = await _wait_events(events, poll_interval_s, timeout_s)
+            if not landed:
+                lease.poison()
+        raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 from pathlib import Path
 
 from ._errors import CorruptCheckpointError
@@ -19,7 +20,7 @@ from ._write import write_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_TRACKER_BYTES", "parse_tracker", "read_tracker", "write_tracker"]
+__all__ = ["MAX_TRACKER_BYTES", "TrackerWriter", "parse_tracker", "read_tracker", "write_tracker"]
 
 MAX_TRACKER_BYTES = 64
 _MAX_STEP = 2**63 - 1
@@ -76,3 +77,33 @@ def write_tracker(fs: LocalFileSystem, path: Path, step: int) -> None:
                 logger.warning("could not remove %s", tmp, exc_info=True)
         raise
     fs.fsync_dir(path.parent)
+
+
+class TrackerWriter:
+    """Moves one tracker forward only, from any number of worker threads.
+
+    Writes are serialised by a thread lock and each re-checks the highest step
+    written just before it replaces the file, so a write thread abandoned after a
+    timeout that finishes late can never move the tracker backwards.
+
+    :param highest: the step the tracker already names durably (or the newest
+        committed step), or ``None``.
+    """
+
+    def __init__(self, fs: LocalFileSystem, path: Path, highest: int | None) -> None:
+        self._fs = fs
+        self._path = path
+        self._lock = threading.Lock()
+        self.highest = highest
+
+    def advance(self, step: int) -> bool:
+        """Make the tracker name ``step`` if that is forward; durable on return.
+
+        :returns: whether the tracker was written.
+        """
+        with self._lock:
+            if self.highest is not None and step <= self.highest:
+                return False
+            write_tracker(self._fs, self._path, step)
+            self.highest = step
+            return True

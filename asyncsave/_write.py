@@ -8,10 +8,8 @@ to ``write(2)``, while it is still in cache.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 import xxhash
@@ -20,7 +18,7 @@ from ._format import FileLayout
 from ._fs import LocalFileSystem
 from ._plan import Entry
 
-__all__ = ["CHUNK_BYTES", "write_bytes", "write_data_file", "write_json"]
+__all__ = ["CHUNK_BYTES", "write_bytes", "write_data_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +67,6 @@ def write_data_file(
         raise
     fs.close(fd)
     return digests
-
-
-def write_json(fs: LocalFileSystem, path: Path, obj: Any) -> None:
-    """Write a JSON document (the manifest) and fsync it."""
-    write_bytes(fs, path, json.dumps(obj, indent=1).encode("utf-8"))
 
 
 def write_bytes(fs: LocalFileSystem, path: Path, data: bytes) -> None:

@@ -25,7 +25,8 @@ def tracker(root: Path) -> str:
 
 
 def entries(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir())
+    """What is in ``root``, less the saver lock file."""
+    return sorted(p.name for p in root.iterdir() if p.name != ".asyncsave.lock")
 
 
 def temp_dirs(root: Path) -> list[str]:

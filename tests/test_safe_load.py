@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import asyncsave
+from asyncsave._manifest import encode_manifest
 
 pytestmark = pytest.mark.anyio
 
@@ -40,11 +41,16 @@ def data_file(path: Path) -> Path:
 
 
 def manifest(path: Path) -> dict[str, Any]:
-    return json.loads((path / "manifest.json").read_text())
+    doc = json.loads((path / "manifest.json").read_text())
+    doc.pop("manifest_xxh3_64")
+    return doc
 
 
 def write_manifest(path: Path, doc: Any) -> None:
-    (path / "manifest.json").write_text(json.dumps(doc))
+    """A hostile manifest: edited, then sealed again with a valid self-checksum, so
+    every field check behind the checksum is exercised."""
+    raw = encode_manifest(doc) if isinstance(doc, dict) else json.dumps(doc).encode()
+    (path / "manifest.json").write_bytes(raw)
 
 
 async def test_pickle_needs_opt_in_on_save(tmp_path: Path) -> None:
@@ -132,6 +138,22 @@ async def test_damaged_manifest_is_a_typed_error(tmp_path: Path, mutate: Any, wo
     with pytest.raises(asyncsave.CorruptCheckpointError) as err:
         asyncsave.load(path)
     assert words in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [(b'"step":1', b'"step":7'), (b'"v":"0x1.0000000000000p+0"', b'"v":"0x1.0000000000001p+0"')],
+)
+async def test_an_edited_manifest_fails_its_own_checksum(tmp_path: Path, old: bytes, new: bytes) -> None:
+    """Plain leaves (a step, a dataloader position) live only in the manifest: a
+    changed byte there is caught like a changed tensor byte."""
+    path = await make(tmp_path, {"w": torch.ones(2), "pos": 1.0})
+    raw = (path / "manifest.json").read_bytes()
+    assert old in raw
+    (path / "manifest.json").write_bytes(raw.replace(old, new, 1))
+    for call in (asyncsave.load, asyncsave.verify):
+        with pytest.raises(asyncsave.CorruptCheckpointError, match="own checksum"):
+            call(path)
 
 
 async def test_header_disagreeing_with_manifest_is_detected(tmp_path: Path) -> None:
