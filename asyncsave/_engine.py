@@ -233,7 +233,8 @@ class Checkpointer:
         try:
             recovered = await anyio.to_thread.run_sync(recover, self._fs, self.root, self.layout)
         except BaseException:
-            self._unlock()
+            with anyio.CancelScope(shield=True):
+                await self._unlock()
             raise
         self._committed = dict.fromkeys(recovered.committed)
         baseline: int | None
@@ -312,14 +313,14 @@ class Checkpointer:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._pool.aclose()
-            self._unlock()
+                await self._unlock()
             self._state = "closed"
         return self._failure
 
-    def _unlock(self) -> None:
+    async def _unlock(self) -> None:
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
-            self._fs.unlock(fd)
+            await anyio.to_thread.run_sync(self._fs.unlock, fd)
 
     def __del__(self) -> None:
         # Never block or raise here (S4): only say that saves were abandoned.

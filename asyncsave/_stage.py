@@ -148,6 +148,8 @@ class StagingPool:
                 "not freeing the %d-byte staging arena: device copies into it never finished",
                 self.capacity,
             )
+            if self._arena is not None:
+                _LEAKED.append(self._arena)  # the device may still write into it
             self._arena = None
             return
         await anyio.to_thread.run_sync(self._free)
@@ -187,6 +189,8 @@ def _copy_cpu(buffer: torch.Tensor, entries: list[Entry]) -> None:
 
 
 _side_streams: dict[torch.device, Any] = {}
+# Arenas of poisoned pools: kept alive for the life of the process.
+_LEAKED: list[torch.Tensor] = []
 
 
 def _enqueue_cuda(buffer: torch.Tensor, entries: list[Entry]) -> list[Any]:

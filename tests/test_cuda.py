@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 
@@ -76,13 +77,42 @@ async def test_pinned_pool_is_exact_size_and_reused(tmp_path: Path) -> None:
 
 
 async def test_copies_see_kernels_queued_before_save_and_mutation_after(tmp_path: Path) -> None:
-    """S11 on CUDA: the snapshot holds the value computed before save() (queued on
-    the current stream) and not the in-place update made right after it returns."""
+    """S11 on CUDA: the snapshot holds the value computed before save() (still queued
+    on the current stream behind a long kernel) and not the in-place update made
+    right after save() returns."""
     x = torch.randn(4096, 4096, device="cuda")
-    y = x * 2 + 1  # queued, maybe not finished, when save() is called
-    expected = (x * 2 + 1).cpu()
+    expected = x.cpu() * 2 + 1
+    torch.cuda._sleep(1_000_000_000)  # the producer stream is busy for a while
+    y = x * 2 + 1  # queued behind it
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         handle = await ckpt.save(1, {"y": y})
         y.mul_(0)
         await handle
     assert torch.equal(asyncsave.load(tmp_path / "step_1")["y"], expected)
+
+
+async def test_a_cancelled_cuda_save_never_leaks_into_the_next_checkpoint(tmp_path: Path) -> None:
+    """Copies already queued when save() is cancelled must land before the staging
+    buffer is reused; else they overwrite the next save's snapshot."""
+    ones = torch.ones(64 << 20, device="cuda")  # 256 MiB
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, {"x": torch.full((64 << 20,), 7.0)}))  # sizes the pool
+        torch.cuda._sleep(2_000_000_000)  # keep the producer stream busy (about 1 s)
+        with anyio.move_on_after(0.05) as scope:
+            await ckpt.save(2, {"x": ones})
+        assert scope.cancelled_caught
+        info = await (await ckpt.save(3, {"x": torch.full((64 << 20,), 7.0)}))
+    assert info is not None
+    assert torch.equal(asyncsave.load(info.path)["x"], torch.full((64 << 20,), 7.0))
+
+
+async def test_a_hung_kernel_before_save_becomes_a_timeout_not_a_hang(tmp_path: Path) -> None:
+    x = torch.ones(1 << 20, device="cuda")
+    with pytest.raises(asyncsave.SaveFailedError):
+        async with asyncsave.Checkpointer(tmp_path, save_timeout_s=0.2) as ckpt:
+            torch.cuda._sleep(6_000_000_000)  # a few seconds: stands in for a stuck kernel
+            with pytest.raises(asyncsave.SaveFailedError) as err:
+                await ckpt.save(1, {"x": x})
+            assert isinstance(err.value.__cause__, asyncsave.CheckpointTimeoutError)
+    torch.cuda.synchronize()
+    assert not (tmp_path / "step_1").exists()

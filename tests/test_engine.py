@@ -6,7 +6,7 @@ import errno
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import pytest
@@ -437,3 +437,200 @@ def test_garbage_collection_with_saves_in_flight_only_warns(tmp_path: Path) -> N
     with pytest.warns(ResourceWarning, match=r"saves \[7\] in flight"):
         ckpt.__del__()
     ckpt._state = "closed"
+
+
+# -- concurrency and cancellation ------------------------------------------------
+
+
+async def test_a_shared_handle_fails_instead_of_hanging_when_its_owner_is_cancelled(
+    tmp_path: Path,
+) -> None:
+    gate = threading.Event()
+    fs = FaultyFS("write", pause(gate), where=lambda p: p.endswith(".safetensors"))
+    try:
+        async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+            await ckpt.save(1, small_state(1))  # holds the staging budget
+            await anyio.to_thread.run_sync(fs.fired.wait, 10)
+            shared: list[asyncsave.SaveHandle] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ckpt.save, 2, small_state(2))  # the owner: waits for budget
+                await anyio.sleep(0.05)
+
+                async def join() -> None:
+                    shared.append(await ckpt.save(2, small_state(2)))
+
+                tg.start_soon(join)  # joins the owner's pending handle
+                await anyio.sleep(0.05)
+                tg.cancel_scope.cancel()  # cancels the owner (and the joiner)
+            assert ckpt.pending_steps == [1]
+            gate.set()
+            await ckpt.wait()  # returns: the cancelled owner left nothing pending
+            assert await (await ckpt.save(2, small_state(2))) is not None  # still usable
+    finally:
+        gate.set()
+    assert asyncsave.load(tmp_path / "step_2")["meta"]["value"] == 2
+
+
+async def test_a_duplicate_save_returns_only_once_the_snapshot_is_taken(tmp_path: Path) -> None:
+    gate = threading.Event()
+    fs = FaultyFS("write", pause(gate), where=lambda p: p.endswith(".safetensors"))
+    t = torch.full((8,), 2.0)
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+        await ckpt.save(1, small_state(1))  # holds the budget: step 2 must wait
+        await anyio.to_thread.run_sync(fs.fired.wait, 10)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ckpt.save, 2, {"t": t})
+            await anyio.sleep(0.05)
+            timer = threading.Timer(0.2, gate.set)
+            timer.start()
+            handle = await ckpt.save(2, {"t": t})  # a duplicate
+            t.fill_(3.0)  # allowed in eager mode once save() returned
+        timer.join()
+        await handle
+    assert torch.equal(asyncsave.load(tmp_path / "step_2")["t"], torch.full((8,), 2.0))
+
+
+async def test_close_does_not_stall_on_a_save_cancelled_while_waiting(tmp_path: Path) -> None:
+    gate = threading.Event()
+    fs = FaultyFS("write", pause(gate), where=lambda p: p.endswith(".safetensors"))
+    threading.Timer(0.3, gate.set).start()
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs, close_timeout_s=120) as ckpt:
+        await ckpt.save(1, small_state(1))
+        with anyio.move_on_after(0.1):
+            await ckpt.save(2, small_state(2))  # cancelled while waiting for the budget
+        assert ckpt.pending_steps == [1]
+    # the exit returned once step 1 committed, and raised nothing
+    assert tracker(tmp_path) == "1"
+
+
+async def test_two_overwrites_of_one_step_run_one_after_the_other(tmp_path: Path) -> None:
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(3, small_state(1)))
+        handles: list[asyncsave.SaveHandle] = []
+
+        async def overwrite(v: float) -> None:
+            handles.append(await ckpt.save(3, small_state(v), overwrite=True))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(overwrite, 2.0)
+            tg.start_soon(overwrite, 3.0)
+        await ckpt.wait()
+        assert all(h.done() for h in handles) and ckpt.pending_steps == []
+    assert asyncsave.load(tmp_path / "step_3")["meta"]["value"] in (2.0, 3.0)
+    assert temp_dirs(tmp_path) == []
+
+
+async def test_a_commit_abandoned_at_the_deadline_is_never_emptied(tmp_path: Path) -> None:
+    """The rename thread outlives the save's deadline; the temp dir must not be
+    removed under it, so what lands under the final name is whole."""
+    gate = threading.Event()
+    fs = FaultyFS("rename", pause(gate), where=lambda p: p.endswith("step_1"))
+    with pytest.raises(asyncsave.CheckpointTimeoutError):
+        async with asyncsave.Checkpointer(tmp_path, filesystem=fs, save_timeout_s=0.3) as ckpt:
+            handle = await ckpt.save(1, small_state(1))
+            with pytest.raises(asyncsave.CheckpointTimeoutError):
+                await handle
+            gate.set()  # the abandoned thread now renames
+            for _ in range(200):
+                if (tmp_path / "step_1").exists():
+                    break
+                await anyio.sleep(0.01)
+    assert asyncsave.verify(tmp_path / "step_1").step == 1
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:  # rolls the tracker forward
+        assert ckpt.tracked_step == 1
+
+
+async def test_a_wait_timeout_is_not_a_failed_save(tmp_path: Path) -> None:
+    gate = threading.Event()
+    fs = FaultyFS("write", pause(gate), where=lambda p: p.endswith(".safetensors"))
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+        handle = await ckpt.save(1, small_state())
+        with pytest.raises(asyncsave.WaitTimeoutError) as err:
+            await handle.wait(timeout_s=0.05)
+        assert not isinstance(err.value, asyncsave.SaveFailedError)
+        assert isinstance(err.value, TimeoutError)
+        gate.set()
+        assert (await handle) is not None
+
+
+async def test_source_tensors_are_not_kept_alive_after_staging(tmp_path: Path) -> None:
+    import gc
+    import weakref
+
+    gate = threading.Event()
+    fs = FaultyFS("write", pause(gate), where=lambda p: p.endswith(".safetensors"))
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+        big = torch.randn(1 << 16)
+        ref = weakref.ref(big)
+        handle = await ckpt.save(1, {"big": big})
+        del big
+        gc.collect()
+        assert ref() is None  # freed while the write is still in flight
+        gate.set()
+        await handle
+
+
+async def test_a_second_checkpointer_on_one_root_is_refused(tmp_path: Path) -> None:
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, small_state()))
+        with pytest.raises(asyncsave.RootInUseError):
+            async with asyncsave.Checkpointer(tmp_path):
+                pass
+        assert asyncsave.latest(tmp_path).step == 1  # type: ignore[union-attr]
+    async with asyncsave.Checkpointer(tmp_path):  # released at close
+        pass
+
+
+async def test_a_file_as_root_is_a_typed_error(tmp_path: Path) -> None:
+    (tmp_path / "root").write_text("x")
+    with pytest.raises(asyncsave.CheckpointError, match="not a directory"):
+        async with asyncsave.Checkpointer(tmp_path / "root"):
+            pass
+    with pytest.raises(asyncsave.CheckpointNotFoundError, match="not a directory"):
+        asyncsave.latest(tmp_path / "root")
+
+
+async def test_all_file_io_runs_off_the_event_loop_thread(tmp_path: Path) -> None:
+    """Invariant 4: every file-system call is made from a worker thread."""
+
+    class RecordingFS(asyncsave.LocalFileSystem):
+        threads: ClassVar[set[int]] = set()
+
+        def __getattribute__(self, name: str) -> Any:
+            attr = super().__getattribute__(name)
+            if not callable(attr) or name.startswith("_"):
+                return attr
+
+            def recorded(*args: Any, **kwargs: Any) -> Any:
+                RecordingFS.threads.add(threading.get_ident())
+                return attr(*args, **kwargs)
+
+            return recorded
+
+    fs = RecordingFS()
+    loop_thread = threading.get_ident()
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+        for step in (1, 2):
+            await (await ckpt.save(step, small_state(step)))
+        restored = await ckpt.load_latest()
+        assert restored is not None
+    assert RecordingFS.threads and loop_thread not in RecordingFS.threads
+
+
+async def test_replaced_parameter_storages_are_saved_from_their_new_memory(tmp_path: Path) -> None:
+    """S5: offloading reallocates parameter storages between saves; each checkpoint
+    must hold the values of its own moment, never a cached old buffer."""
+    model = torch.nn.Linear(32, 32)
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        expected = {}
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.data = torch.full_like(p, float(step))  # a new storage each time
+            expected[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            await ckpt.save(step, {"model": model})
+        await ckpt.wait()
+    for step, sd in expected.items():
+        out = asyncsave.load(tmp_path / f"step_{step}")["model"]
+        for k, v in sd.items():
+            assert torch.equal(out[k], v), (step, k)

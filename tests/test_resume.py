@@ -247,3 +247,72 @@ def test_resume_reads_the_manifest_not_the_directory_listing(tmp_path: Path) -> 
     with pytest.raises(asyncsave.CheckpointNotFoundError):
         asyncsave.latest(tmp_path)
     assert asyncsave.latest(tmp_path, fallback=True) is None
+
+
+async def test_damaged_checkpoint_is_moved_aside_and_its_step_can_be_saved_again(
+    tmp_path: Path,
+) -> None:
+    await save_steps(tmp_path, [1, 2])
+    (tmp_path / "step_2" / "manifest.json").write_text("{}")
+    (tmp_path / TRACKER).write_text("1")
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        aside = [p for p in tmp_path.iterdir() if p.name.startswith(".asyncsave-damaged-2-")]
+        assert len(aside) == 1 and (aside[0] / "manifest.json").read_text() == "{}"
+        restored = await ckpt.load_latest()
+        assert restored is not None and restored.info.step == 1
+        info = await (await ckpt.save(2, {"w": torch.full((4,), 22.0), "step": 2}))
+        assert info is not None
+    assert asyncsave.latest(tmp_path).step == 2  # type: ignore[union-attr]
+
+
+async def test_a_directory_without_manifest_is_moved_aside_not_deleted(tmp_path: Path) -> None:
+    other = tmp_path / "step_100"
+    other.mkdir(parents=True)
+    (other / "model.pt").write_bytes(b"another tool's checkpoint")
+    async with asyncsave.Checkpointer(tmp_path):
+        pass
+    assert not other.exists()
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(".asyncsave-incomplete-100-")]
+    assert len(aside) == 1 and (aside[0] / "model.pt").read_bytes() == b"another tool's checkpoint"
+
+
+async def test_a_copied_checkpoint_directory_is_not_taken_for_another_step(tmp_path: Path) -> None:
+    import shutil
+
+    await save_steps(tmp_path, [30])
+    shutil.copytree(tmp_path / "step_30", tmp_path / "step_35")
+    (tmp_path / TRACKER).write_text("35")
+    with pytest.raises(asyncsave.CheckpointNotFoundError) as err:
+        asyncsave.latest(tmp_path)
+    assert "step 30, not 35" in str(err.value.__cause__)
+    assert asyncsave.latest(tmp_path, fallback=True).step == 30  # type: ignore[union-attr]
+
+
+async def test_fallback_skips_a_checkpoint_whose_bytes_are_damaged(tmp_path: Path) -> None:
+    await save_steps(tmp_path, [1, 2])
+    data = sorted((tmp_path / "step_2").glob("*.safetensors"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0x10
+    data.write_bytes(bytes(raw))
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(asyncsave.ChecksumMismatchError):
+            await ckpt.load_latest()
+        restored = await ckpt.load_latest(fallback=True)
+        assert restored is not None and restored.info.step == 1 and restored.state["step"] == 1
+
+
+async def test_required_paths_reach_int_keys(tmp_path: Path) -> None:
+    opt_state = {"state": {0: {"exp_avg": torch.ones(2)}}}
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, {"optim": opt_state}))
+    asyncsave.load(tmp_path / "step_1", required=["optim/state/0/exp_avg"])
+    with pytest.raises(asyncsave.MissingItemError):
+        asyncsave.load(tmp_path / "step_1", required=["optim/state/1/exp_avg"])
+
+
+async def test_a_template_object_that_refuses_its_state_is_a_typed_error(tmp_path: Path) -> None:
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, {"model": {"weight": torch.ones(2)}}))
+    with pytest.raises(asyncsave.InvalidStateError) as err:
+        asyncsave.load(tmp_path / "step_1", {"model": torch.nn.Linear(3, 3)})
+    assert err.value.key == "model" and "load_state_dict" in str(err.value)

@@ -280,3 +280,24 @@ async def test_load_to_another_device_name_keeps_values(tmp_path: Path) -> None:
     state = {"w": torch.randn(3, 3)}
     out = await save_and_load(tmp_path, state, device="cpu")
     assert out["w"].device.type == "cpu" and torch.equal(out["w"], state["w"])
+
+
+async def test_conjugate_and_negative_views_keep_their_values(tmp_path: Path) -> None:
+    c = torch.randn(3, 4, dtype=torch.complex64)
+    state = {
+        "c": c,
+        "cc": c.conj(),
+        "imag": c.conj().imag,
+        "mh": c.mH,
+        "lone": torch.randn(2, dtype=torch.complex128).conj(),
+    }
+    out = await save_and_load(tmp_path, state)
+    for k, v in state.items():
+        assert torch.equal(out[k], v.resolve_conj().resolve_neg()), k
+        assert not out[k].is_conj() and not out[k].is_neg()
+
+
+async def test_big_ints_round_trip(tmp_path: Path) -> None:
+    state = {"huge": 10**5000, "neg": -(2**100), "edge": [2**63 - 1, -(2**63), 2**64 - 1, 2**64]}
+    out = await save_and_load(tmp_path, state)
+    assert out == state

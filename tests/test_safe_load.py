@@ -144,7 +144,9 @@ async def test_damaged_manifest_is_a_typed_error(tmp_path: Path, mutate: Any, wo
     ("old", "new"),
     [(b'"step":1', b'"step":7'), (b'"v":"0x1.0000000000000p+0"', b'"v":"0x1.0000000000001p+0"')],
 )
-async def test_an_edited_manifest_fails_its_own_checksum(tmp_path: Path, old: bytes, new: bytes) -> None:
+async def test_an_edited_manifest_fails_its_own_checksum(
+    tmp_path: Path, old: bytes, new: bytes
+) -> None:
     """Plain leaves (a step, a dataloader position) live only in the manifest: a
     changed byte there is caught like a changed tensor byte."""
     path = await make(tmp_path, {"w": torch.ones(2), "pos": 1.0})
@@ -246,3 +248,63 @@ async def test_recursive_state_is_refused(tmp_path: Path) -> None:
         with pytest.raises(asyncsave.InvalidStateError) as err:
             await ckpt.save(1, {"x": loop})
     assert err.value.key == "x/self" and "recursive" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "words"),
+    [
+        (
+            lambda d: {**d, "entries": [{k: v for k, v in d["entries"][0].items() if k != "name"}]},
+            "no name",
+        ),
+        (lambda d: {**d, "tree": {"type": "device", "v": "garbage"}}, "bad device"),
+        (
+            lambda d: {**d, "tree": {"type": "dict", "items": [], "metadata": {"type": "none"}}},
+            "metadata",
+        ),
+        (
+            lambda d: {
+                **d,
+                "tensors": [
+                    {**d["tensors"][0], "kind": "ndarray", "dtype": "bfloat16", "shape": [32]}
+                ],
+            },
+            "cannot rebuild",
+        ),
+        (
+            lambda d: {
+                **d,
+                "tensors": [{**d["tensors"][0], "dtype": "int32", "requires_grad": True}],
+            },
+            "requires grad",
+        ),
+        (lambda d: {**d, "tree": {"type": "bigint", "v": "zz"}}, "bad bigint"),
+    ],
+)
+async def test_more_damaged_manifests_are_typed_errors(
+    tmp_path: Path, mutate: Any, words: str
+) -> None:
+    path = await make(tmp_path, {"w": torch.randn(4, 4)})
+    write_manifest(path, mutate(manifest(path)))
+    for call in (asyncsave.load, asyncsave.verify):
+        with pytest.raises(asyncsave.CorruptCheckpointError, match=words):
+            call(path)
+
+
+async def test_load_to_cuda_without_cuda_is_a_clear_error(tmp_path: Path) -> None:
+    path = await make(tmp_path)
+    if torch.cuda.is_available():
+        assert asyncsave.load(path, device="cuda")["w"].is_cuda
+    else:
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            asyncsave.load(path, device="cuda")
+    with pytest.raises(ValueError, match="not a torch device"):
+        asyncsave.load(path, device="garbage")
+
+
+async def test_a_manifest_that_is_a_directory_is_a_typed_error(tmp_path: Path) -> None:
+    path = await make(tmp_path)
+    (path / "manifest.json").unlink()
+    (path / "manifest.json").mkdir()
+    with pytest.raises(asyncsave.CorruptCheckpointError, match="is a directory"):
+        asyncsave.verify(path)
