@@ -388,12 +388,13 @@ async def test_cancelled_pump_still_commits_dispatched_save_and_leaves_no_partia
 ) -> None:
     gate = threading.Event()
     fs = FaultyFS("write", pause(gate), where=lambda p: p.endswith(".safetensors"))
-    timer = threading.Timer(0.5, gate.set)  # the disk answers after the cancellation
-    timer.start()
-    with anyio.move_on_after(0.2) as scope:
+    timer = threading.Timer(0.3, gate.set)  # the disk answers after the cancellation
+    with anyio.CancelScope() as scope:
         async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
             await ckpt.save(1, small_state())
-            await anyio.sleep(30)  # cancelled by the scope
+            timer.start()
+            scope.cancel()  # the pump is cancelled while the save is in flight
+            await anyio.sleep(30)
     timer.join()
     assert scope.cancelled_caught
     for name in entries(tmp_path):
@@ -493,12 +494,13 @@ async def test_a_duplicate_save_returns_only_once_the_snapshot_is_taken(tmp_path
 async def test_close_does_not_stall_on_a_save_cancelled_while_waiting(tmp_path: Path) -> None:
     gate = threading.Event()
     fs = FaultyFS("write", pause(gate), where=lambda p: p.endswith(".safetensors"))
-    threading.Timer(0.3, gate.set).start()
     async with asyncsave.Checkpointer(tmp_path, filesystem=fs, close_timeout_s=120) as ckpt:
         await ckpt.save(1, small_state(1))
+        await anyio.to_thread.run_sync(fs.fired.wait, 10)
         with anyio.move_on_after(0.1):
             await ckpt.save(2, small_state(2))  # cancelled while waiting for the budget
         assert ckpt.pending_steps == [1]
+        threading.Timer(0.2, gate.set).start()
     # the exit returned once step 1 committed, and raised nothing
     assert tracker(tmp_path) == "1"
 
@@ -526,8 +528,9 @@ async def test_a_commit_abandoned_at_the_deadline_is_never_emptied(tmp_path: Pat
     gate = threading.Event()
     fs = FaultyFS("rename", pause(gate), where=lambda p: p.endswith("step_1"))
     with pytest.raises(asyncsave.CheckpointTimeoutError):
-        async with asyncsave.Checkpointer(tmp_path, filesystem=fs, save_timeout_s=0.3) as ckpt:
+        async with asyncsave.Checkpointer(tmp_path, filesystem=fs, save_timeout_s=2.0) as ckpt:
             handle = await ckpt.save(1, small_state(1))
+            await anyio.to_thread.run_sync(fs.fired.wait, 10)  # the rename is held
             with pytest.raises(asyncsave.CheckpointTimeoutError):
                 await handle
             gate.set()  # the abandoned thread now renames
