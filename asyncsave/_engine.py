@@ -217,6 +217,7 @@ class Checkpointer:
         self._committed: dict[int, CheckpointInfo | None] = {}
         self._tracker: TrackerWriter | None = None
         self._lock_fd: int | None = None
+        self._accepting = False  # whether the task group takes new pipelines
         self._resumed_step: int | None = None
         self._failure: SaveFailedError | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -237,16 +238,16 @@ class Checkpointer:
                 await self._unlock()
             raise
         self._committed = dict.fromkeys(recovered.committed)
-        baseline: int | None
-        if recovered.tracked in recovered.committed:
-            baseline = recovered.tracked
-        else:
-            baseline = max(recovered.committed, default=None)
+        # Forward only, even past a tracker that names a checkpoint that is gone:
+        # saves below it commit but do not move it (resume then needs fallback=True).
+        steps = [s for s in (recovered.tracked, *recovered.committed) if s is not None]
+        baseline = max(steps, default=None)
         if self.layout.tracker_name is not None:
             self._tracker = TrackerWriter(self._fs, self.root / self.layout.tracker_name, baseline)
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
+        self._accepting = True
         self._state = "open"
         return self
 
@@ -308,6 +309,7 @@ class Checkpointer:
         # after it; its pipelines are finished or cancelled by now, so this returns
         # as soon as their (shielded, bounded) clean-up is done.
         assert self._tg is not None and self._pool is not None
+        self._accepting = False
         try:
             await self._tg.__aexit__(None, None, None)
         finally:
@@ -323,7 +325,12 @@ class Checkpointer:
             await anyio.to_thread.run_sync(self._fs.unlock, fd)
 
     def __del__(self) -> None:
-        # Never block or raise here (S4): only say that saves were abandoned.
+        # Never block or raise here (S4): say that saves were abandoned, and let the
+        # root go so that another checkpointer can open it.
+        fd = getattr(self, "_lock_fd", None)
+        if fd is not None:
+            self._lock_fd = None
+            self._fs.unlock(fd)
         if getattr(self, "_state", "closed") == "open" and self._pending:
             warnings.warn(
                 f"Checkpointer({str(self.root)!r}) was garbage-collected with saves "
@@ -372,6 +379,13 @@ class Checkpointer:
         :raises SaveFailedError: an earlier save of this checkpointer failed.
         :raises CheckpointerClosedError: used outside ``async with``.
         """
+        return await self._save(step, state, overwrite=overwrite, ready=None)
+
+    async def _save(
+        self, step: int, state: Any, *, overwrite: bool, ready: dict[torch.device, Any] | None
+    ) -> SaveHandle:
+        """The body of :meth:`save`; ``ready`` are CUDA events recorded by the caller's
+        thread (the synchronous facade records them before crossing threads)."""
         t0 = time.perf_counter()
         self._check_usable()
         if type(step) is not int or not 0 <= step <= _MAX_STEP:
@@ -416,7 +430,20 @@ class Checkpointer:
                 plan.entries,
                 poll_interval_s=self.options.poll_interval_s,
                 timeout_s=self.options.save_timeout_s,
+                ready=ready,
             )
+            if not self._accepting:
+                raise CheckpointerClosedError(
+                    f"the Checkpointer for {self.root} closed while step {step} was staging",
+                    step=step,
+                    path=self.root,
+                )
+            plan.release_sources()
+            staged_s = time.perf_counter() - t0
+            self._tg.start_soon(
+                self._pipeline, handle, plan, layouts, lease, t0, staged_s, overwrite
+            )
+            handle._staged.set()
         except BaseException as exc:
             # Whoever shares this handle (a duplicate save() of the same step, or a
             # close waiting for it) must hear of it: nothing else will resolve it.
@@ -433,10 +460,6 @@ class Checkpointer:
             if self._pending.get(step) is handle:
                 del self._pending[step]
             raise
-        plan.release_sources()
-        staged_s = time.perf_counter() - t0
-        handle._staged.set()
-        self._tg.start_soon(self._pipeline, handle, plan, layouts, lease, t0, staged_s, overwrite)
         return handle
 
     async def _committed_info(self, step: int) -> CheckpointInfo:

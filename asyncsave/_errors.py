@@ -23,6 +23,7 @@ know asyncsave::
     ├── CheckpointNotFoundError(LookupError) nothing at a path, or the tracker names
     │   │                                    a checkpoint that does not exist
     │   └── MissingItemError                 a required item is not in the checkpoint
+    ├── UnsupportedFormatError(ValueError)   written by a newer asyncsave: left alone
     ├── CorruptCheckpointError(ValueError)   damaged manifest, truncated file, tracker
     │   └── ChecksumMismatchError            garbage; bytes differ from the manifest
     ├── KindMismatchError(TypeError)         an item's kind tag differs from the one
@@ -60,6 +61,7 @@ __all__ = [
     "SaveFailedError",
     "StagingBudgetError",
     "UnsafeLoadError",
+    "UnsupportedFormatError",
     "UnsupportedTensorError",
     "UnsupportedTypeError",
     "WaitTimeoutError",
@@ -203,6 +205,12 @@ class MissingItemError(CheckpointNotFoundError):
     checkpoint. Source: the NeMo-RL single-controller checkpointing change, where a
     checkpoint missing its dataloader state resumed silently from a fresh position.
     """
+
+
+class UnsupportedFormatError(CheckpointError, ValueError):
+    """A checkpoint written in a newer format than this asyncsave reads. It is never
+    treated as damaged (never moved aside, never skipped silently): upgrade
+    asyncsave, or move it away yourself."""
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):

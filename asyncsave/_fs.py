@@ -19,6 +19,22 @@ from pathlib import Path
 __all__ = ["LocalFileSystem"]
 
 _RENAME_EXCHANGE = 2
+
+# Lock descriptors this process holds: a forked child (a DataLoader worker) must not
+# keep the parent's saver lock alive after the parent lets it go.
+_LOCK_FDS: set[int] = set()
+
+
+def _close_locks_in_child() -> None:
+    for fd in list(_LOCK_FDS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_locks_in_child)
 _AT_FDCWD = -100
 
 
@@ -121,8 +137,10 @@ class LocalFileSystem:
         except BaseException:
             os.close(fd)
             raise
+        _LOCK_FDS.add(fd)
         return fd
 
     def unlock(self, fd: int) -> None:
         """Release a lock taken by :meth:`lock` (closing releases it)."""
+        _LOCK_FDS.discard(fd)
         os.close(fd)

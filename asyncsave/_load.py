@@ -127,7 +127,7 @@ def _check_header(fpath: Path, f: Any, manifest: Manifest, file_index: int) -> N
         raise CorruptCheckpointError(f"{fpath} claims a {n}-byte header", path=fpath)
     try:
         header = json.loads(f.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{fpath} header is not JSON", path=fpath) from exc
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{fpath} header is not an object", path=fpath)
@@ -338,10 +338,15 @@ class _Decoder:
                 or len(item) != 2
                 or not isinstance(item[0], list)
                 or len(item[0]) != 2
-                or (item[0][0], type(item[0][1])) not in (("s", str), ("i", int))
+                or (item[0][0], type(item[0][1])) not in (("s", str), ("i", int), ("x", str))
             ):
                 raise self.bad(where, "malformed dict item")
             key = item[0][1]
+            if item[0][0] == "x":
+                try:
+                    key = int(key, 16)
+                except ValueError as exc:
+                    raise self.bad(where, "malformed big int key") from exc
             out[key] = self.node(item[1], (*where, key))
         if "metadata" in node:
             if not isinstance(out, OrderedDict):

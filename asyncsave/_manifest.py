@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ._errors import CorruptCheckpointError
+from ._errors import CorruptCheckpointError, UnsupportedFormatError
 
 __all__ = [
     "FORMAT",
@@ -116,21 +116,24 @@ def parse_manifest(raw: bytes, path: Path) -> Manifest:
     """
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError too
         raise _fail(path, f"not JSON ({exc})") from exc
     if not isinstance(doc, dict):
         raise _fail(path, "top level is not an object")
+    if doc.get("format") != FORMAT:
+        raise _fail(path, f"format is {doc.get('format')!r}, not {FORMAT!r}")
+    version = doc.get("format_version")
+    if type(version) is int and version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"{path} has format_version {version}; this asyncsave reads up to "
+            f"{FORMAT_VERSION}: upgrade asyncsave",
+            path=path,
+        )
+    if version != FORMAT_VERSION:
+        raise _fail(path, f"format_version {version!r} is not {FORMAT_VERSION}")
     digest = doc.pop(SELF_CHECKSUM, None)
     if digest != xxhash.xxh3_64_hexdigest(_canonical(doc)):
         raise _fail(path, "its own checksum does not match (edited or damaged)")
-    if doc.get("format") != FORMAT:
-        raise _fail(path, f"format is {doc.get('format')!r}, not {FORMAT!r}")
-    if doc.get("format_version") != FORMAT_VERSION:
-        raise _fail(
-            path,
-            f"format_version {doc.get('format_version')!r} is not {FORMAT_VERSION} "
-            "(written by another asyncsave version?)",
-        )
     if doc.get("checksum") != CHECKSUM:
         raise _fail(path, f"checksum algorithm {doc.get('checksum')!r} is unknown")
     step, world_size = doc.get("step"), doc.get("world_size")

@@ -329,7 +329,9 @@ def _encode_key(k: Any, path: tuple[Any, ...]) -> list[Any]:
     if type(k) is str:
         return ["s", k]
     if type(k) is int:
-        return ["i", k]
+        if -(2**63) <= k < 2**64:
+            return ["i", k]
+        return ["x", hex(k)]  # past 64 bits: hex has no digit limit
     raise InvalidKeyError(
         f"dict key {k!r} of type {type(k).__name__} under {key_str(path)!r} is not str or int",
         key=key_str((*path, k)),

@@ -16,16 +16,18 @@ bit-exactly by one ``copy_`` kernel.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import torch
 
-from ._errors import CheckpointTimeoutError, StagingBudgetError
+from ._errors import CheckpointTimeoutError, SaveFailedError, StagingBudgetError
 from ._plan import Entry
 
-__all__ = ["Lease", "StagingPool", "as_bits", "stage_entries"]
+__all__ = ["Lease", "StagingPool", "as_bits", "producer_events", "stage_entries"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +57,16 @@ class Lease:
 
     def release(self) -> None:
         pool, self._pool = self._pool, None
-        if pool is not None and not self.poisoned:
+        if pool is not None:
             pool._release()
 
     def poison(self) -> None:
+        """Mark the arena lost: the pool never leases it again, and saves waiting
+        for it wake up to an error instead of waiting forever."""
         if self._pool is not None:
             self._pool._poisoned = True
         self.poisoned = True
+        self.release()
 
     @property
     def released(self) -> bool:
@@ -109,6 +114,11 @@ class StagingPool:
         """
         self.check(nbytes)
         await self._busy.acquire()
+        if self._poisoned:
+            self._busy.release()  # wake the next waiter to the same error
+            raise SaveFailedError(
+                "the staging memory was lost to device copies that never finished"
+            )
         try:
             need = max(nbytes, self.budget_bytes or 0)
             if self._arena is None or self.capacity < nbytes or (pin and not self._pinned):
@@ -143,6 +153,9 @@ class StagingPool:
         self._pinned = False
 
     async def aclose(self) -> None:
+        if self._busy.value == 0 and self._pinned and not self._poisoned:
+            # A save still staging (close timed out): never unregister under it.
+            self._poisoned = True
         if self._poisoned:
             logger.warning(
                 "not freeing the %d-byte staging arena: device copies into it never finished",
@@ -189,44 +202,77 @@ def _copy_cpu(buffer: torch.Tensor, entries: list[Entry]) -> None:
 
 
 _side_streams: dict[torch.device, Any] = {}
+_streams_lock = threading.Lock()
 # Arenas of poisoned pools: kept alive for the life of the process.
 _LEAKED: list[torch.Tensor] = []
 
 
-def _enqueue_cuda(buffer: torch.Tensor, entries: list[Entry]) -> list[Any]:
-    """Enqueue device-to-host copies on a side stream per device; returns one
-    recorded event per device. Allocates no device memory: every source is either
-    contiguous or staged as its raw storage span."""
-    events = []
+def producer_events(devices: Iterable[torch.device] | None = None) -> dict[torch.device, Any]:
+    """Record, in the calling thread, a CUDA event on the current stream of each
+    device (``None``: every device, if CUDA is initialised at all).
+
+    The copies of a save wait on these events, so they see every kernel the caller
+    queued before ``save()``. The current stream is per thread: this must run in the
+    thread that queued the kernels (the event loop for :class:`Checkpointer`, the
+    caller's thread for :class:`SyncCheckpointer`).
+    """
+    if not torch.cuda.is_initialized():
+        return {}
+    if devices is None:
+        devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    events = {}
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events[device] = event
+    return events
+
+
+def _side_stream(device: torch.device) -> Any:
+    with _streams_lock:
+        stream = _side_streams.get(device)
+        if stream is None:
+            stream = _side_streams[device] = torch.cuda.Stream(device=device)
+        return stream
+
+
+def _enqueue_cuda(
+    buffer: torch.Tensor, entries: list[Entry], ready: dict[torch.device, Any], done: list[Any]
+) -> None:
+    """Enqueue device-to-host copies on a side stream per device, each stream first
+    waiting for the producer's ``ready`` event; append one completion event per
+    device to ``done`` (also when enqueuing fails part-way, so that copies already
+    queued are waited for). Runs in a worker thread: creating a stream or launching
+    copies may block behind a busy device. Allocates no device memory: every source
+    is either contiguous or staged as its raw storage span."""
     by_device: dict[torch.device, list[Entry]] = {}
     for e in entries:
         assert e.source is not None
         by_device.setdefault(e.source.device, []).append(e)
     for device, group in by_device.items():
-        stream = _side_streams.get(device)
-        if stream is None:
-            stream = _side_streams[device] = torch.cuda.Stream(device=device)
-        # The copies must see every kernel already queued on the producer stream.
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for e in group:
-                assert e.source is not None
-                dst = _destination(buffer, e)
-                if e.is_blob:
-                    n = e.source.numel()
-                    dst[:n].copy_(e.source, non_blocking=True)
-                    dst[n:].zero_()
-                else:
-                    as_bits(dst).copy_(as_bits(e.source), non_blocking=True)
+        stream = _side_stream(device)
+        if device in ready:
+            stream.wait_event(ready[device])
+        try:
+            with torch.cuda.stream(stream):
+                for e in group:
+                    assert e.source is not None
+                    dst = _destination(buffer, e)
+                    if e.is_blob:
+                        n = e.source.numel()
+                        dst[:n].copy_(e.source, non_blocking=True)
+                        dst[n:].zero_()
+                    else:
+                        as_bits(dst).copy_(as_bits(e.source), non_blocking=True)
+        finally:
             event = torch.cuda.Event()
             event.record(stream)
-        events.append(event)
-    return events
+            done.append(event)
 
 
-async def _wait_events(events: list[Any], poll_interval_s: float, timeout_s: float) -> bool:
-    """Poll CUDA events without blocking the loop; ``False`` if ``timeout_s`` ran out."""
-    with anyio.move_on_after(timeout_s):
+async def _wait_events(events: list[Any], poll_interval_s: float, deadline: float) -> bool:
+    """Poll CUDA events without blocking the loop; ``False`` if the deadline passed."""
+    with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
         for event in events:
             while not event.query():
                 await anyio.sleep(poll_interval_s)
@@ -235,37 +281,58 @@ async def _wait_events(events: list[Any], poll_interval_s: float, timeout_s: flo
 
 
 async def stage_entries(
-    lease: Lease, entries: list[Entry], *, poll_interval_s: float, timeout_s: float
+    lease: Lease,
+    entries: list[Entry],
+    *,
+    poll_interval_s: float,
+    timeout_s: float,
+    ready: dict[torch.device, Any] | None = None,
 ) -> None:
     """Copy every entry's source into the lease's buffer at its staging offset.
 
-    CUDA copies are enqueued first (from the event loop: launches only), host
-    copies run in a worker thread meanwhile (never abandoned: the buffer is not
-    reused while a thread may still write into it), then CUDA events are polled with
-    ``anyio.sleep`` until done. Returns when the snapshot is complete.
+    CUDA copies are enqueued from a worker thread (shielded from cancellation, bounded
+    by the deadline), host copies run in a worker thread (never abandoned: the
+    buffer is not reused while a thread may still write into it), then CUDA events
+    are polled with ``anyio.sleep``. Returns when the snapshot is complete.
 
-    If the caller is cancelled or the copies outlast ``timeout_s``, this waits
-    (shielded, at most ``timeout_s``) for copies already queued to land before it
-    lets the buffer go; copies that never land poison the lease (see :class:`Lease`).
-
-    :raises CheckpointTimeoutError: the device copies did not finish in ``timeout_s``.
+    :param ready: CUDA events marking what the caller queued before ``save()`` (see
+        :func:`producer_events`); recorded here, on the calling thread, if ``None``.
+    :raises CheckpointTimeoutError: the copies did not finish within ``timeout_s``
+        (one deadline for enqueuing, copying and waiting). If the caller is
+        cancelled, or the deadline passes, copies already queued are waited for
+        (shielded, until the same deadline) before the buffer can be reused; copies
+        that never land poison the lease (see :class:`Lease`).
     """
+    deadline = anyio.current_time() + timeout_s
     buffer = lease.buffer
     cuda = [e for e in entries if e.source is not None and e.source.is_cuda]
     cpu = [e for e in entries if e.source is not None and not e.source.is_cuda]
-    events = _enqueue_cuda(buffer, cuda) if cuda else []
+    events: list[Any] = []
     try:
+        if cuda:
+            if ready is None:
+                ready = producer_events({e.source.device for e in cuda if e.source is not None})
+            with anyio.CancelScope(shield=True) as scope:
+                scope.deadline = deadline
+                await anyio.to_thread.run_sync(
+                    _enqueue_cuda, buffer, cuda, ready, events, abandon_on_cancel=True
+                )
+            if scope.cancelled_caught:
+                lease.poison()  # the abandoned thread may still be queueing copies
+                raise CheckpointTimeoutError(
+                    f"queueing device-to-host copies took over {timeout_s} s"
+                )
         if cpu:
             await anyio.to_thread.run_sync(_copy_cpu, buffer, cpu)
-        if not await _wait_events(events, poll_interval_s, timeout_s):
+        if not await _wait_events(events, poll_interval_s, deadline):
             raise CheckpointTimeoutError(
                 f"device-to-host copies did not finish within {timeout_s} s (a kernel "
                 "queued before save() may be hung)"
             )
     except BaseException:
-        if events:
+        if events and not lease.poisoned:
             with anyio.CancelScope(shield=True):
-                landed = await _wait_events(events, poll_interval_s, timeout_s)
+                landed = await _wait_events(events, poll_interval_s, deadline)
             if not landed:
                 lease.poison()
         raise

@@ -9,7 +9,9 @@ semantics: saves, errors, timeouts and the exit behaviour are the async ones.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
@@ -21,9 +23,12 @@ import torch
 from ._engine import Checkpointer, SaveHandle
 from ._errors import CheckpointerClosedError
 from ._options import CheckpointOptions
+from ._stage import producer_events
 from ._types import CheckpointInfo, Restored
 
 __all__ = ["SyncCheckpointer", "SyncSaveHandle"]
+
+logger = logging.getLogger(__name__)
 
 
 class SyncSaveHandle:
@@ -44,7 +49,10 @@ class SyncSaveHandle:
 
     def result(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         """Block until the checkpoint is committed and tracked; see
-        :meth:`SaveHandle.wait` for what is raised."""
+        :meth:`SaveHandle.wait` for what is raised. Works after the ``with`` block
+        too (every save is settled by then)."""
+        if self._handle.done():
+            return self._handle.result()
         return self._portal.call(self._handle.wait, timeout_s)
 
 
@@ -64,8 +72,12 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         ``"trio"``).
 
     Methods may be called from any thread but not from the portal's own event loop.
-    Leaving the block flushes pending saves with the async exit semantics: the
-    body's exception propagates unchanged, a flush failure is attached as a note.
+    ``state_dict()`` of the objects saved, and ``load_state_dict()`` of a template,
+    run on the portal's thread while the caller's thread waits. CUDA kernels the
+    calling thread queued before ``save()`` (on its current streams) are waited for
+    by the copies. Leaving the block flushes pending saves with the async exit
+    semantics: the body's exception propagates unchanged, a flush failure is
+    attached as a note. A checkpointer never exited is flushed at interpreter exit.
     """
 
     def __init__(
@@ -79,6 +91,7 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         self._ckpt = Checkpointer(root, options, **overrides)
         self._backend = backend
         self._stack: ExitStack | None = None
+        self._entered = False
         self._portal: anyio.from_thread.BlockingPortal | None = None
 
     @property
@@ -87,8 +100,9 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         return self._ckpt
 
     def __enter__(self) -> SyncCheckpointer:
-        if self._stack is not None:
+        if self._stack is not None or self._entered:
             raise CheckpointerClosedError("a SyncCheckpointer can be entered only once")
+        self._entered = True
         stack = ExitStack()
         portal = stack.enter_context(anyio.from_thread.start_blocking_portal(self._backend))
         try:
@@ -97,7 +111,24 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
             stack.close()
             raise
         self._stack, self._portal = stack, portal
+        # The portal's thread is joined at interpreter exit, before atexit handlers:
+        # a checkpointer never exited would hang the exit. Close it first, bounded by
+        # close_timeout_s (threading's own exit hooks run before that join).
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(self._close_at_exit)
         return self
+
+    def _close_at_exit(self) -> None:
+        if self._stack is None or self._portal is None:
+            return
+        logger.warning(
+            "SyncCheckpointer(%s) was never exited; flushing it at exit", self._ckpt.root
+        )
+        try:
+            self.__exit__(None, None, None)
+        except Exception:
+            logger.exception("flushing SyncCheckpointer(%s) at exit failed", self._ckpt.root)
 
     def __exit__(
         self,
@@ -107,7 +138,10 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
     ) -> bool | None:
         assert self._stack is not None
         stack, self._portal = self._stack, None
-        return stack.__exit__(exc_type, exc, tb)
+        try:
+            return stack.__exit__(exc_type, exc, tb)
+        finally:
+            self._stack = None
 
     def _call(self, func: Any, *args: Any) -> Any:
         if self._portal is None:
@@ -117,7 +151,10 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
     def save(self, step: int, state: Any, *, overwrite: bool = False) -> SyncSaveHandle:
         """Snapshot ``state`` and return once it is staged; see
         :meth:`Checkpointer.save` for arguments and errors."""
-        handle = self._call(lambda: self._ckpt.save(step, state, overwrite=overwrite))
+        # The caller's CUDA streams are per thread: mark what this thread queued
+        # before the call crosses to the portal's thread.
+        ready = producer_events()
+        handle = self._call(lambda: self._ckpt._save(step, state, overwrite=overwrite, ready=ready))
         assert self._portal is not None
         return SyncSaveHandle(self._portal, handle)
 

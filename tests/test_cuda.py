@@ -117,3 +117,38 @@ async def test_a_hung_kernel_before_save_becomes_a_timeout_not_a_hang(tmp_path: 
                 await ckpt.save(2, {"x": torch.ones(3)})
     torch.cuda.synchronize()
     assert not (tmp_path / "step_1").exists()
+
+
+async def test_cuda_streams_are_created_and_copies_queued_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Creating a stream or launching copies can block behind a busy device: never
+    on the event loop thread (invariant 4)."""
+    import threading
+
+    from asyncsave import _stage
+
+    threads: list[int] = []
+    real_stream = torch.cuda.Stream
+
+    def recording_stream(*args: object, **kwargs: object) -> object:
+        threads.append(threading.get_ident())
+        return real_stream(*args, **kwargs)
+
+    monkeypatch.setattr(_stage, "_side_streams", {})
+    monkeypatch.setattr(torch.cuda, "Stream", recording_stream)
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, {"x": torch.ones(1000, device="cuda")}))
+    assert threads and threading.get_ident() not in threads
+
+
+def test_sync_save_sees_kernels_queued_on_the_callers_own_stream(tmp_path: Path) -> None:
+    """The current stream is per thread: the facade marks the caller's streams before
+    the save crosses to the portal's thread."""
+    x = torch.zeros(64 << 20, device="cuda")
+    side = torch.cuda.Stream()
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt, torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)
+        x.fill_(1.0)  # queued on the caller's side stream, behind the sleep
+        ckpt.save(1, {"x": x}).result()
+    assert torch.equal(asyncsave.load(tmp_path / "step_1")["x"], torch.ones(64 << 20))

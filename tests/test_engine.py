@@ -637,3 +637,41 @@ async def test_replaced_parameter_storages_are_saved_from_their_new_memory(tmp_p
         out = asyncsave.load(tmp_path / f"step_{step}")["model"]
         for k, v in sd.items():
             assert torch.equal(out[k], v), (step, k)
+
+
+async def test_a_forked_child_does_not_keep_the_root_locked(tmp_path: Path) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    async with asyncsave.Checkpointer(tmp_path):
+        child = ctx.Process(target=__import__("time").sleep, args=(30,))
+        child.start()  # a DataLoader worker, say, forked while the lock is held
+    try:
+        async with asyncsave.Checkpointer(tmp_path):  # the lock went with the parent
+            pass
+    finally:
+        child.terminate()
+        child.join()
+
+
+async def test_a_poisoned_pool_wakes_waiters_with_an_error() -> None:
+    from asyncsave._stage import StagingPool
+
+    pool = StagingPool(None)
+    lease = await pool.acquire(1024, pin=False)
+    errors: list[BaseException] = []
+
+    async def waiter() -> None:
+        try:
+            await pool.acquire(1024, pin=False)
+        except asyncsave.SaveFailedError as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            tg.start_soon(waiter)
+            await anyio.sleep(0.05)
+            lease.poison()  # device copies into it never finished
+    assert len(errors) == 2
+    await pool.aclose()

@@ -316,3 +316,18 @@ async def test_a_template_object_that_refuses_its_state_is_a_typed_error(tmp_pat
     with pytest.raises(asyncsave.InvalidStateError) as err:
         asyncsave.load(tmp_path / "step_1", {"model": torch.nn.Linear(3, 3)})
     assert err.value.key == "model" and "load_state_dict" in str(err.value)
+
+
+async def test_the_tracker_never_moves_back_past_a_checkpoint_that_is_gone(tmp_path: Path) -> None:
+    """Invariant 2: a tracker naming a lost checkpoint (20) is not moved back to a
+    newer save of an older step (11); resume then needs fallback=True."""
+    import shutil
+
+    await save_steps(tmp_path, [10, 20])
+    shutil.rmtree(tmp_path / "step_20")
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        restored = await ckpt.load_latest(fallback=True)
+        assert restored is not None and restored.info.step == 10
+        await (await ckpt.save(11, {"w": torch.ones(4), "step": 11}))
+    assert (tmp_path / TRACKER).read_text() == "20"
+    assert asyncsave.latest(tmp_path, fallback=True).step == 11  # type: ignore[union-attr]

@@ -298,6 +298,11 @@ async def test_conjugate_and_negative_views_keep_their_values(tmp_path: Path) ->
 
 
 async def test_big_ints_round_trip(tmp_path: Path) -> None:
-    state = {"huge": 10**5000, "neg": -(2**100), "edge": [2**63 - 1, -(2**63), 2**64 - 1, 2**64]}
+    state = {
+        "huge": 10**5000,
+        "neg": -(2**100),
+        "edge": [2**63 - 1, -(2**63), 2**64 - 1, 2**64],
+        "keys": {10**5000: "big key", -(2**70): "negative big key", 5: "small"},
+    }
     out = await save_and_load(tmp_path, state)
     assert out == state

@@ -110,7 +110,7 @@ async def test_missing_manifest_is_not_a_checkpoint(tmp_path: Path) -> None:
         (lambda d: "not json at all", "not JSON"),
         (lambda d: [1, 2], "top level"),
         (lambda d: {**d, "format": "torch"}, "format"),
-        (lambda d: {**d, "format_version": 99}, "format_version"),
+        (lambda d: {**d, "format_version": 0}, "format_version"),
         (lambda d: {**d, "step": -3}, "step"),
         (
             lambda d: {**d, "files": [{"name": "../../etc/passwd", "nbytes": 1}]},
@@ -308,3 +308,31 @@ async def test_a_manifest_that_is_a_directory_is_a_typed_error(tmp_path: Path) -
     (path / "manifest.json").mkdir()
     with pytest.raises(asyncsave.CorruptCheckpointError, match="is a directory"):
         asyncsave.verify(path)
+
+
+async def test_a_newer_format_is_left_alone_not_called_damaged(tmp_path: Path) -> None:
+    path = await make(tmp_path, {"w": torch.ones(2)})
+    write_manifest(path, {**manifest(path), "format_version": 2})
+    with pytest.raises(asyncsave.UnsupportedFormatError, match="upgrade"):
+        asyncsave.load(path)
+    with pytest.raises(asyncsave.UnsupportedFormatError):
+        asyncsave.latest(tmp_path, fallback=True)
+    with pytest.raises(asyncsave.UnsupportedFormatError):
+        async with asyncsave.Checkpointer(tmp_path):
+            pass
+    assert path.exists()  # never moved aside
+
+
+async def test_pathological_json_is_a_typed_error(tmp_path: Path) -> None:
+    path = await make(tmp_path, {"w": torch.ones(2)})
+    raw = (path / "manifest.json").read_bytes()
+    (path / "manifest.json").write_bytes(raw.replace(b'"step":1', b'"step":' + b"9" * 5000, 1))
+    with pytest.raises(asyncsave.CorruptCheckpointError, match="not JSON"):
+        asyncsave.load(path)
+    path2 = await make(tmp_path / "b", {"w": torch.ones(2)})
+    f = data_file(path2)
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    f.write_bytes(raw[:8] + (b"[" * n) + raw[8 + n :])
+    with pytest.raises(asyncsave.CorruptCheckpointError, match="header is not JSON"):
+        asyncsave.verify(path2)

@@ -74,3 +74,29 @@ def test_sync_use_outside_with_is_a_closed_error(tmp_path: Path) -> None:
     ckpt = asyncsave.SyncCheckpointer(tmp_path)
     with pytest.raises(asyncsave.CheckpointerClosedError):
         ckpt.save(1, {"t": torch.ones(1)})
+
+
+def test_result_after_the_block_returns_the_settled_save(tmp_path: Path) -> None:
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
+        handle = ckpt.save(1, {"t": torch.ones(2)})
+    info = handle.result()
+    assert info is not None and info.step == 1
+
+
+def test_a_sync_checkpointer_never_exited_is_flushed_at_interpreter_exit(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import torch, asyncsave
+        ckpt = asyncsave.SyncCheckpointer({str(tmp_path)!r}).__enter__()
+        ckpt.save(1, {{"t": torch.ones(3)}})
+        print("leaving without exit", flush=True)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "never exited" in proc.stderr
+    assert asyncsave.latest(tmp_path).step == 1  # type: ignore[union-attr]
