@@ -11,7 +11,7 @@ from exactly the last committed step::
         ...
         info = await handle
 
-See DESIGN.md for the pipeline and its invariants.
+docs/decisions.md records the design decisions; the README lists the guarantees.
 """
 
 from ._engine import Checkpointer, SaveHandle

@@ -61,8 +61,8 @@ def _ls(root: Path, layout_name: str, out: TextIO) -> int:
         path = steps[step]
         mark = "*" if step == tracked else " "
         try:
-            m = read_checkpoint(fs, path)
-            size = sum(f["nbytes"] for f in m.files)
+            m = read_checkpoint(fs, path, expect_step=step)
+            size = m.nbytes
             print(
                 f" {mark} {path.name:<20} step {step:>10}  {_size(size):>10}  {len(m.tensors):>6} tensors",
                 file=out,
@@ -118,9 +118,9 @@ def _describe(node: Any, m: Manifest, indent: int, label: str, out: TextIO) -> N
     if kind in ("tensor", "pickle"):
         rec = m.tensors[node["index"]]
         entry = m.entries[rec["entry"]]
-        nbytes = entry["nbytes"] if rec["stride"] is None else "shared"
+        size = f"{entry['nbytes']} B" if rec["stride"] is None else "(shares a storage)"
         extra = f" {rec['kind']}" if rec["kind"] not in ("tensor",) else ""
-        print(f"{pad}{label}: {rec['dtype']} {rec['shape']} {nbytes} B{extra}", file=out)
+        print(f"{pad}{label}: {rec['dtype']} {rec['shape']} {size}{extra}", file=out)
     elif kind == "dict":
         print(f"{pad}{label}: {'OrderedDict' if node.get('ordered') else 'dict'}", file=out)
         for (_, key), sub in node["items"]:
@@ -168,7 +168,9 @@ def _inspect(path: Path, out: TextIO) -> int:
     if path.name == MANIFEST_NAME:
         path = path.parent
     try:
-        m = read_checkpoint(LocalFileSystem(), path)
+        m = read_checkpoint(
+            LocalFileSystem(), path, expect_step=LAYOUTS["asyncsave"].parse_dir_name(path.name)
+        )
     except CheckpointError as exc:
         print(f"asyncsave: {exc}", file=sys.stderr)
         return 1

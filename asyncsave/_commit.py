@@ -42,10 +42,13 @@ def lock_root(fs: LocalFileSystem, root: Path) -> int:
     """
     if fs.exists(root) and not fs.is_dir(root):
         raise CheckpointError(f"checkpoint root {root} is not a directory", path=root)
-    if not fs.exists(root):
-        fs.makedirs(root)
-        fs.fsync_dir(root.parent)
-    fd = fs.lock(root / LOCK_NAME)
+    try:
+        if not fs.exists(root):
+            fs.makedirs(root)
+            fs.fsync_dir(root.parent)
+        fd = fs.lock(root / LOCK_NAME)
+    except OSError as exc:
+        raise CheckpointError(f"cannot use {root} as a checkpoint root: {exc}", path=root) from exc
     if fd is None:
         raise RootInUseError(
             f"{root} is in use by another Checkpointer (it holds {LOCK_NAME}); one saver "

@@ -604,10 +604,13 @@ class Checkpointer:
         """Wait until every pending save has committed or failed.
 
         :raises SaveFailedError: a save of this checkpointer failed.
-        :raises CheckpointerClosedError: the checkpointer was never entered.
+        :raises CheckpointerClosedError: the checkpointer is not open (never entered,
+            or closed: closing already waited for every save).
         """
-        if self._state == "new":
-            raise CheckpointerClosedError("wait() needs an entered Checkpointer", path=self.root)
+        if self._state != "open":
+            raise CheckpointerClosedError(
+                f"wait() needs an open Checkpointer (this one is {self._state})", path=self.root
+            )
         while self._pending:
             await next(iter(self._pending.values()))._done.wait()
         if self._failure is not None:

@@ -518,8 +518,8 @@ def load(
     :param allow_pickle: unpickle leaves saved with ``allow_pickle=True``. Only for
         checkpoints you trust: unpickling runs code.
     :param verify: check every byte against its XXH3-64 checksum while reading.
-    :param required: key paths (``"dataloader"``, ``"trainer/rng"`` or tuples) that
-        must exist.
+    :param required: key paths that must exist: ``"dataloader"``,
+        ``"trainer/rng"``, or tuples (``("data/loader",)`` for a key holding ``/``).
     :raises CheckpointNotFoundError: ``path`` holds no manifest.
     :raises CorruptCheckpointError: damaged manifest, missing/truncated file,
         header disagreeing with the manifest; :class:`ChecksumMismatchError` for
@@ -531,7 +531,7 @@ def load(
     fs = filesystem or LocalFileSystem()
     p = Path(path)
     target = _device(device)
-    manifest = read_checkpoint(fs, p)
+    manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
     raw = _read_entries(fs, p, manifest, verify=verify)
     tensors = _build_tensors(manifest, raw, target)
     state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(
@@ -539,6 +539,12 @@ def load(
     )
     _check_required(state, required, p)
     return _apply_template(state, template, (), p)
+
+
+def _step_of_name(path: Path) -> int | None:
+    """The step a directory's name claims under the default layout (``step_40``):
+    a copied or swapped directory must not load as another step silently."""
+    return LAYOUTS["asyncsave"].parse_dir_name(path.name)
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -568,7 +574,7 @@ def verify(
     """
     fs = filesystem or LocalFileSystem()
     p = Path(path)
-    manifest = read_checkpoint(fs, p)
+    manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
     raw = _read_entries(fs, p, manifest, verify=True)
     tensors = _build_tensors(manifest, raw, torch.device("cpu"))
     decoder = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=False, unpickle=False)
@@ -579,11 +585,17 @@ def verify(
 def resolve(
     fs: LocalFileSystem, root: Path, layout: Layout, *, fallback: bool
 ) -> CheckpointInfo | None:
-    """The checkpoint to resume from: the one the tracker names.
+    """The checkpoint to resume from: the one the tracker names, or a newer
+    committed one.
 
-    A missing or unreadable tracker falls back to the newest committed checkpoint,
+    The rename is the commit, the tracker follows it: a committed checkpoint newer
+    than the tracker (a crash between the two) wins, with a warning, which is also
+    what the next :class:`~asyncsave.Checkpointer` open writes into the tracker. A
+    missing or unreadable tracker falls back to the newest committed checkpoint,
     with a warning. A tracker naming a checkpoint that is missing or damaged is an
-    error unless ``fallback`` (then: warning, newest committed checkpoint).
+    error unless ``fallback`` (then: warning, newest committed checkpoint). Never
+    ``None`` when a tracker names a step: that would restart a trained run from
+    scratch.
     """
     if not fs.exists(root):
         return None
@@ -596,7 +608,22 @@ def resolve(
             tracked = read_tracker(fs, tracker)
         except CorruptCheckpointError as exc:
             logger.warning("%s; scanning for committed checkpoints instead", exc)
+    found = scan_steps(fs, root, layout)
     if tracked is not None:
+        for step in sorted((s for s in found if s > tracked), reverse=True):
+            try:
+                info = info_of(found[step], read_checkpoint(fs, found[step], expect_step=step))
+            except (CheckpointNotFoundError, CorruptCheckpointError):
+                continue
+            logger.warning(
+                "the tracker in %s names step %d but step %d is committed (a crash "
+                "between commit and tracker update?); resuming from %d",
+                root,
+                tracked,
+                step,
+                step,
+            )
+            return info
         path = root / layout.dir_name(tracked)
         try:
             return info_of(path, read_checkpoint(fs, path, expect_step=tracked))
@@ -610,7 +637,6 @@ def resolve(
                     step=tracked,
                 ) from exc
             logger.warning("%s; falling back to the newest committed checkpoint", exc)
-    found = scan_steps(fs, root, layout)
     for step in sorted(found, reverse=True):
         try:
             info = info_of(found[step], read_checkpoint(fs, found[step], expect_step=step))
@@ -622,6 +648,14 @@ def resolve(
                 "no usable tracker in %s; resuming from the newest committed step %d", root, step
             )
         return info
+    if tracked is not None:
+        raise CheckpointNotFoundError(
+            f"the tracker in {root} names step {tracked} but no checkpoint there is "
+            "loadable (damaged ones are moved aside to .asyncsave-damaged-*); not "
+            "starting from scratch",
+            path=root,
+            step=tracked,
+        )
     return None
 
 

@@ -34,6 +34,7 @@ from ._types import Tagged
 __all__ = ["Entry", "Plan", "TensorLeaf", "is_stateful", "key_str", "make_plan"]
 
 MAX_DEPTH = 256
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 _BLOB_ALIGN = 16  # the largest element size torch has (complex128)
 
 
@@ -194,11 +195,14 @@ class _Flattener:
             return self.container(obj, path, depth)
         if is_stateful(obj):
             cls = f"{t.__module__}.{t.__qualname__}"
-            return {
-                "type": "stateful",
-                "class": cls,
-                "state": self.node(obj.state_dict(), path, depth + 1),
-            }
+            try:
+                sd = obj.state_dict()
+            except Exception as exc:  # the object's own code: name where it failed
+                raise InvalidStateError(
+                    f"{cls}.state_dict() at key {key_str(path)!r} raised {exc!r}",
+                    key=key_str(path),
+                ) from exc
+            return {"type": "stateful", "class": cls, "state": self.node(sd, path, depth + 1)}
         if self.allow_pickle:
             return self.pickled(obj, path)
         raise UnsupportedTypeError(
@@ -274,7 +278,7 @@ class _Flattener:
                 "tensors are stored: call .to_dense() first",
                 key=key,
             )
-        if t.is_quantized:
+        if t.is_quantized or t.dtype in _QUANTIZED:
             raise UnsupportedTensorError(
                 f"tensor at key {key!r} is quantized ({t.dtype}); store its "
                 "int_repr() and quantization parameters instead",

@@ -43,8 +43,9 @@ KILL_POINTS = [
     ("replace", (TRACKER,), 1),
     ("fsync_dir", (), 3),  # the root, after the tracker replace
 ]
-# Kill points after which the tracker may already name step 2.
-AFTER_TRACKER_REPLACE = {("replace", 1), ("fsync_dir", 3)}
+# Kill points after the rename of step 2: it is committed there (the rename is the
+# commit), so resume takes it whether or not the tracker names it yet.
+AFTER_RENAME = KILL_POINTS[[p[0] for p in KILL_POINTS].index("rename") + 1 :]
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -82,7 +83,7 @@ def test_sigkill_mid_save_leaves_last_commit_loadable(
     info = asyncsave.latest(root)
     assert info is not None and info.step in (1, 2)
     assert_same(asyncsave.load(info.path), state_of(info.step))
-    assert info.step == 1 or (op, n) in AFTER_TRACKER_REPLACE
+    assert info.step == (2 if (op, where, n) in AFTER_RENAME else 1)
 
     # 2. Every directory under a final name is complete and verifiable.
     finals = sorted(p for p in root.iterdir() if p.name.startswith("step_"))

@@ -415,6 +415,8 @@ async def test_use_after_close_is_a_closed_error_and_close_is_idempotent(tmp_pat
     await ckpt.aclose()
     await ckpt.aclose()
     with pytest.raises(asyncsave.CheckpointerClosedError):
+        await ckpt.wait()
+    with pytest.raises(asyncsave.CheckpointerClosedError):
         async with ckpt:
             pass
 

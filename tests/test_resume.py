@@ -246,7 +246,8 @@ def test_resume_reads_the_manifest_not_the_directory_listing(tmp_path: Path) -> 
     (tmp_path / TRACKER).write_text("9")
     with pytest.raises(asyncsave.CheckpointNotFoundError):
         asyncsave.latest(tmp_path)
-    assert asyncsave.latest(tmp_path, fallback=True) is None
+    with pytest.raises(asyncsave.CheckpointNotFoundError, match="not starting from scratch"):
+        asyncsave.latest(tmp_path, fallback=True)
 
 
 async def test_damaged_checkpoint_is_moved_aside_and_its_step_can_be_saved_again(
@@ -331,3 +332,43 @@ async def test_the_tracker_never_moves_back_past_a_checkpoint_that_is_gone(tmp_p
         await (await ckpt.save(11, {"w": torch.ones(4), "step": 11}))
     assert (tmp_path / TRACKER).read_text() == "20"
     assert asyncsave.latest(tmp_path, fallback=True).step == 11  # type: ignore[union-attr]
+
+
+async def test_fallback_never_restarts_from_scratch_when_training_ran(tmp_path: Path) -> None:
+    import os
+
+    await save_steps(tmp_path, [10])
+    data = sorted((tmp_path / "step_10").glob("*.safetensors"))[0]
+    os.truncate(data, 100)
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:  # moves step_10 aside
+        with pytest.raises(asyncsave.CheckpointNotFoundError, match="not starting from scratch"):
+            await ckpt.load_latest(fallback=True)
+    with pytest.raises(asyncsave.CheckpointNotFoundError):
+        asyncsave.latest(tmp_path, fallback=True)
+
+
+async def test_every_reader_agrees_on_a_commit_newer_than_the_tracker(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    await save_steps(tmp_path, [10, 20, 30])
+    (tmp_path / TRACKER).write_text("10")
+    with caplog.at_level(logging.WARNING, logger="asyncsave"):
+        assert asyncsave.latest(tmp_path).step == 30  # type: ignore[union-attr]
+    assert any("step 30 is committed" in r.getMessage() for r in caplog.records)
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        restored = await ckpt.load_latest()
+        assert restored is not None and restored.info.step == 30
+
+
+async def test_swapped_step_directories_never_load_as_each_other(tmp_path: Path) -> None:
+    from asyncsave._cli import main
+
+    await save_steps(tmp_path, [10, 20])
+    (tmp_path / "step_10").rename(tmp_path / "tmp")
+    (tmp_path / "step_20").rename(tmp_path / "step_10")
+    (tmp_path / "tmp").rename(tmp_path / "step_20")
+    for call in (asyncsave.load, asyncsave.verify):
+        with pytest.raises(asyncsave.CorruptCheckpointError, match="not 20"):
+            call(tmp_path / "step_20")
+    assert main(["verify", str(tmp_path)], out=__import__("io").StringIO()) == 1
+    assert main(["ls", str(tmp_path)], out=__import__("io").StringIO()) == 1

@@ -224,6 +224,11 @@ async def test_keys_with_slashes_dots_and_nul_round_trip_inside_the_directory(
             "q",
         ),
         ({"m": torch.empty(3, device="meta")}, asyncsave.UnsupportedTensorError, "m"),
+        (
+            {"qv": torch.zeros(4, dtype=torch.uint8).view(torch.qint8)},
+            asyncsave.UnsupportedTensorError,
+            "qv",
+        ),
         ({(1, 2): 3}, asyncsave.InvalidKeyError, "(1, 2)"),
         ({True: 3}, asyncsave.InvalidKeyError, "True"),
         ({"a": {1.5: 2}}, asyncsave.InvalidKeyError, "a/1.5"),
@@ -336,3 +341,26 @@ async def test_pathological_json_is_a_typed_error(tmp_path: Path) -> None:
     f.write_bytes(raw[:8] + (b"[" * n) + raw[8 + n :])
     with pytest.raises(asyncsave.CorruptCheckpointError, match="header is not JSON"):
         asyncsave.verify(path2)
+
+
+class Broken:
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("cannot snapshot while a collective is running")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+async def test_a_state_dict_that_raises_is_named_by_key(tmp_path: Path) -> None:
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(asyncsave.InvalidStateError) as err:
+            await ckpt.save(1, {"sampler": Broken()})
+        assert err.value.key == "sampler" and isinstance(err.value.__cause__, RuntimeError)
+        assert await (await ckpt.save(2, {"w": torch.ones(2)})) is not None
+
+
+async def test_a_root_under_a_file_is_a_typed_error(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(asyncsave.CheckpointError, match="cannot use"):
+        async with asyncsave.Checkpointer(tmp_path / "f" / "sub"):
+            pass
