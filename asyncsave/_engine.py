@@ -521,7 +521,7 @@ class Checkpointer:
                 info = CheckpointInfo(
                     step=step,
                     path=final,
-                    nbytes=sum(e.nbytes for e in plan.entries),
+                    nbytes=plan.nbytes,
                     num_tensors=len(plan.leaves),
                     blocked_s=blocked_s,
                     staged_s=staged_s,

@@ -218,7 +218,7 @@ def _build_tensor(
     if rec["stride"] is None:
         t = buf.view(dtype).view(rec["shape"])
     else:
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         t = torch.empty(0, dtype=dtype, device=buf.device).set_(
             buf.untyped_storage(), rec["offset"] // itemsize, rec["shape"], rec["stride"]
         )

@@ -216,7 +216,7 @@ def _check_tensor(path: Path, i: int, t: Any, entries: list[dict[str, Any]]) -> 
         raise _fail(path, f"{where}.requires_grad is not a bool")
     if t["requires_grad"] and not (dtype.is_floating_point or dtype.is_complex):
         raise _fail(path, f"{where} requires grad but has dtype {dtype}")
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     entry_nbytes = entries[t["entry"]]["nbytes"]
     stride = t.get("stride")
     numel = math.prod(shape)

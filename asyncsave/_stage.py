@@ -68,10 +68,6 @@ class Lease:
         self.poisoned = True
         self.release()
 
-    @property
-    def released(self) -> bool:
-        return self._pool is None
-
 
 class StagingPool:
     """Host staging memory with a byte budget, allocated once and reused.
