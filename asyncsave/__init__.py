@@ -31,6 +31,7 @@ from ._errors import (
     RootInUseError,
     SaveFailedError,
     StagingBudgetError,
+    StagingPendingError,
     UnsafeLoadError,
     UnsupportedFormatError,
     UnsupportedTensorError,
@@ -38,6 +39,7 @@ from ._errors import (
     WaitTimeoutError,
 )
 from ._fs import LocalFileSystem
+from ._lazy import stage_before_step
 from ._load import latest, load, verify
 from ._options import CheckpointOptions
 from ._sync import SyncCheckpointer, SyncSaveHandle
@@ -67,6 +69,7 @@ __all__ = [
     "SaveFailedError",
     "SaveHandle",
     "StagingBudgetError",
+    "StagingPendingError",
     "SyncCheckpointer",
     "SyncSaveHandle",
     "Tagged",
@@ -78,5 +81,6 @@ __all__ = [
     "__version__",
     "latest",
     "load",
+    "stage_before_step",
     "verify",
 ]

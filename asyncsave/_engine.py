@@ -15,6 +15,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
 import warnings
 from collections.abc import Generator, Iterable, Sequence
@@ -52,8 +53,9 @@ from ._load import (
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest
 from ._options import CheckpointOptions
 from ._paths import LAYOUTS, MANIFEST_NAME
-from ._plan import Plan, make_plan
-from ._stage import Lease, StagingPool, stage_entries
+from ._plan import Entry, Plan, make_plan
+from ._stage import Lease, StagingPool, producer_events, snapshot_eager_entries, stage_entries
+from ._stream import Piece, StreamWriter, piece_entries, plan_rounds
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
 from ._write import write_bytes, write_data_file
@@ -80,9 +82,13 @@ class SaveHandle:
         self.step = step
         self.skipped = skipped
         self._staged = anyio.Event()
+        # The same moment, for threads that are not the event loop's (the
+        # optimizer pre-hook of a synchronous training thread waits on it).
+        self._staged_thread = threading.Event()
         self._done = anyio.Event()
         self._info: CheckpointInfo | None = None
         self._error: BaseException | None = None
+        self._staged_error: BaseException | None = None  # failed before the snapshot
 
     @classmethod
     def resolved(
@@ -90,7 +96,7 @@ class SaveHandle:
     ) -> SaveHandle:
         handle = cls(step, skipped=skipped)
         handle._info = info
-        handle._staged.set()
+        handle._mark_staged()
         handle._done.set()
         return handle
 
@@ -115,8 +121,23 @@ class SaveHandle:
 
     async def staged(self) -> None:
         """Return once the snapshot is in host memory: the caller may mutate the
-        tensors it saved. In eager mode ``save()`` already returned after this."""
+        tensors it saved. In eager mode ``save()`` already returned after this; in
+        lazy mode (``save(..., lazy=True)``) await it before mutating them.
+
+        :raises SaveFailedError: the save ended before its snapshot was complete
+            (the tensors were not captured; the caller may mutate them anyway).
+        """
         await self._staged.wait()
+        if self._staged_error is not None:
+            raise self._staged_error
+
+    def is_staged(self) -> bool:
+        """Whether the snapshot is complete (or the save ended without one)."""
+        return self._staged.is_set()
+
+    def _mark_staged(self) -> None:
+        self._staged.set()
+        self._staged_thread.set()
 
     async def wait(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         """Wait for the commit.
@@ -153,13 +174,31 @@ class SaveHandle:
 
     def _commit(self, info: CheckpointInfo) -> None:
         self._info = info
-        self._staged.set()
+        self._mark_staged()
         self._done.set()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
-        self._staged.set()
+        if not self._staged.is_set():
+            self._staged_error = error
+        self._mark_staged()
         self._done.set()
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    """What one save carries from ``save()`` to its pipeline."""
+
+    handle: SaveHandle
+    plan: Plan
+    layouts: list[FileLayout]
+    nbytes: int  # staging bytes of the whole state
+    rounds: list[list[Piece]] | None  # streamed through a smaller budget (S15)
+    t0: float
+    ready: dict[torch.device, Any] | None
+    overwrite: bool
+    lazy: bool
+    blocked_s: float | None = None  # lazy: how long save() held the caller
 
 
 class Checkpointer:
@@ -223,12 +262,15 @@ class Checkpointer:
         self._tg: anyio.abc.TaskGroup | None = None
         self._pool: StagingPool | None = None
         self._limiter: anyio.CapacityLimiter | None = None
+        self._lazy: dict[int, SaveHandle] = {}  # lazy saves not yet staged
+        self._loop_thread: int | None = None  # the thread running the event loop
 
     # -- lifecycle ---------------------------------------------------------------
     async def __aenter__(self) -> Checkpointer:
         if self._state != "new":
             raise CheckpointerClosedError("a Checkpointer can be entered only once", path=self.root)
         self._pool = StagingPool(self.options.budget_bytes)
+        self._loop_thread = threading.get_ident()
         self._limiter = anyio.CapacityLimiter(self.options.writer_threads)
         self._lock_fd = await anyio.to_thread.run_sync(lock_root, self._fs, self.root)
         try:
@@ -353,14 +395,33 @@ class Checkpointer:
         if self._failure is None:
             self._failure = error
 
-    async def save(self, step: int, state: Any, *, overwrite: bool = False) -> SaveHandle:
+    async def save(
+        self, step: int, state: Any, *, overwrite: bool = False, lazy: bool = False
+    ) -> SaveHandle:
         """Snapshot ``state`` as the checkpoint of ``step`` and write it in the
         background.
 
         Returns once the snapshot is consistent (eager): every tensor has been
         copied into the staging buffer, so the caller may mutate or free its tensors
         at once (S11). Waits first while an earlier save still holds the staging
-        budget (backpressure).
+        budget (backpressure). A state larger than an explicit ``budget_bytes``
+        streams through it in rounds (stage a budget, write it, reuse it; S15):
+        an eager ``save()`` then also waits while all but the last round are
+        written (not fsynced), since every byte must be copied somewhere before
+        the caller may mutate its tensors; a lazy one moves that wait to
+        ``staged()``.
+
+        Lazy mode (``lazy=True``; CheckFreq, FAST'21; DataStates-LLM, HPDC'24;
+        TorchTitan's staging before ``optimizer.step()``) returns once the save is
+        planned and its staging started (CUDA copies are ordered after the
+        kernels queued before the call): training may run forward and backward,
+        but must ``await handle.staged()`` (or ``ckpt.staged()``, or use
+        :func:`asyncsave.stage_before_step`) before it mutates the saved tensors.
+        Tensors that change during forward are copied before ``save()`` returns:
+        buffers of ``nn.Module`` objects in ``state`` (BatchNorm running stats)
+        and every tensor of at most 64 KiB (the same stats passed as a plain
+        ``state_dict()``); a large buffer mutated in forward, passed as a plain
+        tensor, needs ``staged()`` before the forward.
 
         :param step: the last trained step (a non-negative int). Step 0 is skipped
             unless ``save_step_zero``; a step already committed or in flight is a
@@ -374,15 +435,35 @@ class Checkpointer:
         :raises InvalidStepError: ``step`` is not a non-negative int.
         :raises InvalidStateError: (or a subclass) naming the key that cannot be
             stored; nothing is written.
-        :raises StagingBudgetError: the state exceeds an explicit ``budget_bytes``.
+        :param lazy: return before the snapshot is complete (see above).
+        :raises StagingBudgetError: a non-contiguous CPU tensor (gathered whole) does
+            not fit its data file's share of an explicit ``budget_bytes``.
         :raises ProtectedCheckpointError: overwrite of the resumed-from checkpoint.
         :raises SaveFailedError: an earlier save of this checkpointer failed.
         :raises CheckpointerClosedError: used outside ``async with``.
         """
-        return await self._save(step, state, overwrite=overwrite, ready=None)
+        return await self._save(step, state, overwrite=overwrite, ready=None, lazy=lazy)
+
+    async def staged(self) -> None:
+        """Wait until every lazy save of this checkpointer is staged: after this the
+        caller may mutate the tensors it saved (call it before ``optimizer.step()``
+        in an async pump, or use :func:`asyncsave.stage_before_step`).
+
+        :raises SaveFailedError: a lazy save failed before its snapshot was taken.
+        """
+        while self._lazy:
+            await next(iter(self._lazy.values()))._staged.wait()
+        if self._failure is not None:
+            raise self._failure
 
     async def _save(
-        self, step: int, state: Any, *, overwrite: bool, ready: dict[torch.device, Any] | None
+        self,
+        step: int,
+        state: Any,
+        *,
+        overwrite: bool,
+        ready: dict[torch.device, Any] | None,
+        lazy: bool = False,
     ) -> SaveHandle:
         """The body of :meth:`save`; ``ready`` are CUDA events recorded by the caller's
         thread (the synchronous facade records them before crossing threads)."""
@@ -403,7 +484,7 @@ class Checkpointer:
         if pending is not None and not overwrite:
             # The first call may still be staging: the caller may mutate its
             # tensors once we return, so the snapshot must be taken by then.
-            await pending.staged()
+            await pending._staged.wait()
             return pending
         while pending is not None:  # overwrite: one save of a step at a time
             await pending._done.wait()
@@ -416,22 +497,69 @@ class Checkpointer:
         layouts = layout_files(plan.entries, rank=0, max_files=self.options.writer_threads)
         nbytes = staging_nbytes(layouts)
         assert self._pool is not None and self._tg is not None
-        self._pool.check(nbytes)
+        budget = self.options.budget_bytes
+        # A state larger than an explicit budget streams through it (S15); the
+        # rounds are planned (and a tensor that cannot be cut refused) up front.
+        rounds = plan_rounds(plan.entries, layouts, budget) if budget and nbytes > budget else None
+        cuda_devices = {d for d in plan.devices if d.type == "cuda"}
+        if lazy and ready is None and cuda_devices:
+            # The copies run later: they must see only what was queued before now.
+            ready = producer_events(cuda_devices)
         handle = SaveHandle(step)
         self._pending[step] = handle
-        lease: Lease | None = None
+        job = _Snapshot(handle, plan, layouts, nbytes, rounds, t0, ready, overwrite, lazy)
+        if not lazy:
+            await self._snapshot(job)
+            return handle
         try:
-            lease = await self._pool.acquire(
-                nbytes, pin=any(d.type == "cuda" for d in plan.devices)
-            )
+            snapshot_eager_entries(plan, ready)
+        except BaseException as exc:
+            self._snapshot_failed(job, exc, None)
+            raise
+        self._lazy[step] = handle
+        job.blocked_s = time.perf_counter() - t0
+        self._tg.start_soon(self._snapshot_in_background, job)
+        return handle
+
+    async def _snapshot_in_background(self, job: _Snapshot) -> None:
+        """A lazy save's staging, as a task of the checkpointer's group: its error
+        goes to the handle (``staged()`` and ``await handle`` raise it) and makes
+        the checkpointer refuse further saves, so it is never lost (invariant 3)."""
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._snapshot(job)
+        except Exception as exc:  # already the handle's and the checkpointer's failure
+            logger.error("lazy save of step %d failed while staging: %r", job.handle.step, exc)
+        finally:
+            self._lazy.pop(job.handle.step, None)
+
+    async def _snapshot(self, job: _Snapshot) -> None:
+        """Lease the staging arena, copy the snapshot into it (streaming through it
+        in rounds when the state is larger than the budget), then start the
+        background pipeline. Raises what went wrong, after failing the handle."""
+        assert self._pool is not None and self._tg is not None
+        plan, handle, step = job.plan, job.handle, job.handle.step
+        lease: Lease | None = None
+        stream: StreamWriter | None = None
+        try:
+            pin = any(d.type == "cuda" for d in plan.devices)
+            if job.rounds is None:
+                lease = await self._pool.acquire(job.nbytes, pin=pin)
+            else:
+                assert self.options.budget_bytes is not None
+                lease = await self._pool.acquire(self.options.budget_bytes, pin=pin)
             self._check_usable()  # an earlier save may have failed while we waited
-            await stage_entries(
-                lease,
-                plan.entries,
-                poll_interval_s=self.options.poll_interval_s,
-                timeout_s=self.options.save_timeout_s,
-                ready=ready,
-            )
+            deadline = anyio.current_time() + self.options.save_timeout_s
+            if job.rounds is None:
+                await self._stage(lease, plan.entries, job, deadline)
+            else:
+                tmp = await self._run(make_temp_dir, self._fs, self.root, step)
+                stream = StreamWriter(self._fs, tmp, job.layouts, plan.entries)
+                for pieces in job.rounds[:-1]:
+                    await self._stage(lease, piece_entries(plan.entries, pieces), job, deadline)
+                    with anyio.CancelScope(shield=True):  # the arena is reused next round
+                        await self._write_round(stream, pieces, lease, finish=False)
+                await self._stage(lease, piece_entries(plan.entries, job.rounds[-1]), job, deadline)
             if not self._accepting:
                 raise CheckpointerClosedError(
                     f"the Checkpointer for {self.root} closed while step {step} was staging",
@@ -439,28 +567,52 @@ class Checkpointer:
                     path=self.root,
                 )
             plan.release_sources()
-            staged_s = time.perf_counter() - t0
-            self._tg.start_soon(
-                self._pipeline, handle, plan, layouts, lease, t0, staged_s, overwrite
-            )
-            handle._staged.set()
+            staged_s = time.perf_counter() - job.t0
+            self._tg.start_soon(self._pipeline, job, lease, staged_s, stream)
+            handle._mark_staged()
         except BaseException as exc:
-            # Whoever shares this handle (a duplicate save() of the same step, or a
-            # close waiting for it) must hear of it: nothing else will resolve it.
-            error = SaveFailedError(
-                f"save() of step {step} ended before its snapshot was taken: {exc!r}",
-                step=step,
-            )
-            error.__cause__ = exc
-            handle._fail(error)
-            if lease is not None:
-                if lease.poisoned:
-                    self._set_failure(error)  # the staging memory is lost for good
-                lease.release()
-            if self._pending.get(step) is handle:
-                del self._pending[step]
+            error = self._snapshot_failed(job, exc, lease)
+            if stream is not None:
+                stream.close_quietly()
+                await self._discard(stream.directory)
+            if isinstance(exc, OSError):  # a streamed round's write: an I/O failure
+                raise error from exc
             raise
-        return handle
+
+    async def _stage(
+        self, lease: Lease, entries: list[Entry], job: _Snapshot, deadline: float
+    ) -> None:
+        await stage_entries(
+            lease,
+            entries,
+            poll_interval_s=self.options.poll_interval_s,
+            timeout_s=max(0.0, deadline - anyio.current_time()),
+            ready=job.ready,
+        )
+
+    def _snapshot_failed(
+        self, job: _Snapshot, exc: BaseException, lease: Lease | None
+    ) -> SaveFailedError:
+        # Whoever shares this handle (a duplicate save() of the same step, or a
+        # close waiting for it) must hear of it: nothing else will resolve it.
+        step, handle = job.handle.step, job.handle
+        error = SaveFailedError(
+            f"save() of step {step} ended before its snapshot was taken: {exc!r}",
+            step=step,
+        )
+        error.__cause__ = exc
+        if job.lazy:
+            # Nobody is in save() to hear of it: the checkpointer refuses further
+            # saves, so it is raised at the next save(), wait() or close.
+            self._set_failure(error)
+        handle._fail(error)
+        if lease is not None:
+            if lease.poisoned:
+                self._set_failure(error)  # the staging memory is lost for good
+            lease.release()
+        if self._pending.get(step) is handle:
+            del self._pending[step]
+        return error
 
     async def _committed_info(self, step: int) -> CheckpointInfo:
         info = self._committed.get(step)
@@ -478,25 +630,38 @@ class Checkpointer:
         )
 
     async def _pipeline(
-        self,
-        handle: SaveHandle,
-        plan: Plan,
-        layouts: list[FileLayout],
-        lease: Lease,
-        t0: float,
-        staged_s: float,
-        overwrite: bool,
+        self, job: _Snapshot, lease: Lease, staged_s: float, stream: StreamWriter | None
     ) -> None:
+        handle, plan, layouts, t0, overwrite = (
+            job.handle,
+            job.plan,
+            job.layouts,
+            job.t0,
+            job.overwrite,
+        )
         step = handle.step
-        blocked_s = staged_s
-        tmp: Path | None = None
+        blocked_s = staged_s if job.blocked_s is None else job.blocked_s
+        tmp: Path | None = None if stream is None else stream.directory
         committing = False
         with anyio.CancelScope(shield=True) as scope:
             self._scopes[step] = scope
             try:
                 with anyio.fail_after(self.options.save_timeout_s):
-                    tmp = await self._run(make_temp_dir, self._fs, self.root, step)
-                    await self._write_files(tmp, plan, layouts, lease)
+                    if stream is None:
+                        tmp = await self._run(make_temp_dir, self._fs, self.root, step)
+                        assert tmp is not None
+                        await self._write_files(tmp, plan, layouts, lease)
+                    else:
+                        assert job.rounds is not None and tmp is not None
+                        try:
+                            await self._write_round(stream, job.rounds[-1], lease, finish=True)
+                        except Exception:
+                            # Not on cancellation: an abandoned writer thread may
+                            # still use its descriptor.
+                            stream.close_quietly()
+                            raise
+                        for i, digest in stream.digests().items():
+                            plan.entries[i].digest = digest
                     lease.release()
                     written_s = time.perf_counter() - t0
                     manifest = _manifest_doc(step, plan, layouts, blocked_s, staged_s, written_s)
@@ -592,6 +757,30 @@ class Checkpointer:
         async with anyio.create_task_group() as tg:
             for fl in layouts:
                 tg.start_soon(write_one, fl)
+        if errors:
+            raise errors[0]
+
+    async def _write_round(
+        self, stream: StreamWriter, pieces: list[Piece], lease: Lease, *, finish: bool
+    ) -> None:
+        """Write one streamed round from the arena, one worker thread per data file
+        (and fsync and close the files after the last round)."""
+        errors: list[BaseException] = []
+
+        def one(f: int) -> None:
+            stream.write_file_round(f, pieces, lease.buffer)
+            if finish:
+                stream.finish_file(f)
+
+        async def run_one(f: int) -> None:
+            try:
+                await self._run(one, f)
+            except Exception as exc:  # collected, raised below as the first failure
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for f in range(len(stream.layouts)):
+                tg.start_soon(run_one, f)
         if errors:
             raise errors[0]
 

@@ -11,7 +11,10 @@ know asyncsave::
     │   ├── UnsupportedTensorError           sparse, quantized, meta, subclass tensors
     │   └── InvalidKeyError                  a dict key that is not str or int
     ├── InvalidStepError(ValueError)         negative, bool or non-int step
-    ├── StagingBudgetError(ValueError)       a save larger than an explicit budget
+    ├── StagingBudgetError(ValueError)       a tensor that cannot be cut is larger
+    │                                        than its share of an explicit budget
+    ├── StagingPendingError(RuntimeError)    optimizer.step() on the event loop's
+    │                                        thread while a lazy save is staging
     ├── SaveFailedError                      "it broke": a background save failed;
     │   │                                    the original error is ``__cause__``
     │   └── CheckpointTimeoutError(TimeoutError)  a save or close ran past its bound
@@ -60,6 +63,7 @@ __all__ = [
     "RootInUseError",
     "SaveFailedError",
     "StagingBudgetError",
+    "StagingPendingError",
     "UnsafeLoadError",
     "UnsupportedFormatError",
     "UnsupportedTensorError",
@@ -146,9 +150,21 @@ class InvalidStepError(CheckpointError, ValueError):
 
 
 class StagingBudgetError(CheckpointError, ValueError):
-    """A save needs more staging bytes than the explicit ``budget_bytes``.
+    """A save cannot stream through the explicit ``budget_bytes``: a tensor that is
+    copied whole (a non-contiguous CPU tensor) is larger than its data file's
+    share of the budget, or the budget cannot be split between the data files.
 
     Raised by ``save()`` before anything is written; the engine stays usable.
+    """
+
+
+class StagingPendingError(CheckpointError, RuntimeError):
+    """``optimizer.step()`` ran on the event loop's own thread while a lazy save was
+    still staging (see :func:`asyncsave.stage_before_step`).
+
+    Waiting there would deadlock: the loop that finishes the staging is the one
+    that would be blocked. ``await ckpt.staged()`` before ``optimizer.step()`` in
+    an async pump, or run the training step in a worker thread.
     """
 
 

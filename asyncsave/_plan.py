@@ -31,7 +31,7 @@ from ._errors import (
 )
 from ._types import Tagged
 
-__all__ = ["Entry", "Plan", "TensorLeaf", "is_stateful", "key_str", "make_plan"]
+__all__ = ["Entry", "Plan", "TensorLeaf", "is_stateful", "key_str", "make_plan", "storage_key"]
 
 MAX_DEPTH = 256
 _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
@@ -87,6 +87,10 @@ class Plan:
     leaves: list[TensorLeaf]
     entries: list[Entry]
     records: list[dict[str, Any]]
+    # Storages of buffers of nn.Module objects in the tree ((device, data_ptr)):
+    # forward may change them (BatchNorm running stats), so lazy saves copy
+    # them before save() returns.
+    buffer_storages: set[tuple[str, int]] = dataclasses.field(default_factory=set)
 
     @property
     def nbytes(self) -> int:
@@ -136,13 +140,20 @@ def make_plan(state: Any, *, allow_pickle: bool) -> Plan:
     flattener = _Flattener(allow_pickle=allow_pickle)
     tree = flattener.node(state, (), 0)
     entries, records = _group(flattener.leaves)
-    return Plan(tree=tree, leaves=flattener.leaves, entries=entries, records=records)
+    return Plan(
+        tree=tree,
+        leaves=flattener.leaves,
+        entries=entries,
+        records=records,
+        buffer_storages=flattener.buffer_storages,
+    )
 
 
 class _Flattener:
     def __init__(self, *, allow_pickle: bool) -> None:
         self.allow_pickle = allow_pickle
         self.leaves: list[TensorLeaf] = []
+        self.buffer_storages: set[tuple[str, int]] = set()
         self._on_path: set[int] = set()
 
     def node(self, obj: Any, path: tuple[Any, ...], depth: int) -> dict[str, Any]:
@@ -202,6 +213,8 @@ class _Flattener:
                     f"{cls}.state_dict() at key {key_str(path)!r} raised {exc!r}",
                     key=key_str(path),
                 ) from exc
+            if isinstance(obj, torch.nn.Module):
+                self.buffer_storages.update(_storage_key(b) for b in obj.buffers())
             return {"type": "stateful", "class": cls, "state": self.node(sd, path, depth + 1)}
         if self.allow_pickle:
             return self.pickled(obj, path)
@@ -352,8 +365,12 @@ def _is_numpy_scalar(obj: Any) -> bool:
     return np is not None and isinstance(obj, np.generic) and obj.dtype.kind in "biufc"
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """(device, storage data pointer): tensors with equal keys share memory."""
     return (str(t.device), t.untyped_storage().data_ptr())
+
+
+_storage_key = storage_key
 
 
 def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]:

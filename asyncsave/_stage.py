@@ -25,9 +25,17 @@ import anyio.to_thread
 import torch
 
 from ._errors import CheckpointTimeoutError, SaveFailedError, StagingBudgetError
-from ._plan import Entry
+from ._plan import Entry, Plan, storage_key
 
-__all__ = ["Lease", "StagingPool", "as_bits", "producer_events", "stage_entries"]
+__all__ = [
+    "LAZY_EAGER_MAX_BYTES",
+    "Lease",
+    "StagingPool",
+    "as_bits",
+    "producer_events",
+    "snapshot_eager_entries",
+    "stage_entries",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +203,44 @@ def _copy_cpu(buffer: torch.Tensor, entries: list[Entry]) -> None:
             dst[n:].zero_()
         else:
             as_bits(dst).copy_(as_bits(e.source))
+
+
+# Lazy saves copy entries up to this size before save() returns (module buffers
+# of any size too): BatchNorm running stats and counters change during forward.
+LAZY_EAGER_MAX_BYTES = 64 << 10
+
+
+def snapshot_eager_entries(plan: Plan, ready: dict[torch.device, Any] | None) -> int:
+    """For a lazy save: replace the source of every entry that forward may change
+    (a buffer of an ``nn.Module`` in the tree, or any entry of at most
+    :data:`LAZY_EAGER_MAX_BYTES`) by a private copy taken now, on the source's
+    device. CUDA: a clone on the current stream, ordered after ``ready`` (the
+    caller's producer events), which never blocks the caller; ``ready`` is then
+    re-recorded after the clones, so the staging copies see them. It costs device
+    memory of those entries' size (buffers and small tensors only, freed once
+    staged). Returns the bytes copied."""
+    copied = 0
+    cloned_on: set[torch.device] = set()
+    for e in plan.entries:
+        if e.source is None:
+            continue
+        if e.nbytes <= LAZY_EAGER_MAX_BYTES or storage_key(e.source) in plan.buffer_storages:
+            if e.source.is_cuda:
+                device = e.source.device
+                if device not in cloned_on and ready and device in ready:
+                    torch.cuda.current_stream(device).wait_event(ready[device])
+                cloned_on.add(device)
+                with torch.cuda.device(device):
+                    e.source = e.source.clone()
+            else:
+                e.source = e.source.clone()
+            copied += e.nbytes
+    if ready is not None:
+        for device in cloned_on:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            ready[device] = event
+    return copied
 
 
 _side_streams: dict[torch.device, Any] = {}

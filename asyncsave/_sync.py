@@ -21,7 +21,7 @@ import anyio.from_thread
 import torch
 
 from ._engine import Checkpointer, SaveHandle
-from ._errors import CheckpointerClosedError
+from ._errors import CheckpointerClosedError, WaitTimeoutError
 from ._options import CheckpointOptions
 from ._stage import producer_events
 from ._types import CheckpointInfo, Restored
@@ -46,6 +46,21 @@ class SyncSaveHandle:
     def done(self) -> bool:
         """Whether the save has committed, failed or been skipped."""
         return self._handle.done()
+
+    def staged(self, timeout_s: float | None = None) -> None:
+        """Block until the snapshot is complete (a lazy save's tensors may then be
+        mutated); returns at once for an eager save. Waits on a thread event, never
+        on the portal.
+
+        :raises SaveFailedError: the save ended before its snapshot was taken.
+        :raises WaitTimeoutError: ``timeout_s`` passed first.
+        """
+        if not self._handle._staged_thread.wait(timeout_s):
+            raise WaitTimeoutError(
+                f"step {self.step} was not staged within {timeout_s} s", step=self.step
+            )
+        if self._handle._staged_error is not None:
+            raise self._handle._staged_error
 
     def result(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         """Block until the checkpoint is committed and tracked; see
@@ -148,19 +163,29 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
             raise CheckpointerClosedError("use the SyncCheckpointer inside `with`")
         return self._portal.call(func, *args)
 
-    def save(self, step: int, state: Any, *, overwrite: bool = False) -> SyncSaveHandle:
-        """Snapshot ``state`` and return once it is staged; see
+    def save(
+        self, step: int, state: Any, *, overwrite: bool = False, lazy: bool = False
+    ) -> SyncSaveHandle:
+        """Snapshot ``state`` and return once it is staged (or, ``lazy=True``, once
+        staging started: call ``handle.staged()`` or install
+        :func:`asyncsave.stage_before_step` before mutating the tensors); see
         :meth:`Checkpointer.save` for arguments and errors."""
         # The caller's CUDA streams are per thread: mark what this thread queued
         # before the call crosses to the portal's thread.
         ready = producer_events()
-        handle = self._call(lambda: self._ckpt._save(step, state, overwrite=overwrite, ready=ready))
+        handle = self._call(
+            lambda: self._ckpt._save(step, state, overwrite=overwrite, ready=ready, lazy=lazy)
+        )
         assert self._portal is not None
         return SyncSaveHandle(self._portal, handle)
 
     def wait(self) -> None:
         """Block until every pending save has committed or failed."""
         self._call(self._ckpt.wait)
+
+    def staged(self) -> None:
+        """Block until every lazy save is staged; see :meth:`Checkpointer.staged`."""
+        self._call(self._ckpt.staged)
 
     def load_latest(
         self,

@@ -1,0 +1,232 @@
+"""Lazy mode: save() returns before the snapshot, staged() and the optimizer hook.
+
+To make "staging not finished yet" deterministic (no timing), an earlier eager
+save holds the staging budget: its data-file write is paused on a gate, so the
+lazy save behind it cannot stage until the test opens the gate.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+import torch
+from faults import FaultyFS, pause, raise_errno
+
+import asyncsave
+
+pytestmark = pytest.mark.anyio
+
+
+def held_budget_fs() -> tuple[FaultyFS, threading.Event]:
+    gate = threading.Event()
+    return FaultyFS("write", pause(gate), where=lambda p: p.endswith(".safetensors")), gate
+
+
+def model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(8, 64)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def clone_tree(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: clone_tree(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [clone_tree(v) for v in x]
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    return x
+
+
+def assert_tree_equal(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b), (set(a), set(b))
+        for k in a:
+            assert_tree_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_tree_equal(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+async def test_lazy_save_returns_before_staging_and_mutation_after_staged_is_safe(
+    tmp_path: Path,
+) -> None:
+    # S11 in lazy mode: mutate every tensor right after staged(); the checkpoint
+    # holds the values at save time.
+    fs, gate = held_budget_fs()
+    state = {"w": torch.randn(256, 256), "b": torch.randn(100_000)}
+    expect = clone_tree(state)
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+        first = await ckpt.save(1, {"w": torch.zeros(256, 256), "b": torch.zeros(100_000)})
+        handle = await ckpt.save(2, state, lazy=True)
+        assert not handle.is_staged()  # the budget is still held by step 1
+        gate.set()
+        await handle.staged()
+        for t in state.values():
+            t.add_(1.0)
+        info = await handle
+        await first
+    assert info is not None and info.blocked_s <= info.staged_s
+    assert_tree_equal(expect, asyncsave.load(tmp_path / "step_2"))
+
+
+async def test_lazy_save_without_contention_commits_the_values_at_save_time(
+    tmp_path: Path,
+) -> None:
+    state = {"w": torch.randn(1 << 16), "i": torch.arange(10)}
+    expect = clone_tree(state)
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        handle = await ckpt.save(1, state, lazy=True)
+        await ckpt.staged()
+        state["w"].zero_()
+        state["i"].zero_()
+        await handle
+    assert_tree_equal(expect, asyncsave.load(tmp_path / "step_1"))
+
+
+async def test_buffers_and_small_tensors_are_copied_before_a_lazy_save_returns(
+    tmp_path: Path,
+) -> None:
+    # BatchNorm running stats change during forward, which lazy mode lets run
+    # before staging: module buffers (any size) and small tensors are copied at
+    # once. A big buffer on a module in the tree is covered too.
+    fs, gate = held_budget_fs()
+    model, _ = model_and_opt()
+    model.register_buffer("big", torch.zeros(1 << 16))  # 256 KiB > the small limit
+    plain_stats = {"running_mean": torch.zeros(64)}  # a plain state_dict's small stat
+    before = clone_tree(model.state_dict())
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+        first = await ckpt.save(1, {"x": torch.zeros(10)})
+        handle = await ckpt.save(2, {"model": model, "plain": plain_stats}, lazy=True)
+        assert not handle.is_staged()
+        model.train()
+        model(torch.randn(8, 64) + 5.0)  # forward: running stats move
+        model.get_buffer("big").fill_(7.0)
+        plain_stats["running_mean"].fill_(3.0)
+        assert not torch.equal(model.state_dict()["1.running_mean"], before["1.running_mean"])
+        gate.set()
+        await handle
+        await first
+    loaded = asyncsave.load(tmp_path / "step_2")
+    assert_tree_equal(before, dict(loaded["model"]))
+    assert torch.equal(loaded["plain"]["running_mean"], torch.zeros(64))
+
+
+def test_optimizer_hook_makes_step_wait_for_staging_from_a_sync_training_thread(
+    tmp_path: Path,
+) -> None:
+    fs, gate = held_budget_fs()
+    model, opt = model_and_opt()
+    with asyncsave.SyncCheckpointer(tmp_path, filesystem=fs) as ckpt:
+        hook = asyncsave.stage_before_step(opt, ckpt)
+        first = ckpt.save(1, {"x": torch.zeros(10)})
+        expect = clone_tree({"model": model.state_dict(), "optim": opt.state_dict()})
+        handle = ckpt.save(2, {"model": model, "optim": opt}, lazy=True)
+        model(torch.randn(8, 64)).square().mean().backward()  # forward/backward overlap
+        stepped = threading.Event()
+
+        def train_step() -> None:
+            opt.step()
+            stepped.set()
+
+        trainer = threading.Thread(target=train_step)
+        trainer.start()
+        # Staging cannot finish while the gate is closed, so neither can the step.
+        assert not stepped.wait(0.2)
+        assert not handle.done()
+        gate.set()
+        trainer.join(30)
+        assert stepped.is_set()
+        handle.staged(30)
+        assert handle.result(30) is not None
+        first.result(30)
+        hook.remove()
+    loaded = asyncsave.load(tmp_path / "step_2")
+    assert_tree_equal(expect["model"], dict(loaded["model"]))
+    assert_tree_equal(expect["optim"]["state"], loaded["optim"]["state"])
+    # The step did run after staging: the live parameters moved on.
+    assert not torch.equal(model.state_dict()["0.weight"], expect["model"]["0.weight"])
+
+
+async def test_optimizer_hook_on_the_event_loop_thread_raises_instead_of_deadlocking(
+    tmp_path: Path,
+) -> None:
+    fs, gate = held_budget_fs()
+    model, opt = model_and_opt()
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+        hook = asyncsave.stage_before_step(opt, ckpt)
+        first = await ckpt.save(1, {"x": torch.zeros(10)})
+        handle = await ckpt.save(2, {"model": model, "optim": opt}, lazy=True)
+        with pytest.raises(asyncsave.StagingPendingError) as info:
+            opt.step()  # on the loop's thread: must not block the loop
+        assert info.value.step == 2
+        gate.set()
+        await ckpt.staged()
+        opt.step()  # staged: returns at once, on the loop's thread too
+        hook.remove()
+        await handle
+        await first
+
+
+async def test_optimizer_hook_in_a_worker_thread_next_to_the_loop_waits(tmp_path: Path) -> None:
+    fs, gate = held_budget_fs()
+    _model, opt = model_and_opt()
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+        hook = asyncsave.stage_before_step(opt, ckpt)
+        first = await ckpt.save(1, {"x": torch.zeros(10)})
+        expect = clone_tree(opt.state_dict()["state"])
+        handle = await ckpt.save(2, {"optim": opt}, lazy=True)
+        done = anyio.Event()
+
+        async def train() -> None:
+            await anyio.to_thread.run_sync(opt.step)
+            done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(train)
+            for _ in range(10):
+                await anyio.sleep(0.01)
+            assert not done.is_set()  # waiting for staging in its thread
+            gate.set()
+        hook.remove()
+        await handle
+        await first
+    assert_tree_equal(expect, asyncsave.load(tmp_path / "step_2")["optim"]["state"])
+
+
+async def test_a_lazy_save_that_fails_while_staging_is_never_lost(tmp_path: Path) -> None:
+    # Streaming through a small budget: a write of an early round (inside the
+    # lazy staging) fails.
+    fs = FaultyFS("write", raise_errno(errno.EIO), n=2, where=lambda p: p.endswith(".safetensors"))
+    state = {"w": torch.randn(1 << 18)}
+    async with asyncsave.Checkpointer(tmp_path, budget_bytes=64 << 10, filesystem=fs) as ckpt:
+        handle = await ckpt.save(1, state, lazy=True)
+        with pytest.raises(asyncsave.SaveFailedError):
+            await handle.staged()
+        with pytest.raises(asyncsave.SaveFailedError):
+            await handle
+        with pytest.raises(asyncsave.SaveFailedError):
+            await ckpt.save(2, state)
+        with pytest.raises(asyncsave.SaveFailedError):
+            await ckpt.aclose()
+    assert asyncsave.latest(tmp_path) is None
+
+
+def test_stage_before_step_refuses_what_is_not_a_checkpointer() -> None:
+    _, opt = model_and_opt()
+    with pytest.raises(TypeError, match="Checkpointer"):
+        asyncsave.stage_before_step(opt, object())
