@@ -19,11 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 
 from ._errors import (
     CheckpointNotFoundError,
-    ChecksumMismatchError,
     CorruptCheckpointError,
     InvalidStateError,
     KindMismatchError,
@@ -31,9 +29,10 @@ from ._errors import (
     UnsafeLoadError,
 )
 from ._fs import LocalFileSystem
-from ._manifest import CHECKSUM, Manifest, parse_manifest, torch_dtype
+from ._manifest import Manifest, parse_manifest, torch_dtype
 from ._paths import LAYOUTS, MANIFEST_NAME, Layout
 from ._plan import is_stateful, key_str
+from ._read import read_entries
 from ._track import read_tracker
 from ._types import CheckpointInfo, Tagged
 
@@ -42,7 +41,6 @@ __all__ = ["latest", "load", "read_checkpoint", "resolve", "scan_steps", "verify
 logger = logging.getLogger(__name__)
 
 _MAX_MANIFEST_BYTES = 1 << 30
-_READ_CHUNK = 8 << 20
 
 
 def read_checkpoint(fs: LocalFileSystem, path: Path, *, expect_step: int | None = None) -> Manifest:
@@ -144,51 +142,20 @@ def _check_header(fpath: Path, f: Any, manifest: Manifest, file_index: int) -> N
             )
 
 
-def _read_entries(
-    fs: LocalFileSystem, path: Path, manifest: Manifest, *, verify: bool
-) -> list[torch.Tensor]:
-    """Read every entry into a fresh ``uint8`` CPU tensor, checking checksums."""
-    out: list[torch.Tensor | None] = [None] * len(manifest.entries)
-    for fi, finfo in enumerate(manifest.files):
-        fpath = path / finfo["name"]
-        with open(fpath, "rb", buffering=0) as f:
-            _check_header(fpath, f, manifest, fi)
-            for ei, e in enumerate(manifest.entries):
-                if e["file"] != fi:
-                    continue
-                buf = torch.empty(e["nbytes"], dtype=torch.uint8)
-                view = memoryview(buf.numpy())  # type: ignore[arg-type]
-                f.seek(e["offset"])
-                h = xxhash.xxh3_64()
-                pos = 0
-                while pos < e["nbytes"]:
-                    n = f.readinto(view[pos : pos + _READ_CHUNK])
-                    if not n:
-                        raise CorruptCheckpointError(
-                            f"{fpath} ends inside {e['name']!r} (truncated)",
-                            path=fpath,
-                            key=e["name"],
-                            step=manifest.step,
-                        )
-                    if verify:
-                        h.update(view[pos : pos + n])
-                    pos += n
-                if verify and h.hexdigest() != e[CHECKSUM]:
-                    raise ChecksumMismatchError(
-                        f"{fpath}: bytes of {e['name']!r} do not match their checksum "
-                        f"({h.hexdigest()} != {e[CHECKSUM]})",
-                        path=fpath,
-                        key=e["name"],
-                        step=manifest.step,
-                    )
-                out[ei] = buf
-    return [b for b in out if b is not None]
-
-
-def _build_tensors(manifest: Manifest, raw: list[torch.Tensor], device: torch.device) -> list[Any]:
+def _build_tensors(
+    manifest: Manifest,
+    raw: list[torch.Tensor | None],
+    device: torch.device,
+    only: set[int] | None = None,
+) -> list[Any]:
+    """Tensors of every record (``only``: of those record indices; ``None`` for the
+    others) over the entries' bytes in ``raw``."""
     on_device: dict[int, torch.Tensor] = {}
     tensors: list[Any] = []
-    for rec in manifest.tensors:
+    for ri, rec in enumerate(manifest.tensors):
+        if only is not None and ri not in only:
+            tensors.append(None)
+            continue
         try:
             tensors.append(_build_tensor(rec, raw, on_device, device))
         except (RuntimeError, TypeError, ValueError) as exc:
@@ -203,7 +170,7 @@ def _build_tensors(manifest: Manifest, raw: list[torch.Tensor], device: torch.de
 
 def _build_tensor(
     rec: dict[str, Any],
-    raw: list[torch.Tensor],
+    raw: list[torch.Tensor | None],
     on_device: dict[int, torch.Tensor],
     device: torch.device,
 ) -> Any:
@@ -211,16 +178,24 @@ def _build_tensor(
     assert dtype is not None  # validated by parse_manifest
     kind = rec["kind"]
     buf = raw[rec["entry"]]
-    if kind in ("tensor", "parameter") and device.type != "cpu":
+    assert buf is not None
+    if kind in ("tensor", "parameter") and buf.device != device:
         if rec["entry"] not in on_device:
             on_device[rec["entry"]] = buf.to(device)
         buf = on_device[rec["entry"]]
+    elif kind == "ndarray" and buf.device.type != "cpu":
+        buf = buf.cpu()
     if rec["stride"] is None:
         t = buf.view(dtype).view(rec["shape"])
     else:
+        # ``buf`` may be a view into a larger storage (a mapped data file): the
+        # record's offset is relative to the entry's first byte.
         itemsize = dtype.itemsize
         t = torch.empty(0, dtype=dtype, device=buf.device).set_(
-            buf.untyped_storage(), rec["offset"] // itemsize, rec["shape"], rec["stride"]
+            buf.untyped_storage(),
+            (buf.storage_offset() + rec["offset"]) // itemsize,
+            rec["shape"],
+            rec["stride"],
         )
     if kind == "parameter":
         t = torch.nn.Parameter(t, requires_grad=rec["requires_grad"])
@@ -532,7 +507,7 @@ def load(
     p = Path(path)
     target = _device(device)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
-    raw = _read_entries(fs, p, manifest, verify=verify)
+    raw = read_entries(p, manifest, verify=verify, device=target, check_header=_check_header)
     tensors = _build_tensors(manifest, raw, target)
     state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(
         manifest.tree
@@ -575,7 +550,9 @@ def verify(
     fs = filesystem or LocalFileSystem()
     p = Path(path)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
-    raw = _read_entries(fs, p, manifest, verify=True)
+    raw = read_entries(
+        p, manifest, verify=True, device=torch.device("cpu"), check_header=_check_header
+    )
     tensors = _build_tensors(manifest, raw, torch.device("cpu"))
     decoder = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=False, unpickle=False)
     decoder.node(manifest.tree)

@@ -15,10 +15,13 @@ storage. A tensor alone on its storage is stored as its own contiguous bytes.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
+import gc
 import pickle
 import sys
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -132,14 +135,30 @@ def _is_tensordict(obj: Any) -> bool:
     return td is not None and isinstance(obj, td.TensorDictBase)
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def make_plan(state: Any, *, allow_pickle: bool) -> Plan:
     """Flatten and validate ``state``.
 
     :raises InvalidStateError: (or a subclass) naming the offending key path.
     """
-    flattener = _Flattener(allow_pickle=allow_pickle)
-    tree = flattener.node(state, (), 0)
-    entries, records = _group(flattener.leaves)
+    # A state of 10,000 tensors makes 100,000s of small objects: the cyclic GC's
+    # generation-2 passes over everything alive would cost 5x the plan itself
+    # (measured: 330 ms against 65 ms for a 10,000-tensor replay buffer). Nothing
+    # here makes cycles, so it is paused for the plan.
+    with _gc_paused():
+        flattener = _Flattener(allow_pickle=allow_pickle)
+        tree = flattener.node(state, (), 0)
+        entries, records = _group(flattener.leaves)
     return Plan(
         tree=tree,
         leaves=flattener.leaves,

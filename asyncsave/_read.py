@@ -1,0 +1,208 @@
+"""The fast read path: memory-mapped, zero-copy entries, and pinned bounce buffers
+for loads onto a CUDA device.
+
+CPU: each data file is mapped once, copy-on-write (``MAP_PRIVATE``), and every entry
+becomes a ``uint8`` tensor over its bytes in the mapping (``torch.frombuffer``): no
+copy out of the page cache. Writing into a loaded tensor copies the touched pages
+privately; the file never changes. With ``verify=True`` each entry's bytes are
+hashed (XXH3-64) once, which is what reads them from disk (``MADV_SEQUENTIAL`` /
+``MADV_WILLNEED`` ask the kernel to read ahead); with ``verify=False`` nothing is
+read until a tensor is touched, so one tensor of a large checkpoint costs only its
+own pages. Committed data files are never rewritten or truncated by asyncsave (a
+newer save of the same step swaps in a new directory, retention unlinks), so the
+mappings stay valid; a file truncated by someone else under a live mapping makes
+the process take ``SIGBUS`` on access, as with any mmap loader (safetensors,
+``torch.load(mmap=True)``).
+
+CUDA: each entry is copied from the mapping into one of two pinned host bounce
+buffers (hashed on the way), and from there to the device with ``non_blocking``
+copies on a side stream, double-buffered so the host copy of one chunk overlaps the
+host-to-device copy of the previous one. Device memory is allocated once per entry
+(its final tensor). Untested on hardware in this session (no GPU); the CUDA tests
+in ``tests/test_cuda.py`` cover it where CUDA exists.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from ._errors import ChecksumMismatchError, CorruptCheckpointError
+from ._manifest import CHECKSUM, Manifest
+
+__all__ = ["BOUNCE_BYTES", "read_entries"]
+
+# Size of each of the two pinned bounce buffers of a CUDA load.
+BOUNCE_BYTES = 64 << 20
+_HASH_CHUNK = 8 << 20
+
+
+def _mapped(fpath: Path) -> mmap.mmap:
+    with open(fpath, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    return mm
+
+
+def _check(fpath: Path, e: dict[str, Any], size: int, manifest: Manifest) -> tuple[int, int]:
+    start, n = e["offset"], e["nbytes"]
+    if start < 0 or start + n > size:
+        raise CorruptCheckpointError(
+            f"{fpath} ends inside {e['name']!r} (truncated)",
+            path=fpath,
+            key=e["name"],
+            step=manifest.step,
+        )
+    return start, n
+
+
+def _verify(fpath: Path, e: dict[str, Any], digest: str, manifest: Manifest) -> None:
+    if digest != e[CHECKSUM]:
+        raise ChecksumMismatchError(
+            f"{fpath}: bytes of {e['name']!r} do not match their checksum "
+            f"({digest} != {e[CHECKSUM]})",
+            path=fpath,
+            key=e["name"],
+            step=manifest.step,
+        )
+
+
+def read_entries(
+    path: Path,
+    manifest: Manifest,
+    *,
+    verify: bool,
+    device: torch.device,
+    only: Iterable[int] | None = None,
+    check_header: Any = None,
+) -> list[torch.Tensor | None]:
+    """Read entries of a checkpoint as ``uint8`` tensors (index = entry index;
+    ``None`` for entries not asked for).
+
+    :param device: ``cpu``: zero-copy views of the mapped files; ``cuda``: device
+        tensors filled through pinned bounce buffers.
+    :param only: entry indices to read (default: all). The others are not read.
+    :param check_header: ``(fpath, fileobj, manifest, file_index)`` callable that
+        validates a file's safetensors header against the manifest.
+    :raises CorruptCheckpointError: an entry past the end of its file, or a header
+        that disagrees; :class:`ChecksumMismatchError` for altered bytes.
+    """
+    wanted = set(range(len(manifest.entries))) if only is None else set(only)
+    out: list[torch.Tensor | None] = [None] * len(manifest.entries)
+    bounce: _Bounce | None = _Bounce(device) if device.type == "cuda" and wanted else None
+    try:
+        for fi, finfo in enumerate(manifest.files):
+            mine = [
+                (ei, e) for ei, e in enumerate(manifest.entries) if e["file"] == fi and ei in wanted
+            ]
+            if not mine:
+                continue
+            fpath = path / finfo["name"]
+            if check_header is not None:
+                with open(fpath, "rb", buffering=0) as f:
+                    check_header(fpath, f, manifest, fi)
+            mm = _mapped(fpath)
+            size = len(mm)
+            if verify and len(mine) * 2 > len([e for e in manifest.entries if e["file"] == fi]):
+                # Most of the file will be read: ask for read-ahead.
+                mm.madvise(mmap.MADV_SEQUENTIAL)
+                mm.madvise(mmap.MADV_WILLNEED)
+            for ei, e in sorted(mine, key=lambda item: item[1]["offset"]):
+                start, n = _check(fpath, e, size, manifest)
+                view = memoryview(mm)[start : start + n]
+                if bounce is not None:
+                    t, digest = bounce.upload(view, verify)
+                else:
+                    # One storage per entry (not one per file): tensors that did
+                    # not share memory at save time do not share it now, and
+                    # torch.save of one loaded tensor writes only its own bytes.
+                    t = (
+                        torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=start)
+                        if n
+                        else torch.empty(0, dtype=torch.uint8)
+                    )
+                    digest = _hash(view) if verify else ""
+                if verify:
+                    _verify(fpath, e, digest, manifest)
+                out[ei] = t
+                del view
+            if bounce is not None:
+                bounce.finish()
+                _close_when_unused(mm)
+    finally:
+        if bounce is not None:
+            bounce.close()
+    return out
+
+
+def _close_when_unused(mm: mmap.mmap) -> None:
+    # Tensors made by frombuffer keep the mapping alive; for CUDA loads none does.
+    try:
+        mm.close()
+    except BufferError:
+        pass
+
+
+def _hash(view: memoryview) -> str:
+    if len(view) <= _HASH_CHUNK:
+        return xxhash.xxh3_64_hexdigest(view)
+    h = xxhash.xxh3_64()
+    for pos in range(0, len(view), _HASH_CHUNK):
+        h.update(view[pos : pos + _HASH_CHUNK])
+    return h.hexdigest()
+
+
+class _Bounce:
+    """Two pinned host buffers and a side stream for host-to-device copies."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        # 64 MiB is a power of two: torch's pinned allocator wastes nothing on it.
+        self.buffers = [
+            torch.empty(BOUNCE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+        ]
+        self.events: list[Any] = [None, None]
+        self.turn = 0
+
+    def upload(self, view: memoryview, verify: bool) -> tuple[torch.Tensor, str]:
+        """Copy ``view`` to a new device tensor in bounce-buffer-sized chunks,
+        hashing each chunk while it is copied into the bounce buffer."""
+        n = len(view)
+        with torch.cuda.device(self.device):
+            dst = torch.empty(n, dtype=torch.uint8, device=self.device)
+        h = xxhash.xxh3_64() if verify else None
+        for pos in range(0, n, BOUNCE_BYTES):
+            k = min(BOUNCE_BYTES, n - pos)
+            i = self.turn
+            self.turn ^= 1
+            if self.events[i] is not None:
+                self.events[i].synchronize()  # the buffer's previous upload is done
+            buf = self.buffers[i]
+            chunk = view[pos : pos + k]
+            buf[:k].copy_(torch.frombuffer(chunk, dtype=torch.uint8))
+            if h is not None:
+                h.update(chunk)
+            with torch.cuda.stream(self.stream):
+                dst[pos : pos + k].copy_(buf[:k], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self.events[i] = event
+        # The caller's stream must see the copies before it uses ``dst``, and the
+        # allocator must not hand ``dst``'s memory out while they may still run.
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        dst.record_stream(self.stream)
+        return dst, (h.hexdigest() if h is not None else "")
+
+    def finish(self) -> None:
+        for event in self.events:
+            if event is not None:
+                event.synchronize()
+
+    def close(self) -> None:
+        self.finish()
+        self.buffers = []
