@@ -40,7 +40,7 @@ from ._errors import (
 )
 from ._fs import LocalFileSystem
 from ._lazy import stage_before_step
-from ._load import latest, load, verify
+from ._load import latest, load, load_tensors, verify
 from ._options import CheckpointOptions
 from ._sync import SyncCheckpointer, SyncSaveHandle
 from ._types import CheckpointInfo, Restored, Tagged
@@ -81,6 +81,7 @@ __all__ = [
     "__version__",
     "latest",
     "load",
+    "load_tensors",
     "stage_before_step",
     "verify",
 ]

@@ -36,7 +36,15 @@ from ._read import read_entries
 from ._track import read_tracker
 from ._types import CheckpointInfo, Tagged
 
-__all__ = ["latest", "load", "read_checkpoint", "resolve", "scan_steps", "verify"]
+__all__ = [
+    "latest",
+    "load",
+    "load_tensors",
+    "read_checkpoint",
+    "resolve",
+    "scan_steps",
+    "verify",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -492,7 +500,13 @@ def load(
     :param device: where tensors land (``"cpu"`` default; NumPy leaves stay host).
     :param allow_pickle: unpickle leaves saved with ``allow_pickle=True``. Only for
         checkpoints you trust: unpickling runs code.
-    :param verify: check every byte against its XXH3-64 checksum while reading.
+    :param verify: check every byte against its XXH3-64 checksum while reading
+        (the default). CPU loads are zero-copy: every tensor is a copy-on-write
+        view of the memory-mapped data file, so hashing is the only pass over the
+        bytes; with ``verify=False`` nothing is read until a tensor is touched.
+        ``device="cuda"`` goes through two pinned bounce buffers (see
+        ``asyncsave._read``). To read a few tensors of a large checkpoint, use
+        :func:`load_tensors`.
     :param required: key paths that must exist: ``"dataloader"``,
         ``"trainer/rng"``, or tuples (``("data/loader",)`` for a key holding ``/``).
     :raises CheckpointNotFoundError: ``path`` holds no manifest.
@@ -514,6 +528,53 @@ def load(
     )
     _check_required(state, required, p)
     return _apply_template(state, template, (), p)
+
+
+def load_tensors(
+    path: str | os.PathLike[str],
+    keys: Iterable[str],
+    *,
+    device: str | torch.device = "cpu",
+    verify: bool = True,
+    filesystem: LocalFileSystem | None = None,
+) -> dict[str, Any]:
+    """Read only some tensors of a checkpoint, without reading the rest of it.
+
+    ``keys`` are key paths as :func:`load` would reach them (``"model/wte.weight"``;
+    the separator is ``/``), or a prefix of them (``"optim/state/3"`` gives every
+    tensor under it). Only the bytes of the selected tensors are read (and, with
+    ``verify``, checked against their checksums); a tensor that shares a storage
+    with others brings that storage's bytes.
+
+    :returns: ``{key path: tensor}`` (``nn.Parameter`` and NumPy arrays as saved),
+        in the manifest's order.
+    :raises MissingItemError: a key that names no tensor of the checkpoint.
+    :raises CheckpointNotFoundError: no manifest at ``path``.
+    :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) the bytes
+        read are damaged.
+    """
+    p = Path(path)
+    target = _device(device)
+    manifest = read_checkpoint(filesystem or LocalFileSystem(), p, expect_step=_step_of_name(p))
+    if isinstance(keys, str):
+        raise TypeError("keys must be an iterable of key paths, not one str")
+    wanted = list(dict.fromkeys(keys))
+    chosen: set[int] = set()
+    for k in wanted:
+        hit = {
+            ri
+            for ri, rec in enumerate(manifest.tensors)
+            if rec["key"] == k or str(rec["key"]).startswith(k + "/")
+        }
+        if not hit:
+            raise MissingItemError(f"checkpoint {p} has no tensor at {k!r}", path=p, key=k)
+        chosen |= hit
+    entries = {manifest.tensors[ri]["entry"] for ri in chosen}
+    raw = read_entries(
+        p, manifest, verify=verify, device=target, only=entries, check_header=_check_header
+    )
+    tensors = _build_tensors(manifest, raw, target, only=chosen)
+    return {manifest.tensors[ri]["key"]: tensors[ri] for ri in sorted(chosen)}
 
 
 def _step_of_name(path: Path) -> int | None:

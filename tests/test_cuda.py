@@ -153,3 +153,82 @@ def test_sync_save_sees_kernels_queued_on_the_callers_own_stream(tmp_path: Path)
         x.fill_(1.0)  # queued on the caller's side stream, behind the sleep
         ckpt.save(1, {"x": x}).result()
     assert torch.equal(asyncsave.load(tmp_path / "step_1")["x"], torch.ones(64 << 20))
+
+
+# -- issue 3: lazy mode, streaming through a small budget, the device load path ----
+
+
+async def test_lazy_cuda_save_sees_queued_kernels_and_not_mutation_after_staged(
+    tmp_path: Path,
+) -> None:
+    """S11 in lazy mode on CUDA: save() returns before the copies land; the snapshot
+    holds the value queued before save(), not the update made after staged()."""
+    x = torch.randn(4096, 4096, device="cuda")
+    expected = x.cpu() * 2 + 1
+    bn = torch.nn.BatchNorm1d(8).cuda()
+    stats = bn.running_mean.clone().cpu()
+    torch.cuda._sleep(1_000_000_000)
+    y = x * 2 + 1
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        handle = await ckpt.save(1, {"y": y, "bn": bn}, lazy=True)
+        bn(torch.randn(4, 8, device="cuda") + 3)  # forward: running stats move
+        await handle.staged()
+        y.mul_(0)
+        await handle
+    out = asyncsave.load(tmp_path / "step_1")
+    assert torch.equal(out["y"], expected)
+    assert torch.equal(out["bn"]["running_mean"], stats)
+
+
+def test_optimizer_hook_with_a_cuda_model_from_a_sync_thread(tmp_path: Path) -> None:
+    model = torch.nn.Linear(256, 256).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 256, device="cuda")).sum().backward()
+    opt.step()
+    before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
+        hook = asyncsave.stage_before_step(opt, ckpt)
+        handle = ckpt.save(1, {"model": model, "optim": opt}, lazy=True)
+        model(torch.randn(8, 256, device="cuda")).sum().backward()
+        opt.step()  # waits for staging first
+        hook.remove()
+        handle.result()
+    out = asyncsave.load(tmp_path / "step_1")
+    for k, v in before.items():
+        assert torch.equal(out["model"][k], v), k
+
+
+async def test_streaming_a_cuda_state_through_a_small_budget_uses_no_device_memory(
+    tmp_path: Path,
+) -> None:
+    """S15 with CUDA sources and S12: a pinned budget of a quarter of the state."""
+    state = {f"p{i}": torch.randn(1024, 1024, device="cuda") for i in range(16)}  # 64 MiB
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.max_memory_allocated()
+    async with asyncsave.Checkpointer(tmp_path, budget_bytes=16 << 20) as ckpt:
+        await (await ckpt.save(1, state))
+        pool = ckpt.staging_pool
+        assert pool is not None and pool.capacity == 16 << 20 and pool._pinned
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before <= 1 << 20
+    out = asyncsave.load(tmp_path / "step_1")
+    for k, v in state.items():
+        assert torch.equal(out[k], v.cpu()), k
+
+
+async def test_device_loads_go_through_pinned_bounce_buffers_in_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncsave import _read
+
+    monkeypatch.setattr(_read, "BOUNCE_BYTES", 1 << 20)  # many chunks per tensor
+    state = {"a": torch.randn(3 << 20), "b": torch.randn(1000).to(torch.bfloat16), "n": 3}
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        info = await (await ckpt.save(1, state))
+    assert info is not None
+    out = asyncsave.load(info.path, device="cuda")
+    assert out["a"].is_cuda and torch.equal(out["a"].cpu(), state["a"])
+    assert torch.equal(out["b"].cpu(), state["b"]) and out["n"] == 3
+    one = asyncsave.load_tensors(info.path, ["a"], device="cuda")
+    assert one["a"].is_cuda and torch.equal(one["a"].cpu(), state["a"])
