@@ -665,9 +665,9 @@ class Checkpointer:
                     lease.release()
                     written_s = time.perf_counter() - t0
                     manifest = _manifest_doc(step, plan, layouts, blocked_s, staged_s, written_s)
-                    await self._run(
-                        write_bytes, self._fs, tmp / MANIFEST_NAME, encode_manifest(manifest)
-                    )
+                    # Encoding is CPU work (about 60 ms for 10,000 tensors): in the
+                    # worker thread with the write, never on the event loop.
+                    await self._run(_write_manifest, self._fs, tmp / MANIFEST_NAME, manifest)
                     final = self.root / self.layout.dir_name(step)
                     # From here on a thread abandoned at the deadline may still
                     # rename: the temp dir is left to the next open, never removed
@@ -909,6 +909,10 @@ def _as_save_error(
         error = SaveFailedError(f"save of step {step} failed: {exc!r}", step=step, path=path)
     error.__cause__ = exc
     return error
+
+
+def _write_manifest(fs: Any, path: Path, manifest: dict[str, Any]) -> None:
+    write_bytes(fs, path, encode_manifest(manifest))
 
 
 def _manifest_doc(
