@@ -40,6 +40,7 @@ from ._errors import (
 from ._fs import LocalFileSystem
 from ._load import latest, load, verify
 from ._options import CheckpointOptions
+from ._retention import KeepBest, KeepEvery, KeepLast, Retention
 from ._sync import SyncCheckpointer, SyncSaveHandle
 from ._types import CheckpointInfo, Restored, Tagged
 
@@ -58,11 +59,15 @@ __all__ = [
     "InvalidKeyError",
     "InvalidStateError",
     "InvalidStepError",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
     "KindMismatchError",
     "LocalFileSystem",
     "MissingItemError",
     "ProtectedCheckpointError",
     "Restored",
+    "Retention",
     "RootInUseError",
     "SaveFailedError",
     "SaveHandle",
