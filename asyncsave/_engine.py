@@ -550,7 +550,7 @@ class Checkpointer:
                     committing = False
                     tmp = None  # committed: nothing to discard any more
                     await self._track(step)
-                    await self._retain()
+                    await self._retain(step)
                 info = CheckpointInfo(
                     step=step,
                     path=final,
@@ -634,7 +634,7 @@ class Checkpointer:
         if self._tracker is not None:
             await self._run(self._tracker.advance, step)
 
-    async def _retain(self) -> None:
+    async def _retain(self, step: int) -> None:
         """Apply the retention rule after a commit (S2, S8: never before).
 
         A failure to delete is logged, not raised: the new checkpoint is committed
@@ -643,9 +643,12 @@ class Checkpointer:
         rule = self.options.retention
         if rule is None:
             return
-        protected = set(self._pending) | {
-            s for s in (self._resumed_step, self.tracked_step) if s is not None
-        }
+        # The checkpoint this run resumed from is the newest committed one until
+        # this run commits a newer one, which apply_retention never deletes; once a
+        # newer one is durable it may go (S3: keep one, resume at 1, save 2: only 2).
+        protected = set(self._pending) - {step}  # this one is committed now
+        if self.tracked_step is not None:
+            protected.add(self.tracked_step)
         async with self._retention_lock:
             try:
                 removed = await self._run(
