@@ -40,6 +40,7 @@ from ._errors import (
 from ._fs import LocalFileSystem
 from ._load import latest, load, verify
 from ._options import CheckpointOptions
+from ._policy import SaveAtStep, SaveBeforeDeadline, SaveEvery, SaveOnSignal, SavePolicy
 from ._retention import KeepBest, KeepEvery, KeepLast, Retention
 from ._sync import SyncCheckpointer, SyncSaveHandle
 from ._types import CheckpointInfo, Restored, Tagged
@@ -70,7 +71,12 @@ __all__ = [
     "Retention",
     "RootInUseError",
     "SaveFailedError",
+    "SaveAtStep",
+    "SaveBeforeDeadline",
+    "SaveEvery",
     "SaveHandle",
+    "SaveOnSignal",
+    "SavePolicy",
     "StagingBudgetError",
     "SyncCheckpointer",
     "SyncSaveHandle",
