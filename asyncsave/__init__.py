@@ -42,6 +42,7 @@ from ._load import latest, load, verify
 from ._options import CheckpointOptions
 from ._policy import SaveAtStep, SaveBeforeDeadline, SaveEvery, SaveOnSignal, SavePolicy
 from ._retention import KeepBest, KeepEvery, KeepLast, Retention
+from ._rng import RNGState
 from ._sync import SyncCheckpointer, SyncSaveHandle
 from ._types import CheckpointInfo, Restored, Tagged
 
@@ -67,6 +68,7 @@ __all__ = [
     "LocalFileSystem",
     "MissingItemError",
     "ProtectedCheckpointError",
+    "RNGState",
     "Restored",
     "Retention",
     "RootInUseError",
