@@ -24,7 +24,7 @@ def _expected_output(code: str) -> list[str]:
             continue
         m = re.search(r"\)\s+#\s*(.+)$", line)
         if m:
-            out.append(m.group(1).split(":")[0].strip())
+            out.append(m.group(1).split(" (")[0].strip())
         elif i + 1 < len(lines) and lines[i + 1].strip().startswith("# "):
             out.append(lines[i + 1].strip()[2:])
     return out
