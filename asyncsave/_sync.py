@@ -164,7 +164,13 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         return self._portal.call(func, *args)
 
     def save(
-        self, step: int, state: Any, *, overwrite: bool = False, lazy: bool = False
+        self,
+        step: int,
+        state: Any,
+        *,
+        overwrite: bool = False,
+        training_info: dict[str, Any] | None = None,
+        lazy: bool = False,
     ) -> SyncSaveHandle:
         """Snapshot ``state`` and return once it is staged (or, ``lazy=True``, once
         staging started: call ``handle.staged()`` or install
@@ -174,7 +180,14 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         # before the call crosses to the portal's thread.
         ready = producer_events()
         handle = self._call(
-            lambda: self._ckpt._save(step, state, overwrite=overwrite, ready=ready, lazy=lazy)
+            lambda: self._ckpt._save(
+                step,
+                state,
+                overwrite=overwrite,
+                ready=ready,
+                training_info=training_info,
+                lazy=lazy,
+            )
         )
         assert self._portal is not None
         return SyncSaveHandle(self._portal, handle)

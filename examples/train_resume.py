@@ -404,6 +404,11 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
                     loss_file.flush()  # a SIGKILL keeps what was written
                     crash = step == args.crash_at
                     if step % args.save_every == 0 or step == args.steps or crash:
+                        if crash:
+                            # The crash demo kills the save of this step mid-write;
+                            # the earlier saves are to be committed by then (else
+                            # which of them is tracked at the kill is a race).
+                            await ckpt.wait()
                         # Returns once the state is staged; the write goes on meanwhile.
                         handle = await ckpt.save(step, state())
                         handles.append(handle)
