@@ -776,7 +776,12 @@ class Checkpointer:
         async def write_one(fl: FileLayout) -> None:
             try:
                 digests = await self._run(
-                    write_data_file, self._fs, tmp, fl, plan.entries, lease.buffer
+                    functools.partial(write_data_file, direct=self.options.direct_io),
+                    self._fs,
+                    tmp,
+                    fl,
+                    plan.entries,
+                    lease.buffer,
                 )
             except Exception as exc:  # collected, raised below as the first failure
                 errors.append(exc)

@@ -7,7 +7,7 @@ through an extra in-memory copy and cannot fsync or checksum on the way; the for
 itself is followed exactly (no holes between tensors: safetensors rejects them).
 
 Alignment without holes: the header is padded with spaces so data starts at a
-multiple of 64 bytes, and entries are ordered by element size, largest first. Every
+multiple of 4096 bytes (which O_DIRECT writes need), and entries are ordered by element size, largest first. Every
 entry's size is a multiple of its element size, so every entry starts at a multiple
 of its own element size, which is what typed views (and mmap loads) need.
 
@@ -30,6 +30,10 @@ from ._plan import Entry
 __all__ = ["FileLayout", "SAFETENSORS_DTYPES", "layout_files"]
 
 HEADER_ALIGN = 64
+# Data start in every file and every file's data in the staging buffer are aligned
+# to this, so the bulk of a file can be written with O_DIRECT (whose offsets,
+# addresses and lengths must be multiples of the device's logical block size).
+DIRECT_ALIGN = 4096
 # Below this, one more file costs more (open, fsync) than a parallel writer gains.
 MIN_FILE_BYTES = 64 << 20
 
@@ -76,7 +80,7 @@ def layout_files(entries: list[Entry], *, rank: int, max_files: int) -> list[Fil
     every entry's ``file``, ``offset`` and ``staging_offset``.
 
     Pure: no I/O. The staging buffer holds the files' data back to back, each
-    starting at a multiple of 64 bytes.
+    starting at a multiple of 4096 bytes.
     """
     total = sum(e.nbytes for e in entries)
     n_files = max(1, min(max_files, len(entries), -(-total // MIN_FILE_BYTES)))
@@ -110,7 +114,7 @@ def layout_files(entries: list[Entry], *, rank: int, max_files: int) -> list[Fil
             e.staging_offset = staging + rel
             rel += e.nbytes
         header = json.dumps(header_obj, separators=(",", ":")).encode("utf-8")
-        pad = -(8 + len(header)) % HEADER_ALIGN
+        pad = -(8 + len(header)) % DIRECT_ALIGN
         header += b" " * pad
         prefix = struct.pack("<Q", len(header))
         for i in order:
@@ -125,10 +129,10 @@ def layout_files(entries: list[Entry], *, rank: int, max_files: int) -> list[Fil
                 staging_offset=staging,
             )
         )
-        staging += -(-rel // HEADER_ALIGN) * HEADER_ALIGN
+        staging += -(-rel // DIRECT_ALIGN) * DIRECT_ALIGN
     return layouts
 
 
 def staging_nbytes(layouts: list[FileLayout]) -> int:
-    """Bytes of staging buffer the files need (each file's data 64-aligned)."""
-    return sum(-(-fl.data_nbytes // HEADER_ALIGN) * HEADER_ALIGN for fl in layouts)
+    """Bytes of staging buffer the files need (each file's data 4096-aligned)."""
+    return sum(-(-fl.data_nbytes // DIRECT_ALIGN) * DIRECT_ALIGN for fl in layouts)

@@ -49,6 +49,23 @@ class LocalFileSystem:
         """Create ``path`` exclusively for writing; returns a raw file descriptor."""
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
 
+    def open_direct(self, path: Path) -> int | None:
+        """Open the existing file ``path`` for ``O_DIRECT`` writes (bypassing the
+        page cache), or ``None`` where the file system refuses ``O_DIRECT`` (tmpfs,
+        some FUSE and network file systems)."""
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return None
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CLOEXEC | flag)
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return None
+            raise
+
+    def seek(self, fd: int, pos: int) -> None:
+        os.lseek(fd, pos, os.SEEK_SET)
+
     def write(self, fd: int, data: memoryview) -> int:
         """Write some of ``data`` at the current offset; returns bytes written
         (may be fewer than asked: callers loop)."""

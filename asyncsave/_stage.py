@@ -39,6 +39,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_PAGE = 4096
+
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -140,7 +142,11 @@ class StagingPool:
             self._pinned = True
             return
         self._free()
-        self._arena = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        # Page-aligned (one page more, sliced), so data files can be written from
+        # it with O_DIRECT.
+        raw = torch.empty(max(nbytes, 1) + _PAGE, dtype=torch.uint8)
+        skip = -raw.data_ptr() % _PAGE
+        self._arena = raw[skip : skip + max(nbytes, 1)]
         self.allocations += 1
         logger.debug("staging arena of %d bytes allocated", nbytes)
         if pin:

@@ -70,6 +70,12 @@ class FaultyFS(LocalFileSystem):
         self._fd_paths[fd] = str(path)
         return fd
 
+    def open_direct(self, path: Path) -> int | None:
+        fd = super().open_direct(path)
+        if fd is not None:
+            self._fd_paths[fd] = str(path)
+        return fd
+
     def write(self, fd: int, data: memoryview) -> int:
         if self._hit("write", self._fd_paths.get(fd, "")):
             r = self.action()
