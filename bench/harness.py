@@ -655,6 +655,49 @@ async def heartbeat_2gib(root: Path, hb: Heartbeat, device: str, saves: int) -> 
     }
 
 
+async def budget_sweep(root: Path, nbytes: int, device: str) -> dict[str, Any]:
+    """S15: a state larger than ``budget_bytes`` streams through it. For budgets of
+    1/8, 1/4 and 1/2 of the state and none: eager and lazy ``save()`` blocking
+    time, lazy time to staged, and time to durable."""
+    state = sized_state(nbytes, device)
+    rows = []
+    for frac in (8, 4, 2, None):
+        budget = None if frac is None else nbytes // frac
+        for lazy in (False, True):
+            async with asyncsave.Checkpointer(root, budget_bytes=budget) as ckpt:
+                await (await ckpt.save(1, state))  # sizes (or fills) the arena
+                shutil.rmtree(root / "step_1")
+                t0 = time.perf_counter()
+                handle = await ckpt.save(2, state, lazy=lazy)
+                blocked = time.perf_counter() - t0
+                await handle.staged()
+                staged = time.perf_counter() - t0
+                info = await handle
+                durable = time.perf_counter() - t0
+                assert info is not None
+                pool = ckpt.staging_pool
+                arena = pool.capacity if pool is not None else 0
+            shutil.rmtree(root, ignore_errors=True)
+            rows.append(
+                {
+                    "budget_bytes": budget,
+                    "lazy": lazy,
+                    "blocked_s": blocked,
+                    "staged_s": staged,
+                    "durable_s": durable,
+                    "arena_bytes": arena,
+                }
+            )
+            print(
+                f"S15 budget {'none' if budget is None else fmt_bytes(budget)} "
+                f"{'lazy ' if lazy else 'eager'}: blocked {fmt_s(blocked)}, staged "
+                f"{fmt_s(staged)}, durable {fmt_s(durable)}, arena {fmt_bytes(arena)}",
+                flush=True,
+            )
+    del state
+    return {"state_bytes": nbytes, "rows": rows}
+
+
 async def rss_over_saves(root: Path, nbytes: int, saves: int, device: str) -> dict[str, Any]:
     """S9: RSS after the first save (committed) against after ``saves`` saves."""
     state = sized_state(nbytes, device)
@@ -790,6 +833,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         s9 = result["s9_rss"]
         print(f"S9: RSS after {s9['saves']} saves / after the first: {s9['ratio']:.4f}")
+        result["s15_budget"] = await budget_sweep(
+            root / "s15", (256 if quick else 1024) * MiB, device
+        )
         tg.cancel_scope.cancel()
     shutil.rmtree(root, ignore_errors=True)
     result["wall_s"] = time.perf_counter() - t_start
@@ -978,6 +1024,21 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {peer} | {fmt_s(f['blocked_s'])} | {fmt_s(f.get('staged_s'))} | "
                 f"{fmt_s(f['durable_s'])} | {f['gbps']:.2f} | "
                 f"{fmt_bytes(f['peak_rss_extra_bytes'])} | {fmt_s(f.get('load_s'))} | {hbm} |"
+            )
+        lines.append("")
+    s15 = result.get("s15_budget")
+    if s15:
+        lines += [
+            f"### S15: a {fmt_bytes(s15['state_bytes'])} state through a smaller budget",
+            "",
+            "| budget | mode | save() blocked | staged | durable | arena |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in s15["rows"]:
+            b = "none (state-sized)" if r["budget_bytes"] is None else fmt_bytes(r["budget_bytes"])
+            lines.append(
+                f"| {b} | {'lazy' if r['lazy'] else 'eager'} | {fmt_s(r['blocked_s'])} | "
+                f"{fmt_s(r['staged_s'])} | {fmt_s(r['durable_s'])} | {fmt_bytes(r['arena_bytes'])} |"
             )
         lines.append("")
     lines += ["### Targets", "", *targets_table(result), ""]
