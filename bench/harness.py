@@ -556,6 +556,11 @@ async def bench_workload(
                         assert ckpt is not None
                         step += 1
                         lazy = peer.endswith("lazy")
+                        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+                        if cuda:  # S12: staging must not grow device memory
+                            torch.cuda.synchronize()
+                            torch.cuda.reset_peak_memory_stats()
+                            dev_base = torch.cuda.max_memory_allocated()
                         with hb.measuring():
                             t0 = time.perf_counter()
                             handle = await ckpt.save(step, state, lazy=lazy)
@@ -567,6 +572,11 @@ async def bench_workload(
                         assert info is not None
                         row = {"blocked_s": blocked, "staged_s": staged, "durable_s": durable}
                         row.update(hb.figures())
+                        if cuda:
+                            torch.cuda.synchronize()
+                            row["device_peak_growth_bytes"] = (
+                                torch.cuda.max_memory_allocated() - dev_base
+                            )
                         pool = ckpt.staging_pool
                         held = pool.capacity if pool is not None else 0
                         path = info.path
