@@ -579,8 +579,21 @@ class Checkpointer:
                 stream = StreamWriter(self._fs, tmp, job.layouts, plan.entries)
                 for pieces in job.rounds[:-1]:
                     await self._stage(lease, piece_entries(plan.entries, pieces), job, deadline)
-                    with anyio.CancelScope(shield=True):  # the arena is reused next round
+                    # Shielded (the arena is reused next round), bounded by the
+                    # save's deadline: a writer stuck past it is abandoned, and then
+                    # may still read the arena and use its descriptors, so the arena
+                    # is never reused (poisoned) and the descriptors never closed.
+                    with anyio.CancelScope(shield=True, deadline=deadline) as scope:
                         await self._write_round(stream, pieces, lease, finish=False)
+                    if scope.cancelled_caught:
+                        lease.poison()
+                        stream.fds = [None] * len(stream.fds)
+                        raise CheckpointTimeoutError(
+                            f"writing a streamed round of step {step} outlasted "
+                            f"save_timeout_s={self.options.save_timeout_s}",
+                            step=step,
+                            path=stream.directory,
+                        )
                 await self._stage(lease, piece_entries(plan.entries, job.rounds[-1]), job, deadline)
             if not self._accepting:
                 raise CheckpointerClosedError(

@@ -94,9 +94,7 @@ def write_data_file(
                 if split < len(chunk):
                     _write_all(fs, fd, chunk[split:])
 
-            digests = _write_hashed(
-                view, start, end, layout.entries, entries, sink, with_pos=True
-            )
+            digests = _write_hashed(view, start, end, layout.entries, entries, sink, with_pos=True)
             dfd = None
             fs.close(direct_fd)
         fs.fsync(fd)

@@ -185,3 +185,26 @@ async def test_a_streamed_save_waits_while_an_earlier_one_holds_the_budget(
             gate.set()
         await first
     assert asyncsave.latest(tmp_path).step == 2
+
+
+async def test_a_streamed_round_stuck_past_the_deadline_fails_and_never_reuses_the_arena(
+    tmp_path: Path,
+) -> None:
+    from faults import block
+
+    gate = threading.Event()
+    fs = FaultyFS("write", block(gate), n=2, where=lambda p: p.endswith(".safetensors"))
+    state = {"w": torch.randn(1 << 18)}
+    try:
+        with pytest.raises(asyncsave.SaveFailedError):
+            async with asyncsave.Checkpointer(
+                tmp_path, budget_bytes=64 << 10, filesystem=fs, save_timeout_s=0.5
+            ) as ckpt:
+                with pytest.raises(asyncsave.SaveFailedError) as info:
+                    await ckpt.save(1, state)
+                assert isinstance(info.value.__cause__, asyncsave.CheckpointTimeoutError)
+                with pytest.raises(asyncsave.SaveFailedError):  # the arena is lost
+                    await ckpt.save(2, state)
+    finally:
+        gate.set()  # let the abandoned writer thread go
+    assert asyncsave.latest(tmp_path) is None
