@@ -507,6 +507,9 @@ async def bench_workload(
     state's bytes are measured ``repeats`` times first."""
     nbytes = nbytes_of(state)
     tensors = list(flat(state).values())
+    # The raw limits write host bytes: a CUDA state's are copied to host first
+    # (outside the timing).
+    host = [t.cpu() if t.is_cuda else t for t in tensors]
     samples: dict[str, list[dict[str, float]]] = {p: [] for p in peers}
     limits: dict[str, list[float]] = {"raw_write_fsync_s": [], "raw_read_s": []}
     dcp_async = {
@@ -520,7 +523,7 @@ async def bench_workload(
     for _ in range(repeats):
         raw = root / "raw.bin"
         limits["raw_write_fsync_s"].append(
-            await anyio.to_thread.run_sync(raw_write_fsync, raw, tensors)
+            await anyio.to_thread.run_sync(raw_write_fsync, raw, host)
         )
         limits["raw_read_s"].append(await anyio.to_thread.run_sync(raw_read, raw))
         raw.unlink(missing_ok=True)
@@ -616,6 +619,7 @@ async def bench_workload(
                     dcp_async[p].close()
     for d in dcp_async.values():
         d.close()
+    del host
     shutil.rmtree(ck_root, ignore_errors=True)
     out: dict[str, Any] = {
         "workload": name,
