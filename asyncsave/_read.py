@@ -24,6 +24,7 @@ in ``tests/test_cuda.py`` cover it where CUDA exists.
 
 from __future__ import annotations
 
+import concurrent.futures
 import mmap
 from collections.abc import Iterable
 from pathlib import Path
@@ -40,6 +41,7 @@ __all__ = ["BOUNCE_BYTES", "read_entries"]
 # Size of each of the two pinned bounce buffers of a CUDA load.
 BOUNCE_BYTES = 64 << 20
 _HASH_CHUNK = 8 << 20
+_READ_THREADS = 4
 
 
 def _mapped(fpath: Path) -> mmap.mmap:
@@ -93,50 +95,83 @@ def read_entries(
     """
     wanted = set(range(len(manifest.entries))) if only is None else set(only)
     out: list[torch.Tensor | None] = [None] * len(manifest.entries)
-    bounce: _Bounce | None = _Bounce(device) if device.type == "cuda" and wanted else None
-    try:
-        for fi, finfo in enumerate(manifest.files):
-            mine = [
-                (ei, e) for ei, e in enumerate(manifest.entries) if e["file"] == fi and ei in wanted
-            ]
-            if not mine:
-                continue
-            fpath = path / finfo["name"]
-            if check_header is not None:
-                with open(fpath, "rb", buffering=0) as f:
-                    check_header(fpath, f, manifest, fi)
-            mm = _mapped(fpath)
-            size = len(mm)
-            if verify and len(mine) * 2 > len([e for e in manifest.entries if e["file"] == fi]):
-                # Most of the file will be read: ask for read-ahead.
-                mm.madvise(mmap.MADV_SEQUENTIAL)
-                mm.madvise(mmap.MADV_WILLNEED)
-            for ei, e in sorted(mine, key=lambda item: item[1]["offset"]):
-                start, n = _check(fpath, e, size, manifest)
-                view = memoryview(mm)[start : start + n]
-                if bounce is not None:
-                    t, digest = bounce.upload(view, verify)
-                else:
-                    # One storage per entry (not one per file): tensors that did
-                    # not share memory at save time do not share it now, and
-                    # torch.save of one loaded tensor writes only its own bytes.
-                    t = (
-                        torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=start)
-                        if n
-                        else torch.empty(0, dtype=torch.uint8)
-                    )
-                    digest = _hash(view) if verify else ""
-                if verify:
-                    _verify(fpath, e, digest, manifest)
-                out[ei] = t
-                del view
+    per_file: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    counts: dict[int, int] = {}
+    for ei, e in enumerate(manifest.entries):
+        counts[e["file"]] = counts.get(e["file"], 0) + 1
+        if ei in wanted:
+            per_file.setdefault(e["file"], []).append((ei, e))
+    if device.type == "cuda":
+        bounce = _Bounce(device) if per_file else None
+        try:
+            for fi, mine in per_file.items():
+                _read_file(path, manifest, fi, mine, counts[fi], verify, out, bounce, check_header)
+        finally:
             if bounce is not None:
-                bounce.finish()
-                _close_when_unused(mm)
-    finally:
-        if bounce is not None:
-            bounce.close()
+                bounce.close()
+        return out
+    # CPU: the files are read (hashed) in parallel, one thread each, which keeps
+    # more requests in flight on the device; xxhash releases the GIL.
+    jobs = list(per_file.items())
+    if len(jobs) <= 1:
+        for fi, mine in jobs:
+            _read_file(path, manifest, fi, mine, counts[fi], verify, out, None, check_header)
+        return out
+    with concurrent.futures.ThreadPoolExecutor(min(len(jobs), _READ_THREADS)) as pool:
+        futures = [
+            pool.submit(
+                _read_file, path, manifest, fi, mine, counts[fi], verify, out, None, check_header
+            )
+            for fi, mine in jobs
+        ]
+        for f in futures:
+            f.result()  # the first failure, in file order
     return out
+
+
+def _read_file(
+    path: Path,
+    manifest: Manifest,
+    fi: int,
+    mine: list[tuple[int, dict[str, Any]]],
+    in_file: int,
+    verify: bool,
+    out: list[torch.Tensor | None],
+    bounce: _Bounce | None,
+    check_header: Any,
+) -> None:
+    fpath = path / manifest.files[fi]["name"]
+    if check_header is not None:
+        with open(fpath, "rb", buffering=0) as f:
+            check_header(fpath, f, manifest, fi)
+    mm = _mapped(fpath)
+    size = len(mm)
+    if verify and len(mine) * 2 > in_file:
+        # Most of the file will be read: ask for read-ahead.
+        mm.madvise(mmap.MADV_SEQUENTIAL)
+        mm.madvise(mmap.MADV_WILLNEED)
+    for ei, e in sorted(mine, key=lambda item: item[1]["offset"]):
+        start, n = _check(fpath, e, size, manifest)
+        view = memoryview(mm)[start : start + n]
+        if bounce is not None:
+            t, digest = bounce.upload(view, verify)
+        else:
+            # One storage per entry (not one per file): tensors that did not
+            # share memory at save time do not share it now, and torch.save of
+            # one loaded tensor writes only its own bytes.
+            t = (
+                torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=start)
+                if n
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            digest = _hash(view) if verify else ""
+        del view
+        if verify:
+            _verify(fpath, e, digest, manifest)
+        out[ei] = t
+    if bounce is not None:
+        bounce.finish()
+        _close_when_unused(mm)
 
 
 def _close_when_unused(mm: mmap.mmap) -> None:

@@ -40,6 +40,7 @@ import contextlib
 import gc
 import importlib.util
 import json
+import mmap
 import os
 import platform
 import resource
@@ -321,6 +322,32 @@ def raw_write_fsync(path: Path, tensors: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
+def raw_write_direct(path: Path, nbytes: int) -> float:
+    """The same number of bytes written with O_DIRECT from one page-aligned 8 MiB
+    buffer, then fsync: the disk's own limit without the page cache (asyncsave
+    writes the bulk of its files this way). ``nan`` where O_DIRECT is refused."""
+    buf = mmap.mmap(-1, CHUNK)
+    buf.write(b"\x5a" * CHUNK)
+    view = memoryview(buf)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError:
+        return float("nan")
+    t0 = time.perf_counter()
+    try:
+        left = -(-nbytes // 4096) * 4096
+        while left > 0:
+            n = min(left, CHUNK)
+            os.write(fd, view[:n])
+            left -= n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        del view
+        buf.close()
+    return time.perf_counter() - t0
+
+
 def raw_read(path: Path) -> float:
     """Cold sequential read of a file into a reused 8 MiB buffer (the disk's limit)."""
     drop_cache(path)
@@ -511,7 +538,11 @@ async def bench_workload(
     # (outside the timing).
     host = [t.cpu() if t.is_cuda else t for t in tensors]
     samples: dict[str, list[dict[str, float]]] = {p: [] for p in peers}
-    limits: dict[str, list[float]] = {"raw_write_fsync_s": [], "raw_read_s": []}
+    limits: dict[str, list[float]] = {
+        "raw_write_fsync_s": [],
+        "raw_write_direct_s": [],
+        "raw_read_s": [],
+    }
     dcp_async = {
         "dcp.async_save": DcpAsync(False),
         "dcp.async_save + DefaultStager": DcpAsync(True),
@@ -526,6 +557,10 @@ async def bench_workload(
             await anyio.to_thread.run_sync(raw_write_fsync, raw, host)
         )
         limits["raw_read_s"].append(await anyio.to_thread.run_sync(raw_read, raw))
+        raw.unlink(missing_ok=True)
+        limits["raw_write_direct_s"].append(
+            await anyio.to_thread.run_sync(raw_write_direct, raw, nbytes)
+        )
         raw.unlink(missing_ok=True)
     # Up to 1 GiB the peers are interleaved in every repeat (fair against the disk's
     # drift); above, each peer runs its repeats in turn, so that at most one peer
@@ -627,6 +662,7 @@ async def bench_workload(
         "num_tensors": len(tensors),
         "repeats": repeats,
         "raw_write_fsync_s": median(limits["raw_write_fsync_s"]),
+        "raw_write_direct_s": median(limits["raw_write_direct_s"]),
         "raw_read_s": median(limits["raw_read_s"]),
         "peers": {},
     }
@@ -857,6 +893,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 # -- targets, tables, plot -------------------------------------------------------------------
 
 
+def raw_write_limit(w: dict[str, Any]) -> float:
+    """The faster of buffered and O_DIRECT raw write + fsync of the same bytes."""
+    times = [w["raw_write_fsync_s"], w.get("raw_write_direct_s", float("nan"))]
+    return min(t for t in times if t == t)
+
+
 def _workload(result: dict[str, Any], name: str) -> dict[str, Any] | None:
     for w in result["workloads"]:
         if w["workload"] == name:
@@ -897,10 +939,10 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             )
             add(
                 "time to durable, 1.5 GB",
-                "<= 1.15 x raw write+fsync",
-                eager["durable_s"] / g["raw_write_fsync_s"],
+                "<= 1.15 x raw write+fsync (faster of buffered, O_DIRECT)",
+                eager["durable_s"] / raw_write_limit(g),
                 1.15,
-                f"{eager['durable_s']:.2f} s vs raw {g['raw_write_fsync_s']:.2f} s",
+                f"{eager['durable_s']:.2f} s vs raw {raw_write_limit(g):.2f} s",
             )
             if "load_s" in eager:
                 add(
@@ -961,9 +1003,9 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         add(
             "time to durable, 10,000-tensor replay buffer",
             "<= 1.25 x raw",
-            e["durable_s"] / rb["raw_write_fsync_s"],
+            e["durable_s"] / raw_write_limit(rb),
             1.25,
-            f"{e['durable_s'] * 1e3:.0f} ms vs raw {rb['raw_write_fsync_s'] * 1e3:.0f} ms",
+            f"{e['durable_s'] * 1e3:.0f} ms vs raw {raw_write_limit(rb) * 1e3:.0f} ms",
         )
     s14 = result.get("s14_heartbeat_2gib")
     if s14:
@@ -1020,7 +1062,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"### {w['workload']}: {fmt_bytes(n)}, {w['num_tensors']} tensors",
             "",
             f"raw write+fsync {fmt_s(w['raw_write_fsync_s'])} "
-            f"({n / w['raw_write_fsync_s'] / 1e9:.2f} GB/s), raw read {fmt_s(w['raw_read_s'])}, "
+            f"({n / w['raw_write_fsync_s'] / 1e9:.2f} GB/s), with O_DIRECT "
+            f"{fmt_s(w.get('raw_write_direct_s'))}, raw read {fmt_s(w['raw_read_s'])}, "
             f"memcpy bound {fmt_s(n / (result['memcpy_gbps'] * 1e9))}",
             "",
             "| peer | blocked | staged | durable | GB/s | peak RSS + | load | heartbeat max / p99 |",
@@ -1081,7 +1124,8 @@ def readme_table(result: dict[str, Any]) -> str:
         n = g["nbytes"]
         lines += [
             f"GPT-2 small + AdamW state, {n / 1e9:.2f} GB, {g['num_tensors']} tensors; "
-            f"raw write+fsync {g['raw_write_fsync_s']:.2f} s, raw cold read "
+            f"raw write+fsync {g['raw_write_fsync_s']:.2f} s (O_DIRECT "
+            f"{g.get('raw_write_direct_s', float('nan')):.2f} s), raw cold read "
             f"{g['raw_read_s']:.2f} s:",
             "",
             "| peer | blocked | durable | GB/s | peak RSS + | cold load |",
@@ -1144,7 +1188,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     )
     ax2.plot(
         xs,
-        [w["nbytes"] / w["raw_write_fsync_s"] / 1e9 for w in sweep],
+        [w["nbytes"] / raw_write_limit(w) / 1e9 for w in sweep],
         "k:",
         label="raw write+fsync",
     )
@@ -1169,7 +1213,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def print_workload(w: dict[str, Any], result: dict[str, Any]) -> None:
     print(f"\n{w['workload']}: {fmt_bytes(w['nbytes'])} ({w['wall_s']:.0f} s)", flush=True)
     print(
-        f"  raw write+fsync {fmt_s(w['raw_write_fsync_s'])}, raw read {fmt_s(w['raw_read_s'])}",
+        f"  raw write+fsync {fmt_s(w['raw_write_fsync_s'])} (O_DIRECT "
+        f"{fmt_s(w.get('raw_write_direct_s'))}), raw read {fmt_s(w['raw_read_s'])}",
         flush=True,
     )
     for peer in PEER_ORDER:
