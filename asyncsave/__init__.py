@@ -38,6 +38,7 @@ from ._errors import (
     WaitTimeoutError,
 )
 from ._fs import LocalFileSystem
+from ._fsspec import FsspecFileSystem
 from ._load import latest, load, verify
 from ._options import CheckpointOptions
 from ._sync import SyncCheckpointer, SyncSaveHandle
@@ -55,6 +56,7 @@ __all__ = [
     "CheckpointerClosedError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
+    "FsspecFileSystem",
     "InvalidKeyError",
     "InvalidStateError",
     "InvalidStepError",
