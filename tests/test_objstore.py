@@ -27,14 +27,13 @@ from typing import Any
 import anyio
 import fsspec
 import pytest
+import s3fs  # a dev dependency: the S3 tests run in CI, never skip
 import torch
 
 import asyncsave
 from asyncsave import FsspecFileSystem, LocalFileSystem
 from asyncsave._cli import main as cli_main
 from asyncsave._fsspec import is_url, open_root
-
-s3fs = pytest.importorskip("s3fs")  # a dev dependency: present in CI
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "commit_success.txt"
