@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -34,6 +35,7 @@ from ._errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CorruptCheckpointError,
+    InvalidKeyError,
     InvalidStepError,
     ProtectedCheckpointError,
     SaveFailedError,
@@ -50,13 +52,15 @@ from ._load import (
     read_checkpoint,
     resolve,
 )
-from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest
+from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, check_training_info, encode_manifest
 from ._options import CheckpointOptions
 from ._paths import LAYOUTS, MANIFEST_NAME
 from ._plan import Plan, make_plan
+from ._retention import apply_retention
 from ._stage import Lease, StagingPool, stage_entries
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
+from ._update import rewrite_item
 from ._write import write_bytes, write_data_file
 
 __all__ = ["Checkpointer", "SaveHandle"]
@@ -228,6 +232,7 @@ class Checkpointer:
         self._tg: anyio.abc.TaskGroup | None = None
         self._pool: StagingPool | None = None
         self._limiter: anyio.CapacityLimiter | None = None
+        self._retention_lock = anyio.Lock()
 
     # -- lifecycle ---------------------------------------------------------------
     async def __aenter__(self) -> Checkpointer:
@@ -358,7 +363,14 @@ class Checkpointer:
         if self._failure is None:
             self._failure = error
 
-    async def save(self, step: int, state: Any, *, overwrite: bool = False) -> SaveHandle:
+    async def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        overwrite: bool = False,
+        training_info: dict[str, Any] | None = None,
+    ) -> SaveHandle:
         """Snapshot ``state`` as the checkpoint of ``step`` and write it in the
         background.
 
@@ -376,6 +388,12 @@ class Checkpointer:
             (their ``state_dict()`` is taken now).
         :param overwrite: replace a committed checkpoint of the same step
             atomically; refused for the checkpoint this run resumed from.
+        :param training_info: flat counters and metrics describing the checkpoint
+            (``{"consumed_samples": 640, "eval/reward": 0.71}``; values int,
+            finite float, str, bool or None). Kept in the manifest
+            (:attr:`CheckpointInfo.training_info`), ranked by :class:`KeepBest`,
+            and written as ``training_info.json`` (with ``"step"``) by the
+            ``nemo-rl`` layout.
         :raises InvalidStepError: ``step`` is not a non-negative int.
         :raises InvalidStateError: (or a subclass) naming the key that cannot be
             stored; nothing is written.
@@ -384,10 +402,18 @@ class Checkpointer:
         :raises SaveFailedError: an earlier save of this checkpointer failed.
         :raises CheckpointerClosedError: used outside ``async with``.
         """
-        return await self._save(step, state, overwrite=overwrite, ready=None)
+        return await self._save(
+            step, state, overwrite=overwrite, ready=None, training_info=training_info
+        )
 
     async def _save(
-        self, step: int, state: Any, *, overwrite: bool, ready: dict[torch.device, Any] | None
+        self,
+        step: int,
+        state: Any,
+        *,
+        overwrite: bool,
+        ready: dict[torch.device, Any] | None,
+        training_info: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """The body of :meth:`save`; ``ready`` are CUDA events recorded by the caller's
         thread (the synchronous facade records them before crossing threads)."""
@@ -395,6 +421,7 @@ class Checkpointer:
         self._check_usable()
         if type(step) is not int or not 0 <= step <= _MAX_STEP:
             raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
+        info_doc = check_training_info(training_info)
         if step == 0 and not self.options.save_step_zero:
             logger.info("not saving step 0 (pass save_step_zero=True to allow it)")
             return SaveHandle.resolved(0, None, skipped=True)
@@ -453,7 +480,7 @@ class Checkpointer:
             plan.release_sources()
             staged_s = time.perf_counter() - t0
             self._tg.start_soon(
-                self._pipeline, handle, plan, layouts, lease, t0, staged_s, overwrite
+                self._pipeline, handle, plan, layouts, lease, t0, staged_s, overwrite, info_doc
             )
             handle._staged.set()
         except BaseException as exc:
@@ -498,6 +525,7 @@ class Checkpointer:
         t0: float,
         staged_s: float,
         overwrite: bool,
+        training_info: dict[str, Any],
     ) -> None:
         step = handle.step
         blocked_s = staged_s
@@ -515,6 +543,12 @@ class Checkpointer:
                     lease.release()
                     written_s = time.perf_counter() - t0
                     manifest = _manifest_doc(step, plan, layouts, blocked_s, staged_s, written_s)
+                    manifest["training_info"] = training_info
+                    if self.layout.info_name is not None:
+                        info_json = json.dumps({**training_info, "step": step}, indent=1)
+                        await self._run(
+                            write_bytes, self._fs, tmp / self.layout.info_name, info_json.encode()
+                        )
                     await self._run(
                         write_bytes, self._fs, tmp / MANIFEST_NAME, encode_manifest(manifest)
                     )
@@ -532,6 +566,7 @@ class Checkpointer:
                     committing = False
                     tmp = None  # committed: nothing to discard any more
                     await self._track(step)
+                    await self._retain(step)
                 info = CheckpointInfo(
                     step=step,
                     path=final,
@@ -541,6 +576,7 @@ class Checkpointer:
                     staged_s=staged_s,
                     written_s=written_s,
                     committed_s=time.perf_counter() - t0,
+                    training_info=training_info,
                 )
                 self._committed[step] = info
                 handle._commit(info)
@@ -613,6 +649,117 @@ class Checkpointer:
         """Move the tracker to ``step`` unless it already names a newer one."""
         if self._tracker is not None:
             await self._run(self._tracker.advance, step)
+
+    async def update(self, step: int, key: str, value: Any) -> CheckpointInfo:
+        """Replace one top-level item of a checkpoint this run committed, atomically.
+
+        For a small item next to a large state (a trainer state or dataloader
+        position rewritten after filtering data, as in SkyRL's fully-async
+        checkpointing fix): the other items are not read or rewritten; the new
+        checkpoint directory hard-links their data files, adds one checksummed data
+        file for the item's tensors (if any) and a new manifest, and replaces the
+        old directory with ``renameat2(RENAME_EXCHANGE)`` (a crash leaves the old
+        or the new checkpoint, never a mix). Runs like a save of that step: a
+        ``save()`` of the same step waits for it, retention never deletes it
+        meanwhile. ``value`` is copied before this returns.
+
+        :param step: a step this checkpointer saved and committed.
+        :param key: the top-level key of the item (a str) the checkpoint has.
+        :param value: its new value (anything ``save()`` stores).
+        :returns: the updated checkpoint's info.
+        :raises ProtectedCheckpointError: ``step`` is the checkpoint this run
+            resumed from, or one this run did not write.
+        :raises MissingItemError: the checkpoint has no item ``key``.
+        :raises InvalidKeyError: ``key`` is not a str.
+        :raises InvalidStateError: ``value`` cannot be stored (nothing changes).
+        :raises SaveFailedError: the rewrite failed (the committed checkpoint is
+            unchanged); like a failed save, the checkpointer refuses further saves.
+        """
+        self._check_usable()
+        path = self.root / self.layout.dir_name(step)
+        if type(key) is not str:
+            raise InvalidKeyError(f"update() needs a str key, got {key!r}", key=repr(key))
+        if step == self._resumed_step:
+            raise ProtectedCheckpointError(
+                f"step {step} is the checkpoint this run resumed from; it is never rewritten",
+                step=step,
+                path=path,
+            )
+        while (pending := self._pending.get(step)) is not None:
+            await pending._done.wait()
+            self._check_usable()
+        old = self._committed.get(step)
+        if old is None or old.committed_s is None:
+            raise ProtectedCheckpointError(
+                f"step {step} was not saved by this checkpointer; update() rewrites only "
+                "checkpoints this run wrote",
+                step=step,
+                path=path,
+            )
+        plan = make_plan({key: value}, allow_pickle=self.options.allow_pickle)
+        layouts = layout_files(plan.entries, rank=0, max_files=1)
+        handle = SaveHandle(step)
+        handle._staged.set()
+        self._pending[step] = handle
+        pool = StagingPool(None)
+        try:
+            lease = await pool.acquire(
+                staging_nbytes(layouts), pin=any(d.type == "cuda" for d in plan.devices)
+            )
+            await stage_entries(
+                lease,
+                plan.entries,
+                poll_interval_s=self.options.poll_interval_s,
+                timeout_s=self.options.save_timeout_s,
+            )
+            plan.release_sources()
+            with anyio.CancelScope(shield=True), anyio.fail_after(self.options.save_timeout_s):
+                async with self._retention_lock:
+                    nbytes = await self._run(
+                        rewrite_item, self._fs, self.root, path, key, plan, layouts, lease.buffer
+                    )
+            info = dataclasses.replace(old, nbytes=nbytes)
+            self._committed[step] = info
+            handle._commit(info)
+            return info
+        except (CheckpointError, anyio.get_cancelled_exc_class()) as exc:
+            handle._fail(SaveFailedError(f"update of step {step} did not happen: {exc!r}"))
+            raise
+        except Exception as exc:
+            error = _as_save_error(exc, step, path, self.options.save_timeout_s)
+            self._fail(handle, error)
+            raise error from exc
+        finally:
+            if self._pending.get(step) is handle:
+                del self._pending[step]
+            with anyio.CancelScope(shield=True):
+                await pool.aclose()
+
+    async def _retain(self, step: int) -> None:
+        """Apply the retention rule after a commit (S2, S8: never before).
+
+        A failure to delete is logged, not raised: the new checkpoint is committed
+        and safe, nothing is lost, and the rule is re-applied from what is on disk
+        after the next commit."""
+        rule = self.options.retention
+        if rule is None:
+            return
+        # The checkpoint this run resumed from is the newest committed one until
+        # this run commits a newer one, which apply_retention never deletes; once a
+        # newer one is durable it may go (S3: keep one, resume at 1, save 2: only 2).
+        protected = set(self._pending) - {step}  # this one is committed now
+        if self.tracked_step is not None:
+            protected.add(self.tracked_step)
+        async with self._retention_lock:
+            try:
+                removed = await self._run(
+                    apply_retention, self._fs, self.root, self.layout, rule, protected
+                )
+            except OSError as exc:
+                logger.warning("retention failed (re-applied after the next commit): %r", exc)
+                return
+        for step in removed:
+            self._committed.pop(step, None)
 
     async def wait(self) -> None:
         """Wait until every pending save has committed or failed.

@@ -128,6 +128,11 @@ class LocalFileSystem:
         """Delete a directory and everything under it."""
         shutil.rmtree(path)
 
+    def link(self, src: Path, dst: Path) -> None:
+        """Hard-link ``src`` as ``dst`` (files of a committed checkpoint are never
+        written again, so a checkpoint derived from another shares them)."""
+        os.link(src, dst)
+
     def unlink(self, path: Path) -> None:
         path.unlink()
 
@@ -151,6 +156,13 @@ class LocalFileSystem:
         return fd
 
     def unlock(self, fd: int) -> None:
-        """Release a lock taken by :meth:`lock` (closing releases it)."""
+        """Release a lock taken by :meth:`lock`.
+
+        Unlocks explicitly before closing: a child forked a moment ago may still
+        hold a copy of the descriptor (it closes it right after the fork), and a
+        plain close would leave the lock held by that copy."""
         _LOCK_FDS.discard(fd)
-        os.close(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
