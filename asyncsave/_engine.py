@@ -220,6 +220,12 @@ class Checkpointer:
             root, filesystem=self.options.filesystem, storage_options=self.options.storage_options
         )
         self.layout = LAYOUTS[self.options.layout]
+        if not self._fs.atomic_rename and self.layout.tracker_name is None:
+            raise ValueError(
+                f"layout={self.layout.name!r} has no tracker: its resolver takes the highest "
+                f"directory, which on {self._fs!r} (commit by marker, files written under "
+                "the final name) could be a save in flight; use a layout with a tracker"
+            )
         self._state = "new"
         self._pending: dict[int, SaveHandle] = {}
         self._scopes: dict[int, anyio.CancelScope] = {}
@@ -677,6 +683,13 @@ class Checkpointer:
         """
         self._check_usable()
         path = self.root / self.layout.dir_name(step)
+        if not self._fs.atomic_rename:
+            raise CheckpointError(
+                f"update() swaps directories atomically, which {self._fs!r} cannot; "
+                "save the step under a new number instead",
+                step=step,
+                path=path,
+            )
         if type(key) is not str:
             raise InvalidKeyError(f"update() needs a str key, got {key!r}", key=repr(key))
         if step == self._resumed_step:

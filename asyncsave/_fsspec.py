@@ -196,6 +196,10 @@ class FsspecFileSystem(LocalFileSystem):
             pass  # nothing was left under it
         self.fs.invalidate_cache(p)
 
+    def link(self, src: Path, dst: Path) -> None:
+        """A server-side copy: object stores have no hard links."""
+        self.fs.copy(self._p(src), self._p(dst))
+
     def unlink(self, path: Path) -> None:
         self.fs.rm_file(self._p(path))
 

@@ -301,6 +301,39 @@ async def test_s3_overwrite_of_a_committed_step_is_refused_and_keeps_it(s3: Any)
     assert_same(asyncsave.load(f"{root}/step_1", storage_options=options), state_of(1))
 
 
+@pytest.mark.anyio
+async def test_s3_retention_deletes_the_marker_first_and_keeps_what_it_promises(s3: Any) -> None:
+    root, options, fs = s3
+    layer = FaultyFsspecFS(s3fs.S3FileSystem(**options))
+    async with asyncsave.Checkpointer(
+        root, filesystem=layer, retention=asyncsave.KeepLast(1)
+    ) as ckpt:
+        for step in (1, 2, 3):
+            await (await ckpt.save(step, state_of(step)))
+    prefix = key(root)
+    fs.invalidate_cache()
+    assert sorted(n.rsplit("/", 1)[1] for n in fs.ls(prefix)) == sorted(["step_3", TRACKER])
+    # Retired without a copy aside: remove_tree (marker first) on the final prefix.
+    assert [p.rsplit("/", 1)[1] for op, p in layer.log if op == "remove_tree"] == [
+        "step_1",
+        "step_2",
+    ]
+    assert_same(asyncsave.load(f"{root}/step_3", storage_options=options), state_of(3))
+
+
+@pytest.mark.anyio
+async def test_s3_update_and_tracker_less_layouts_are_refused(s3: Any) -> None:
+    root, options, _ = s3
+    with pytest.raises(ValueError, match="has no tracker"):
+        asyncsave.Checkpointer(root, storage_options=options, layout="nemo-rl")
+    async with asyncsave.Checkpointer(root, storage_options=options) as ckpt:
+        await (await ckpt.save(1, state_of(1)))
+        with pytest.raises(asyncsave.CheckpointError, match="update"):
+            await ckpt.update(1, "trainer", {"step": 1, "name": "edited"})
+        await (await ckpt.save(2, state_of(2)))  # still usable
+    assert_same(asyncsave.load(f"{root}/step_1", storage_options=options), state_of(1))
+
+
 # -- S3: SIGKILL at every step of the marker protocol ------------------------------
 # (operation, path substring, occurrence) in the save of step 2.
 KILL_POINTS = [
