@@ -474,6 +474,13 @@ async def test_memory_round_trip_and_resume(mem_root: str) -> None:
     assert [i.step for i in [asyncsave.latest(mem_root)] if i] == [3]
 
 
+def test_memory_root_through_the_synchronous_facade(mem_root: str) -> None:
+    with asyncsave.SyncCheckpointer(mem_root) as ckpt:
+        info = ckpt.save(1, state_of(1)).result(timeout_s=60)
+    assert info is not None and str(info.path).endswith(f"{mem_root[len('memory:///') :]}/step_1")
+    assert_same(asyncsave.load(info.path), state_of(1))
+
+
 def _commit_steps(root: str, *steps: int) -> None:
     async def go() -> None:
         async with asyncsave.Checkpointer(root) as ckpt:
