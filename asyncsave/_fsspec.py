@@ -216,9 +216,10 @@ class FsspecFileSystem(LocalFileSystem):
 def is_url(root: Any) -> bool:
     """Whether ``root`` names a location by URL (``s3://``, ``memory://``) or is a
     ``upath.UPath``, rather than a local path."""
-    if isinstance(root, (str, os.PathLike)) and not hasattr(root, "protocol"):
-        return "://" in os.fspath(root)
-    return hasattr(root, "protocol") and hasattr(root, "storage_options")
+    protocol = getattr(root, "protocol", None)
+    if isinstance(protocol, str) and hasattr(root, "storage_options"):  # a UPath
+        return protocol not in ("", *_LOCAL_PROTOCOLS)
+    return isinstance(root, (str, os.PathLike)) and "://" in os.fspath(root)
 
 
 def open_root(
@@ -245,6 +246,8 @@ def open_root(
         ``filesystem`` for a URL root.
     """
     if not is_url(root):
+        if hasattr(root, "protocol"):  # a local UPath (PosixUPath, file:// FilePath)
+            root = Path(root.path)
         if storage_options:
             raise ValueError(f"storage_options apply to URL roots (s3://...), not to {root!r}")
         if isinstance(filesystem, FsspecFileSystem):
@@ -252,8 +255,10 @@ def open_root(
         return filesystem or LocalFileSystem(), Path(root)
     url = str(root)
     protocol = url.split("://", 1)[0]
-    if protocol in _LOCAL_PROTOCOLS and not hasattr(root, "storage_options"):
-        return open_root(url.split("://", 1)[1], filesystem=filesystem)
+    if protocol in _LOCAL_PROTOCOLS:
+        return open_root(
+            url.split("://", 1)[1], filesystem=filesystem, storage_options=storage_options
+        )
     if filesystem is not None and not isinstance(filesystem, FsspecFileSystem):
         raise ValueError(
             f"root {url!r} is a URL but filesystem={filesystem!r} is a local file system; "

@@ -578,6 +578,11 @@ def test_open_root_chooses_the_layer_from_the_root(tmp_path: Path) -> None:
     fs, path = open_root("memory://x/y")
     assert isinstance(fs, FsspecFileSystem) and str(path / "step_1").endswith("x/y/step_1")
     assert is_url("s3://b/k") and not is_url(str(tmp_path)) and is_url(path)
+    from upath import UPath
+
+    for local in (UPath(tmp_path), UPath(f"file://{tmp_path}")):
+        fs, path = open_root(local)
+        assert type(fs) is LocalFileSystem and type(path) is type(tmp_path) and path == tmp_path
     with pytest.raises(ValueError, match="storage_options"):
         open_root(tmp_path, storage_options={"key": "k"})
     with pytest.raises(ValueError, match="local file system"):
