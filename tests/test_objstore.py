@@ -368,7 +368,14 @@ def test_s3_sigkill_mid_save_resumes_the_last_commit_bit_exact(
             _crash_child(root, options, op, where, n)
         finally:
             os._exit(3)  # not killed: the parent sees exit status 3
-    _, status = os.waitpid(pid, 0)
+    deadline = time.monotonic() + 120
+    while (waited := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the child neither died at the kill point nor exited within 120 s")
+        time.sleep(0.02)
+    status = waited[1]
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
 
     prefix = key(root)
