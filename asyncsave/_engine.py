@@ -44,6 +44,7 @@ from ._errors import (
     WaitTimeoutError,
 )
 from ._format import FileLayout, layout_files, staging_nbytes
+from ._fsspec import open_root
 from ._load import (
     _apply_template,
     _check_required,
@@ -201,7 +202,10 @@ class Checkpointer:
     ``wait()`` and close raise :class:`SaveFailedError`. A trainer never goes on
     believing it is checkpointing; open a new checkpointer to go on.
 
-    :param root: directory holding the checkpoints and the tracker.
+    :param root: directory holding the checkpoints and the tracker; or a URL
+        (``s3://bucket/prefix``, any fsspec URL), where checkpoints are committed by
+        a marker written last instead of a rename, and no lock guards the root (one
+        saver per root is the caller's duty there). See ``storage_options``.
     :param options: a :class:`CheckpointOptions`; keyword ``overrides`` replace
         single fields (``Checkpointer(root, budget_bytes=2 << 30)``).
     """
@@ -214,9 +218,16 @@ class Checkpointer:
     ) -> None:
         options = options or CheckpointOptions()
         self.options = dataclasses.replace(options, **overrides) if overrides else options
-        self.root = Path(root)
+        self._fs, self.root = open_root(
+            root, filesystem=self.options.filesystem, storage_options=self.options.storage_options
+        )
         self.layout = LAYOUTS[self.options.layout]
-        self._fs = self.options.filesystem
+        if not self._fs.atomic_rename and self.layout.tracker_name is None:
+            raise ValueError(
+                f"layout={self.layout.name!r} has no tracker: its resolver takes the highest "
+                f"directory, which on {self._fs!r} (commit by marker, files written under "
+                "the final name) could be a save in flight; use a layout with a tracker"
+            )
         self._state = "new"
         self._pending: dict[int, SaveHandle] = {}
         self._scopes: dict[int, anyio.CancelScope] = {}
@@ -449,6 +460,13 @@ class Checkpointer:
             pending = self._pending.get(step)
         if step in self._committed and not overwrite:
             return SaveHandle.resolved(step, await self._committed_info(step))
+        if step in self._committed and not self._fs.atomic_rename:
+            raise CheckpointError(
+                f"cannot overwrite step {step} on {self._fs!r}: without an atomic rename "
+                "the new files would replace the committed ones before the new commit",
+                step=step,
+                path=self.root / self.layout.dir_name(step),
+            )
 
         plan = make_plan(state, allow_pickle=self.options.allow_pickle)
         layouts = layout_files(plan.entries, rank=0, max_files=self.options.writer_threads)
@@ -536,7 +554,10 @@ class Checkpointer:
             self._scopes[step] = scope
             try:
                 with anyio.fail_after(self.options.save_timeout_s):
-                    tmp = await self._run(make_temp_dir, self._fs, self.root, step)
+                    final = self.root / self.layout.dir_name(step)
+                    tmp = await self._run(
+                        functools.partial(make_temp_dir, final=final), self._fs, self.root, step
+                    )
                     await self._write_files(tmp, plan, layouts, lease)
                     lease.release()
                     written_s = time.perf_counter() - t0
@@ -550,7 +571,6 @@ class Checkpointer:
                     await self._run(
                         write_bytes, self._fs, tmp / MANIFEST_NAME, encode_manifest(manifest)
                     )
-                    final = self.root / self.layout.dir_name(step)
                     # From here on a thread abandoned at the deadline may still
                     # rename: the temp dir is left to the next open, never removed
                     # under its feet.
@@ -684,6 +704,13 @@ class Checkpointer:
         """
         self._check_usable()
         path = self.root / self.layout.dir_name(step)
+        if not self._fs.atomic_rename:
+            raise CheckpointError(
+                f"update() swaps directories atomically, which {self._fs!r} cannot; "
+                "save the step under a new number instead",
+                step=step,
+                path=path,
+            )
         if type(key) is not str:
             raise InvalidKeyError(f"update() needs a str key, got {key!r}", key=repr(key))
         if step == self._resumed_step:

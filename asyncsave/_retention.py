@@ -190,7 +190,8 @@ def apply_retention(
     checkpoint is first renamed to a temporary name and the root fsynced, so a
     crash mid-delete leaves either the whole checkpoint under its final name or a
     temporary directory that the next open removes, never a partial checkpoint
-    under a final name.
+    under a final name. On object stores (no atomic rename) its commit marker is
+    deleted first instead, with the same effect (``_marker``).
 
     Leftovers of an earlier pass whose removal failed are removed first.
 
@@ -216,6 +217,12 @@ def apply_retention(
     retired = [c.step for c in candidates if c.step not in keep]
     for step in retired:
         final = root / layout.dir_name(step)
+        if not fs.atomic_rename:
+            # Object stores (``_marker``): a rename would copy every object; deleting
+            # the commit marker first (remove_tree does) uncommits it in one request.
+            fs.remove_tree(final)
+            logger.info("retention removed %s", final)
+            continue
         doomed = root / retired_dir_name(step)
         fs.rename(final, doomed)
         fs.fsync_dir(root)
