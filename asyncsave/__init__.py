@@ -39,6 +39,7 @@ from ._errors import (
     WaitTimeoutError,
 )
 from ._fs import LocalFileSystem
+from ._fsspec import FsspecFileSystem
 from ._lazy import stage_before_step
 from ._load import latest, load, load_tensors, verify
 from ._options import CheckpointOptions
@@ -60,6 +61,7 @@ __all__ = [
     "CheckpointerClosedError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
+    "FsspecFileSystem",
     "InvalidKeyError",
     "InvalidStateError",
     "InvalidStepError",

@@ -14,14 +14,16 @@ import os
 import pickle
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from ._errors import (
     CheckpointNotFoundError,
+    ChecksumMismatchError,
     CorruptCheckpointError,
     InvalidStateError,
     KindMismatchError,
@@ -29,8 +31,9 @@ from ._errors import (
     UnsafeLoadError,
 )
 from ._fs import LocalFileSystem
-from ._manifest import Manifest, parse_manifest, torch_dtype
-from ._paths import LAYOUTS, MANIFEST_NAME, Layout
+from ._fsspec import FsspecFileSystem, open_root
+from ._manifest import CHECKSUM, Manifest, parse_manifest, torch_dtype
+from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout
 from ._plan import is_stateful, key_str
 from ._read import read_entries
 from ._track import read_tracker
@@ -48,6 +51,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+_READ_CHUNK = 8 << 20
+
 _MAX_MANIFEST_BYTES = 1 << 30
 
 
@@ -57,10 +62,17 @@ def read_checkpoint(fs: LocalFileSystem, path: Path, *, expect_step: int | None 
 
     :param expect_step: the step the directory's name says; a manifest of another
         step (a copied or renamed directory) is refused.
-    :raises CheckpointNotFoundError: ``path`` has no ``manifest.json``.
+    :raises CheckpointNotFoundError: ``path`` has no ``manifest.json``, or (object
+        stores) no commit marker: an uncommitted save.
     :raises CorruptCheckpointError: the manifest is damaged or a file is missing,
         truncated or too long.
     """
+    if not fs.atomic_rename and not fs.exists(path / COMMIT_MARKER_NAME):
+        raise CheckpointNotFoundError(
+            f"{path} is not a committed checkpoint: it has no {COMMIT_MARKER_NAME} "
+            "(a save in flight, or one that never committed)",
+            path=path,
+        )
     mpath = path / MANIFEST_NAME
     try:
         size = fs.size(mpath)
@@ -151,6 +163,54 @@ def _check_header(fpath: Path, f: Any, manifest: Manifest, file_index: int) -> N
             )
 
 
+def _read_entries(
+    fs: LocalFileSystem,
+    path: Path,
+    manifest: Manifest,
+    *,
+    verify: bool,
+    only: set[int] | None = None,
+) -> list[torch.Tensor | None]:
+    """Read entries (``only``: those indices) into fresh ``uint8`` CPU tensors
+    through ``fs.open_read``, checking checksums: the path for file systems that
+    cannot be memory-mapped (object stores through fsspec)."""
+    out: list[torch.Tensor | None] = [None] * len(manifest.entries)
+    for fi, finfo in enumerate(manifest.files):
+        fpath = path / finfo["name"]
+        with fs.open_read(fpath) as f:
+            _check_header(fpath, f, manifest, fi)
+            for ei, e in enumerate(manifest.entries):
+                if e["file"] != fi or (only is not None and ei not in only):
+                    continue
+                buf = torch.empty(e["nbytes"], dtype=torch.uint8)
+                view = memoryview(buf.numpy())  # type: ignore[arg-type]
+                f.seek(e["offset"])
+                h = xxhash.xxh3_64()
+                pos = 0
+                while pos < e["nbytes"]:
+                    n = f.readinto(view[pos : pos + _READ_CHUNK])
+                    if not n:
+                        raise CorruptCheckpointError(
+                            f"{fpath} ends inside {e['name']!r} (truncated)",
+                            path=fpath,
+                            key=e["name"],
+                            step=manifest.step,
+                        )
+                    if verify:
+                        h.update(view[pos : pos + n])
+                    pos += n
+                if verify and h.hexdigest() != e[CHECKSUM]:
+                    raise ChecksumMismatchError(
+                        f"{fpath}: bytes of {e['name']!r} do not match their checksum "
+                        f"({h.hexdigest()} != {e[CHECKSUM]})",
+                        path=fpath,
+                        key=e["name"],
+                        step=manifest.step,
+                    )
+                out[ei] = buf
+    return out
+
+
 def _build_tensors(
     manifest: Manifest,
     raw: list[torch.Tensor | None],
@@ -159,6 +219,7 @@ def _build_tensors(
 ) -> list[Any]:
     """Tensors of every record (``only``: of those record indices; ``None`` for the
     others) over the entries' bytes in ``raw``."""
+
     on_device: dict[int, torch.Tensor] = {}
     tensors: list[Any] = []
     for ri, rec in enumerate(manifest.tensors):
@@ -482,6 +543,7 @@ def load(
     verify: bool = True,
     required: Iterable[str | Sequence[Any]] = (),
     filesystem: LocalFileSystem | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Read the checkpoint at ``path`` back into its state tree.
 
@@ -492,7 +554,8 @@ def load(
     shared a storage at save time share one again. A lone non-contiguous tensor
     comes back contiguous with equal values.
 
-    :param path: a checkpoint directory (``runs/exp1/step_40``).
+    :param path: a checkpoint directory (``runs/exp1/step_40``), or its URL
+        (``s3://bucket/exp1/step_40``, any fsspec URL; see ``storage_options``).
     :param template: optional tree mirroring the saved one. Where it holds an
         object with ``load_state_dict()`` (model, optimizer, dataloader), that
         object is restored in place and returned in the result; a tensor is
@@ -510,7 +573,12 @@ def load(
         :func:`load_tensors`.
     :param required: key paths that must exist: ``"dataloader"``,
         ``"trainer/rng"``, or tuples (``("data/loader",)`` for a key holding ``/``).
-    :raises CheckpointNotFoundError: ``path`` holds no manifest.
+    :param filesystem: the I/O layer (default: chosen from ``path``).
+    :param storage_options: for a URL ``path``: keyword arguments of its fsspec file
+        system (``{"endpoint_url": ...}`` for s3fs); credentials may also come from
+        the environment, as the fsspec implementation reads them.
+    :raises CheckpointNotFoundError: ``path`` holds no manifest (or, on an object
+        store, no commit marker).
     :raises CorruptCheckpointError: damaged manifest, missing/truncated file,
         header disagreeing with the manifest; :class:`ChecksumMismatchError` for
         altered bytes.
@@ -518,11 +586,10 @@ def load(
     :raises KindMismatchError: a :class:`Tagged` kind differs from the template's.
     :raises UnsafeLoadError: a pickled leaf without ``allow_pickle``.
     """
-    fs = filesystem or LocalFileSystem()
-    p = Path(path)
+    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options)
     target = _device(device)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
-    raw = read_entries(p, manifest, verify=verify, device=target, check_header=_check_header)
+    raw = _read(fs, p, manifest, verify=verify, device=target)
     tensors = _build_tensors(manifest, raw, target)
     state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(
         manifest.tree
@@ -538,6 +605,7 @@ def load_tensors(
     device: str | torch.device = "cpu",
     verify: bool = True,
     filesystem: LocalFileSystem | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Read only some tensors of a checkpoint, without reading the rest of it.
 
@@ -553,10 +621,13 @@ def load_tensors(
     :raises CheckpointNotFoundError: no manifest at ``path``.
     :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) the bytes
         read are damaged.
+
+    ``path``, ``filesystem`` and ``storage_options`` as for :func:`load` (on an
+    object store only the selected entries' bytes are read too).
     """
-    p = Path(path)
+    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options)
     target = _device(device)
-    manifest = read_checkpoint(filesystem or LocalFileSystem(), p, expect_step=_step_of_name(p))
+    manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
     if isinstance(keys, str):
         raise TypeError("keys must be an iterable of key paths, not one str")
     wanted = list(dict.fromkeys(keys))
@@ -571,11 +642,28 @@ def load_tensors(
             raise MissingItemError(f"checkpoint {p} has no tensor at {k!r}", path=p, key=k)
         chosen |= hit
     entries = {manifest.tensors[ri]["entry"] for ri in chosen}
-    raw = read_entries(
-        p, manifest, verify=verify, device=target, only=entries, check_header=_check_header
-    )
+    raw = _read(fs, p, manifest, verify=verify, device=target, only=entries)
     tensors = _build_tensors(manifest, raw, target, only=chosen)
     return {manifest.tensors[ri]["key"]: tensors[ri] for ri in sorted(chosen)}
+
+
+def _read(
+    fs: LocalFileSystem,
+    path: Path,
+    manifest: Manifest,
+    *,
+    verify: bool,
+    device: torch.device,
+    only: set[int] | None = None,
+) -> list[torch.Tensor | None]:
+    """Entries' bytes: memory-mapped (zero-copy; pinned bounce buffers to CUDA)
+    for a local directory, streamed through ``fs.open_read`` for an object store
+    (the tensors are moved to ``device`` when they are built)."""
+    if isinstance(fs, FsspecFileSystem):
+        return _read_entries(fs, path, manifest, verify=verify, only=only)
+    return read_entries(
+        path, manifest, verify=verify, device=device, only=only, check_header=_check_header
+    )
 
 
 def _step_of_name(path: Path) -> int | None:
@@ -602,24 +690,24 @@ def _device(device: str | torch.device) -> torch.device:
 
 
 def verify(
-    path: str | os.PathLike[str], *, filesystem: LocalFileSystem | None = None
+    path: str | os.PathLike[str],
+    *,
+    filesystem: LocalFileSystem | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointInfo:
     """Check a checkpoint completely: manifest (and its own checksum), file sizes,
     safetensors headers, the checksum of every byte, and that every tensor and the
     state tree can be rebuilt (pickled leaves are not unpickled). Reads every byte
-    once.
+    once. ``path``, ``filesystem`` and ``storage_options`` as for :func:`load`.
 
     :returns: the checkpoint's :class:`CheckpointInfo`.
     :raises CheckpointNotFoundError: no manifest at ``path``.
     :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) naming the
         file and entry that is wrong.
     """
-    fs = filesystem or LocalFileSystem()
-    p = Path(path)
+    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
-    raw = read_entries(
-        p, manifest, verify=True, device=torch.device("cpu"), check_header=_check_header
-    )
+    raw = _read(fs, p, manifest, verify=True, device=torch.device("cpu"))
     tensors = _build_tensors(manifest, raw, torch.device("cpu"))
     decoder = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=False, unpickle=False)
     decoder.node(manifest.tree)
@@ -723,13 +811,16 @@ def latest(
     layout: str = "asyncsave",
     fallback: bool = False,
     filesystem: LocalFileSystem | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointInfo | None:
     """The latest committed checkpoint under ``root``, or ``None`` if there is none.
 
     Reads the tracker; checks the manifest and file sizes of the checkpoint it names
-    (not the checksums: :func:`verify` does that).
+    (not the checksums: :func:`verify` does that). ``root`` may be a URL
+    (``s3://bucket/exp1``); ``filesystem`` and ``storage_options`` as for :func:`load`.
 
     :raises CheckpointNotFoundError: the tracker names a checkpoint that is missing
         or damaged and ``fallback`` is false.
     """
-    return resolve(filesystem or LocalFileSystem(), Path(root), LAYOUTS[layout], fallback=fallback)
+    fs, path = open_root(root, filesystem=filesystem, storage_options=storage_options)
+    return resolve(fs, path, LAYOUTS[layout], fallback=fallback)
