@@ -129,6 +129,10 @@ class FsspecFileSystem(LocalFileSystem):
     def open_direct(self, path: Path) -> int | None:
         return None  # no O_DIRECT on an object store: data files are written buffered
 
+    def seek(self, fd: int, pos: int) -> None:
+        # Only used on O_DIRECT descriptors, which an object store never hands out.
+        raise io.UnsupportedOperation("an object store upload is written sequentially")
+
     def open_read(self, path: Path) -> io.RawIOBase:
         """Open for reading without read-ahead: each ``read``/``readinto`` is one
         ranged GET of the size asked for (an fsspec file: ``seek``, ``read``,
