@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+from typing import Any
+
 import pytest
 import torch
 
@@ -24,3 +28,17 @@ def _deterministic() -> None:
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from reliability import COUNTS
+
+    if not COUNTS:
+        return
+    terminalreporter.section("reliability counts")
+    for name, n in sorted(COUNTS.items()):
+        terminalreporter.write_line(f"{name:28s} {n}")
+    out = os.environ.get("ASYNCSAVE_RELIABILITY_JSON")
+    if out:
+        with open(out, "w") as f:
+            json.dump(COUNTS, f, indent=1, sort_keys=True)
