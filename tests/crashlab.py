@@ -52,9 +52,6 @@ from fstrace import TracingFS
 import asyncsave
 from asyncsave._paths import LAYOUTS, is_temp_name
 
-torch.set_num_threads(1)
-logging.getLogger("asyncsave").setLevel(logging.CRITICAL)  # expected warnings
-
 LAYOUT = LAYOUTS["asyncsave"]
 TRACKER = LAYOUT.tracker_name
 assert TRACKER is not None
@@ -570,6 +567,8 @@ def randomized(runs: int, seed: int, work: Path, per_chain: int = 10) -> dict[st
 
 
 def main() -> None:
+    torch.set_num_threads(1)
+    logging.getLogger("asyncsave").setLevel(logging.CRITICAL)  # expected warnings
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["matrix", "random"])
     ap.add_argument("--backends", default="asyncio,trio")
