@@ -497,9 +497,10 @@ class Checkpointer:
 
     async def _run(self, func: Any, *args: Any) -> Any:
         """Blocking I/O in a worker thread; a thread stuck past the save's deadline
-        is abandoned (it can only touch the save's temporary directory)."""
+        is abandoned (it can only touch the save's temporary directory). A worker
+        that dies (see :func:`_in_worker`) becomes an ordinary save failure."""
         return await anyio.to_thread.run_sync(
-            func, *args, limiter=self._limiter, abandon_on_cancel=True
+            _in_worker, func, *args, limiter=self._limiter, abandon_on_cancel=True
         )
 
     async def _pipeline(
@@ -605,7 +606,9 @@ class Checkpointer:
         if tmp is None:
             return
         with anyio.CancelScope(shield=True), anyio.move_on_after(30):
-            await anyio.to_thread.run_sync(discard, self._fs, tmp, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(
+                _in_worker, discard, self._fs, tmp, abandon_on_cancel=True
+            )
 
     async def _write_files(
         self, tmp: Path, plan: Plan, layouts: list[FileLayout], lease: Lease
@@ -759,6 +762,26 @@ class Checkpointer:
     def staging_pool(self) -> StagingPool | None:
         """The staging pool (for inspection: capacity, allocations)."""
         return self._pool
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker thread ended with a ``BaseException`` that is not an ``Exception``
+    (``SystemExit`` from a library, a thread-killing ``BaseException``); the
+    original is ``__cause__``."""
+
+
+def _in_worker(func: Any, *args: Any) -> Any:
+    """Run ``func`` in a worker thread so that however the worker dies, the save
+    fails with an ``Exception`` (S4: a dead writer becomes an error). A
+    ``BaseException`` raised in a worker thread would otherwise cross into the
+    event loop as if raised there, crash the checkpointer's task group and cancel
+    the caller's task instead of failing the save."""
+    try:
+        return func(*args)
+    except Exception:
+        raise
+    except BaseException as exc:
+        raise WorkerDiedError(f"a worker thread died running {func!r}: {exc!r}") from exc
 
 
 def _as_save_error(
