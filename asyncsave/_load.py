@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import os
 import pickle
 import struct
@@ -30,6 +31,7 @@ from ._errors import (
     MissingItemError,
     UnsafeLoadError,
 )
+from ._format import SAFETENSORS_DTYPES
 from ._fs import LocalFileSystem
 from ._manifest import CHECKSUM, Manifest, parse_manifest, torch_dtype
 from ._paths import LAYOUTS, MANIFEST_NAME, Layout
@@ -42,6 +44,7 @@ __all__ = ["latest", "load", "read_checkpoint", "resolve", "scan_steps", "verify
 logger = logging.getLogger(__name__)
 
 _MAX_MANIFEST_BYTES = 1 << 30
+_ST_ITEMSIZE = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items()}
 _READ_CHUNK = 8 << 20
 
 
@@ -119,7 +122,11 @@ def info_of(path: Path, manifest: Manifest) -> CheckpointInfo:
 
 
 def _check_header(fpath: Path, f: Any, manifest: Manifest, file_index: int) -> None:
-    """The safetensors header must agree with the manifest on every entry."""
+    """The safetensors header must be the one the manifest implies: the same
+    tensor names (plus ``__metadata__``), and for each the manifest's byte range and
+    a safetensors dtype and shape that fill it exactly. Other tools read the file
+    through this header, so a damaged one is refused even though asyncsave itself
+    reads through the manifest."""
     prefix = f.read(8)
     if len(prefix) != 8:
         raise CorruptCheckpointError(f"{fpath} has no safetensors header", path=fpath)
@@ -132,16 +139,34 @@ def _check_header(fpath: Path, f: Any, manifest: Manifest, file_index: int) -> N
         raise CorruptCheckpointError(f"{fpath} header is not JSON", path=fpath) from exc
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{fpath} header is not an object", path=fpath)
-    for e in manifest.entries:
-        if e["file"] != file_index:
-            continue
-        h = header.get(e["name"])
+    mine = {e["name"]: e for e in manifest.entries if e["file"] == file_index}
+    meta = header.get("__metadata__")
+    extra = set(header) - set(mine) - {"__metadata__"}
+    if extra or not (
+        meta is None or (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()))
+    ):
+        raise CorruptCheckpointError(
+            f"{fpath}: safetensors header holds entries the manifest does not know "
+            f"({sorted(extra)[:3]!r}) or a bad __metadata__",
+            path=fpath,
+        )
+    for name, e in mine.items():
+        h = header.get(name)
         offsets = h.get("data_offsets") if isinstance(h, dict) else None
-        if offsets != [e["offset"] - 8 - n, e["offset"] - 8 - n + e["nbytes"]]:
+        shape = h.get("shape") if isinstance(h, dict) else None
+        dtype = h.get("dtype") if isinstance(h, dict) else None
+        itemsize = _ST_ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
+        if (
+            offsets != [e["offset"] - 8 - n, e["offset"] - 8 - n + e["nbytes"]]
+            or itemsize is None
+            or not isinstance(shape, list)
+            or not all(type(d) is int and d >= 0 for d in shape)
+            or math.prod(shape) * itemsize != e["nbytes"]
+        ):
             raise CorruptCheckpointError(
-                f"{fpath}: safetensors header and manifest disagree on {e['name']!r}",
+                f"{fpath}: safetensors header and manifest disagree on {name!r}",
                 path=fpath,
-                key=e["name"],
+                key=name,
             )
 
 

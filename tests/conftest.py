@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import settings
 
 
 @pytest.fixture(
@@ -42,3 +43,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(COUNTS, f, indent=1, sort_keys=True)
+
+
+# Hypothesis: bounded in CI; ASYNCSAVE_FUZZ_PROFILE=long for a longer local run.
+settings.register_profile("ci", max_examples=200, deadline=None)
+settings.register_profile("long", max_examples=20_000, deadline=None)
+settings.load_profile(os.environ.get("ASYNCSAVE_FUZZ_PROFILE", "ci"))
