@@ -70,6 +70,27 @@ def test_any_text_tracker_never_parses_to_a_wrong_step(text: str) -> None:
     assert str(step) == text.strip().lstrip("0") or (step == 0 and set(text.strip()) == {"0"})
 
 
+number_like = st.from_regex(
+    r"\A\s{0,2}[-+]?[0-9]{0,22}([._eExX][0-9a-f]{0,3})?\s{0,2}\Z", fullmatch=True
+) | st.builds(
+    lambda d, s: s + d,
+    st.integers(0, 10**25).map(str),
+    st.sampled_from(["-", "+", "٣", "\x00", " "]),
+)
+
+
+@given(number_like)
+def test_number_like_trackers_parse_only_when_they_are_a_plain_decimal(text: str) -> None:
+    """Signs, floats, hex, underscores, non-ASCII digits, steps past 2**63-1: a
+    typed error, never a step (Megatron's int() would take some of these)."""
+    try:
+        step = parse_tracker(text.encode("utf-8"), P)
+    except asyncsave.CorruptCheckpointError:
+        return
+    plain = text.strip()
+    assert plain.isascii() and plain.isdigit() and int(plain) == step <= MAX_STEP, text
+
+
 # -- manifest ---------------------------------------------------------------------
 
 
