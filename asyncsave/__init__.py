@@ -40,7 +40,9 @@ from ._errors import (
 from ._fs import LocalFileSystem
 from ._load import latest, load, verify
 from ._options import CheckpointOptions
+from ._policy import SaveAtStep, SaveBeforeDeadline, SaveEvery, SaveOnSignal, SavePolicy
 from ._retention import KeepBest, KeepEvery, KeepLast, Retention
+from ._rng import RNGState
 from ._sync import SyncCheckpointer, SyncSaveHandle
 from ._types import CheckpointInfo, Restored, Tagged
 
@@ -66,11 +68,17 @@ __all__ = [
     "LocalFileSystem",
     "MissingItemError",
     "ProtectedCheckpointError",
+    "RNGState",
     "Restored",
     "Retention",
     "RootInUseError",
     "SaveFailedError",
+    "SaveAtStep",
+    "SaveBeforeDeadline",
+    "SaveEvery",
     "SaveHandle",
+    "SaveOnSignal",
+    "SavePolicy",
     "StagingBudgetError",
     "SyncCheckpointer",
     "SyncSaveHandle",

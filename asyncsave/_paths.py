@@ -19,7 +19,9 @@ __all__ = [
     "Layout",
     "aside_dir_name",
     "data_file_name",
+    "is_retired_name",
     "is_temp_name",
+    "retired_dir_name",
     "temp_dir_name",
     "temp_file_name",
 ]
@@ -123,6 +125,20 @@ def temp_dir_name(step: int) -> str:
 def temp_file_name(final_name: str) -> str:
     """A fresh temporary name for a file about to be replaced atomically."""
     return f"{_TEMP_PREFIX}{final_name}-{uuid.uuid4().hex[:12]}"
+
+
+_RETIRED_PREFIX = f"{_TEMP_PREFIX}retired-"
+
+
+def retired_dir_name(step: int) -> str:
+    """Where retention moves a checkpoint it deletes, just before removing it: a
+    temporary name (removed at the next open too) that no in-flight save uses."""
+    return f"{_RETIRED_PREFIX}{step}-{uuid.uuid4().hex[:12]}"
+
+
+def is_retired_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint retention was removing."""
+    return name.startswith(_RETIRED_PREFIX)
 
 
 def aside_dir_name(why: str, step: int) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ._fs import LocalFileSystem
 from ._load import read_checkpoint, scan_steps
-from ._paths import Layout, temp_dir_name
+from ._paths import Layout, is_retired_name, retired_dir_name
 
 __all__ = ["Candidate", "KeepBest", "KeepEvery", "KeepLast", "Retention", "apply_retention"]
 
@@ -191,10 +191,15 @@ def apply_retention(
     temporary directory that the next open removes, never a partial checkpoint
     under a final name.
 
+    Leftovers of an earlier pass whose removal failed are removed first.
+
     :returns: the steps deleted, ascending.
     :raises OSError: a rename or removal failed (the checkpoint is then either
         intact under its final name or under a temporary name).
     """
+    for name in fs.listdir(root):
+        if is_retired_name(name):
+            fs.remove_tree(root / name)
     candidates: list[Candidate] = []
     for step, path in sorted(scan_steps(fs, root, layout).items()):
         try:
@@ -209,7 +214,7 @@ def apply_retention(
     retired = [c.step for c in candidates if c.step not in keep]
     for step in retired:
         final = root / layout.dir_name(step)
-        doomed = root / temp_dir_name(step)
+        doomed = root / retired_dir_name(step)
         fs.rename(final, doomed)
         fs.fsync_dir(root)
         fs.remove_tree(doomed)
