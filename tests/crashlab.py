@@ -61,7 +61,7 @@ MAX_WRITE = 1024  # short writes: a crash may fall in the middle of a data file
 def state_of(step: int, ver: int = 0) -> dict[str, Any]:
     """The state saved as version ``ver`` of ``step``: small, several dtypes,
     about 2.4 KiB of tensor bytes (so a data file takes three short writes)."""
-    g = torch.Generator().manual_seed(step * 1000 + ver)
+    g = torch.Generator().manual_seed(step * 1000 + ver % 1000)  # ver + 1000k: same tensors
     return {
         "model": {
             "w": torch.randn(24, 16, generator=g),
@@ -294,6 +294,16 @@ async def overwrite(ckpt: asyncsave.Checkpointer, log: EventLog) -> None:
     await _ack(await _save(ckpt, log, 2, ver=1, overwrite=True), log, 2, 1)
 
 
+async def update_item(ckpt: asyncsave.Checkpointer, log: EventLog) -> None:
+    """Save step 3, then rewrite its ``trainer`` item in place (hard links to the
+    data files, a new manifest, an exchange): version 1001 is version 1 with a new
+    trainer item."""
+    await _ack(await _save(ckpt, log, 3), log, 3)
+    log.add("D", 3, 1001)
+    await ckpt.update(3, "trainer", {"step": 3, "ver": 1001})
+    log.add("A", 3, 1001)
+
+
 def leftovers(root: Path) -> None:
     """What an earlier crash leaves: a half-written temp dir, a tracker temp file,
     a commit the tracker missed (step 2), a manifest-less final directory."""
@@ -319,6 +329,7 @@ SCENARIOS = {
         Scenario("two_in_flight", [1, 2], two_in_flight),
         Scenario("retention", [1, 2], retention, {"retention": asyncsave.KeepLast(1)}),
         Scenario("overwrite", [1, 2], overwrite),
+        Scenario("update_item", [1, 2], update_item),
         Scenario(
             "recovery_then_save",
             [1, 2],

@@ -47,6 +47,7 @@ MUTATING = (
     "exchange",
     "unlink",
     "rmdir",
+    "link",
 )
 
 # Logical operations of the model (what ``ops`` holds):
@@ -54,7 +55,8 @@ MUTATING = (
 #   ("write", ino, offset, data)          ("fsync", ino)
 #   ("fsync_dir", ino)                    ("rename", src_parent, src_name, dst_parent, dst_name)
 #   ("exchange", pa, na, pb, nb)          ("unlink", parent_ino, name)
-#   ("rmdir", parent_ino, name)           ("mark", what, *values)  (test markers: dispatch/ack)
+#   ("rmdir", parent_ino, name)           ("link", parent_ino, name, ino)  (a hard link)
+#   ("mark", what, *values)  (test markers: dispatch/ack)
 ROOT_INO = 0
 
 
@@ -290,6 +292,15 @@ class TracingFS(LocalFileSystem):
                 da, db = self.live.dirs[la[0]], self.live.dirs[lb[0]]
                 da[la[1]], db[lb[1]] = db[lb[1]], da[la[1]]
                 self._op("exchange", la[0], la[1], lb[0], lb[1])
+
+    def link(self, src: Path, dst: Path) -> None:
+        self._call("link", dst)
+        with self._lock:
+            super().link(src, dst)
+            ino, loc = self._ino_of(src), self._lookup(dst)
+            if ino is not None and loc is not None:
+                self.live.dirs[loc[0]][loc[1]] = ino
+                self._op("link", loc[0], loc[1], ino)
 
     def unlink(self, path: Path) -> None:
         self._call("unlink", path)

@@ -15,7 +15,7 @@ promises):
   the disk, the data blocks did not), independently per ``write`` call; losing
   some calls and keeping later ones models reordering and truncation.
 - A directory entry operation (``create``, ``mkdir``, ``unlink``, ``rmdir``,
-  ``rename``/``replace``, ``exchange``) is durable once a later ``fsync_dir`` of
+  ``link``, ``rename``/``replace``, ``exchange``) is durable once a later ``fsync_dir`` of
   its parent directory (both parents for a rename) is in the prefix. ``fsync`` of
   a file does not make its name durable.
 - Operations that are not yet durable may each persist or not, in any
@@ -43,7 +43,7 @@ from typing import Any
 
 from fstrace import ROOT_INO, Snapshot
 
-STATE_OPS = ("mkdir", "create", "write", "rename", "exchange", "unlink", "rmdir")
+STATE_OPS = ("mkdir", "create", "write", "rename", "exchange", "unlink", "rmdir", "link")
 
 
 def volatile_and_forced(ops: list[tuple[Any, ...]], c: int) -> tuple[set[int], list[int]]:
@@ -62,7 +62,7 @@ def volatile_and_forced(ops: list[tuple[Any, ...]], c: int) -> tuple[set[int], l
             synced_dirs.add(op[1])
         elif kind == "write":
             (forced.add(i) if op[1] in synced_files else volatile.append(i))
-        elif kind in ("create", "mkdir", "unlink", "rmdir"):
+        elif kind in ("create", "mkdir", "unlink", "rmdir", "link"):
             (forced.add(i) if op[1] in synced_dirs else volatile.append(i))
         elif kind in ("rename", "exchange"):
             durable = op[1] in synced_dirs and op[3] in synced_dirs
@@ -91,6 +91,10 @@ def replay(
                     dirs[ino] = {}
                 else:
                     files[ino] = bytearray()
+        elif kind == "link":
+            _, parent, name, ino = op
+            if parent in dirs and name not in dirs[parent] and ino in files:
+                dirs[parent][name] = ino
         elif kind == "write":
             _, ino, off, data = op
             if ino in files:

@@ -72,6 +72,7 @@ def test_sigkill_at_every_call_of_every_scenario_leaves_the_last_commit() -> Non
         "exchange",
         "unlink",
         "rmdir",
+        "link",
     ):
         assert ops[op] > 0, (op, ops)
     scenarios = {c["scenario"] for c in killed}
@@ -81,6 +82,7 @@ def test_sigkill_at_every_call_of_every_scenario_leaves_the_last_commit() -> Non
         "two_in_flight",
         "retention",
         "overwrite",
+        "update_item",
         "recovery_then_save",
     }
     # The retention state killed inside its deletes (renamed-away directories).
