@@ -225,6 +225,13 @@ def test_a_mutated_manifest_that_was_not_resealed_is_always_refused(
         assert _same(got, expected), mutated  # only a no-op mutation may pass
 
 
+def _same_json(a: bytes, b: bytes) -> bool:
+    try:
+        return bool(json.loads(a) == json.loads(b))
+    except ValueError:
+        return False
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(b, torch.Tensor):
         return (
@@ -269,7 +276,9 @@ def test_every_single_bit_flip_is_detected_or_harmless(good_checkpoint: Any, whi
                 got = asyncsave.load(copy)
             except asyncsave.CheckpointError:
                 continue
-            undetected.append(pos)
             assert _same(got, expected), f"byte {pos} flipped: a wrong result was loaded"
+            if which == "manifest" and _same_json(bytes(raw), original):
+                continue  # a spelling of the same document ("1e3" and "1E3")
+            undetected.append(pos)
     record("bit flips checked", len(original))
     assert all(pos in free for pos in undetected), undetected
