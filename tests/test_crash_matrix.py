@@ -50,6 +50,7 @@ def describe(failures: list[dict[str, Any]]) -> str:
     return "\n\n".join(json.dumps(f, indent=1)[:4000] for f in failures[:5])
 
 
+@pytest.mark.timeout(1200)  # about 1.5 minutes here; room for a loaded CI machine
 def test_sigkill_at_every_call_of_every_scenario_leaves_the_last_commit() -> None:
     backends = os.environ.get("ASYNCSAVE_CRASH_BACKENDS", "asyncio,trio")
     out = lab("matrix", "--backends", backends)
@@ -89,6 +90,7 @@ def test_sigkill_at_every_call_of_every_scenario_leaves_the_last_commit() -> Non
     assert any(c["scenario"] == "retention" and c["op"] in ("unlink", "rmdir") for c in killed)
 
 
+@pytest.mark.timeout(1200)
 def test_randomized_crash_runs_never_lose_an_acknowledged_checkpoint() -> None:
     runs = int(os.environ.get("ASYNCSAVE_CRASH_RUNS", "500"))
     seed = os.environ.get("ASYNCSAVE_CRASH_SEED")
