@@ -130,11 +130,16 @@ def info_of(path: Path, manifest: Manifest) -> CheckpointInfo:
 
 
 def _check_header(fpath: Path, f: Any, manifest: Manifest, file_index: int) -> None:
-    """The safetensors header must be the one the manifest implies: the same
-    tensor names (plus ``__metadata__``), and for each the manifest's byte range and
-    a safetensors dtype and shape that fill it exactly. Other tools read the file
-    through this header, so a damaged one is refused even though asyncsave itself
-    reads through the manifest."""
+    """The safetensors header must be well formed and agree with the manifest.
+
+    Every entry of the header (other than ``__metadata__``, a map of strings) is a
+    tensor with a known safetensors dtype and a shape that fills its byte range
+    exactly; every manifest entry of this file is there with the manifest's byte
+    range. Entries the manifest no longer names are allowed (``update()`` hard-links
+    files whose replaced item stays in them, unreferenced). Other tools read the
+    file through this header, so a damaged one is refused even though asyncsave
+    itself reads through the manifest.
+    """
     prefix = f.read(8)
     if len(prefix) != 8:
         raise CorruptCheckpointError(f"{fpath} has no safetensors header", path=fpath)
@@ -147,35 +152,44 @@ def _check_header(fpath: Path, f: Any, manifest: Manifest, file_index: int) -> N
         raise CorruptCheckpointError(f"{fpath} header is not JSON", path=fpath) from exc
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{fpath} header is not an object", path=fpath)
-    mine = {e["name"]: e for e in manifest.entries if e["file"] == file_index}
     meta = header.get("__metadata__")
-    extra = set(header) - set(mine) - {"__metadata__"}
-    if extra or not (
-        meta is None or (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()))
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
     ):
-        raise CorruptCheckpointError(
-            f"{fpath}: safetensors header holds entries the manifest does not know "
-            f"({sorted(extra)[:3]!r}) or a bad __metadata__",
-            path=fpath,
-        )
-    for name, e in mine.items():
-        h = header.get(name)
-        offsets = h.get("data_offsets") if isinstance(h, dict) else None
-        shape = h.get("shape") if isinstance(h, dict) else None
-        dtype = h.get("dtype") if isinstance(h, dict) else None
-        itemsize = _ST_ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
-        if (
-            offsets != [e["offset"] - 8 - n, e["offset"] - 8 - n + e["nbytes"]]
-            or itemsize is None
-            or not isinstance(shape, list)
-            or not all(type(d) is int and d >= 0 for d in shape)
-            or math.prod(shape) * itemsize != e["nbytes"]
-        ):
+        raise CorruptCheckpointError(f"{fpath}: safetensors __metadata__ is damaged", path=fpath)
+    for name, h in header.items():
+        if name != "__metadata__" and not _well_formed(h):
             raise CorruptCheckpointError(
-                f"{fpath}: safetensors header and manifest disagree on {name!r}",
-                path=fpath,
-                key=name,
+                f"{fpath}: safetensors header entry {name!r} is damaged", path=fpath, key=name
             )
+    for e in manifest.entries:
+        if e["file"] != file_index:
+            continue
+        h = header.get(e["name"])
+        start = e["offset"] - 8 - n
+        if not isinstance(h, dict) or h["data_offsets"] != [start, start + e["nbytes"]]:
+            raise CorruptCheckpointError(
+                f"{fpath}: safetensors header and manifest disagree on {e['name']!r}",
+                path=fpath,
+                key=e["name"],
+            )
+
+
+def _well_formed(h: Any) -> bool:
+    """A safetensors tensor entry: known dtype, shape and byte range that agree."""
+    if not isinstance(h, dict) or set(h) != {"dtype", "shape", "data_offsets"}:
+        return False
+    dtype, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
+    itemsize = _ST_ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
+    return (
+        itemsize is not None
+        and isinstance(shape, list)
+        and all(type(d) is int and d >= 0 for d in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(type(o) is int and o >= 0 for o in offsets)
+        and offsets[1] - offsets[0] == math.prod(shape) * itemsize
+    )
 
 
 def _read_entries(
