@@ -28,6 +28,15 @@ import anyio.to_thread
 import torch
 
 from ._commit import commit_dir, discard, lock_root, make_temp_dir, recover
+from ._dist import (
+    DcpJob,
+    DistContext,
+    PlainJob,
+    contains_dtensor,
+    load_rank,
+    run_save,
+    wants_distributed,
+)
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -223,6 +232,7 @@ class Checkpointer:
         self._tg: anyio.abc.TaskGroup | None = None
         self._pool: StagingPool | None = None
         self._limiter: anyio.CapacityLimiter | None = None
+        self._dist: DistContext | None = None  # several ranks: see asyncsave._dist
 
     # -- lifecycle ---------------------------------------------------------------
     async def __aenter__(self) -> Checkpointer:
@@ -230,19 +240,18 @@ class Checkpointer:
             raise CheckpointerClosedError("a Checkpointer can be entered only once", path=self.root)
         self._pool = StagingPool(self.options.budget_bytes)
         self._limiter = anyio.CapacityLimiter(self.options.writer_threads)
-        self._lock_fd = await anyio.to_thread.run_sync(lock_root, self._fs, self.root)
-        try:
-            recovered = await anyio.to_thread.run_sync(recover, self._fs, self.root, self.layout)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._unlock()
-            raise
-        self._committed = dict.fromkeys(recovered.committed)
+        if wants_distributed(self.options.distributed):
+            self._dist = await DistContext.create(self.options.dist_timeout_s)
+            # Rank 0 alone locks and recovers; the others wait for its result.
+            committed, tracked = await self._dist.open_root(self._open_root, self.root)
+        else:
+            committed, tracked = await self._open_root()
+        self._committed = dict.fromkeys(committed)
         # Forward only, even past a tracker that names a checkpoint that is gone:
         # saves below it commit but do not move it (resume then needs fallback=True).
-        steps = [s for s in (recovered.tracked, *recovered.committed) if s is not None]
+        steps = [s for s in (tracked, *committed) if s is not None]
         baseline = max(steps, default=None)
-        if self.layout.tracker_name is not None:
+        if self.layout.tracker_name is not None and (self._dist is None or self._dist.rank == 0):
             self._tracker = TrackerWriter(self._fs, self.root / self.layout.tracker_name, baseline)
         tg = anyio.create_task_group()
         await tg.__aenter__()
@@ -250,6 +259,17 @@ class Checkpointer:
         self._accepting = True
         self._state = "open"
         return self
+
+    async def _open_root(self) -> tuple[list[int], int | None]:
+        """Take the saver lock and recover the root: (committed steps, tracked step)."""
+        self._lock_fd = await anyio.to_thread.run_sync(lock_root, self._fs, self.root)
+        try:
+            recovered = await anyio.to_thread.run_sync(recover, self._fs, self.root, self.layout)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._unlock()
+            raise
+        return list(recovered.committed), recovered.tracked
 
     async def __aexit__(
         self,
@@ -411,6 +431,8 @@ class Checkpointer:
             pending = self._pending.get(step)
         if step in self._committed and not overwrite:
             return SaveHandle.resolved(step, await self._committed_info(step))
+        if self._dist is not None:
+            return await self._save_ranks(self._dist, step, state, overwrite=overwrite, t0=t0)
 
         plan = make_plan(state, allow_pickle=self.options.allow_pickle)
         layouts = layout_files(plan.entries, rank=0, max_files=self.options.writer_threads)
@@ -460,6 +482,70 @@ class Checkpointer:
             if self._pending.get(step) is handle:
                 del self._pending[step]
             raise
+        return handle
+
+    async def _save_ranks(
+        self, ctx: DistContext, step: int, state: Any, *, overwrite: bool, t0: float
+    ) -> SaveHandle:
+        """The body of :meth:`save` for one rank of several (see ``asyncsave._dist``).
+
+        DTensor state is staged by DCP's ``DefaultStager`` (CPU copies) and written
+        through DCP's planner; other state is staged into this rank's pool. A rank
+        whose snapshot fails still takes part in the save's collectives, so that
+        every rank raises naming it.
+        """
+        assert self._pool is not None and self._tg is not None
+        handle = SaveHandle(step)
+        self._pending[step] = handle
+        job: PlainJob | DcpJob | BaseException
+        lease: Lease | None = None
+        try:
+            if contains_dtensor(state):
+                job = DcpJob(*await anyio.to_thread.run_sync(_stage_dcp, state))
+            else:
+                plan = make_plan(state, allow_pickle=self.options.allow_pickle)
+                layouts = layout_files(
+                    plan.entries, rank=ctx.rank, max_files=self.options.writer_threads
+                )
+                nbytes = staging_nbytes(layouts)
+                self._pool.check(nbytes)
+                lease = await self._pool.acquire(
+                    nbytes, pin=any(d.type == "cuda" for d in plan.devices)
+                )
+                self._check_usable()
+                await stage_entries(
+                    lease,
+                    plan.entries,
+                    poll_interval_s=self.options.poll_interval_s,
+                    timeout_s=self.options.save_timeout_s,
+                )
+                plan.release_sources()
+                job = PlainJob(plan, layouts, lease)
+                lease = None
+        except Exception as exc:
+            if lease is not None:
+                if lease.poisoned:
+                    self._set_failure(SaveFailedError(f"staging of step {step} was lost"))
+                lease.release()
+            job = exc
+        if not self._accepting:
+            if isinstance(job, PlainJob):
+                job.lease.release()
+            del self._pending[step]
+            raise CheckpointerClosedError(
+                f"the Checkpointer for {self.root} closed while step {step} was staging",
+                step=step,
+                path=self.root,
+            )
+        staged_s = time.perf_counter() - t0
+        self._tg.start_soon(
+            run_save, self, ctx, ctx.take_ticket(), handle, job, t0, staged_s, overwrite
+        )
+        if isinstance(job, BaseException):
+            # The pipeline reports it to the other ranks; this rank raises now.
+            await handle._done.wait()
+            raise job
+        handle._staged.set()
         return handle
 
     async def _committed_info(self, step: int) -> CheckpointInfo:
@@ -650,11 +736,13 @@ class Checkpointer:
             return None
         while True:
             path = info.path
+            reader: Any = functools.partial(load, path)
+            if self._dist is not None:  # this rank's part only
+                reader = functools.partial(load_rank, path, self._dist.rank, self._dist.world_size)
             try:
                 state = await anyio.to_thread.run_sync(
                     functools.partial(
-                        load,
-                        path,
+                        reader,
                         device=device,
                         allow_pickle=self.options.allow_pickle,
                         filesystem=self._fs,
@@ -758,3 +846,32 @@ def _manifest_doc(
             if math.isfinite(v)
         },
     }
+
+
+def _stage_dcp(state: Any) -> tuple[Any, int]:
+    """A CPU snapshot of DTensor state, taken by DCP's own stager (each rank's
+    local shards copied to fresh host tensors); runs in a worker thread."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        staged = stager.stage(_stateful_to_state_dict(state))
+    finally:
+        stager.close()
+    nbytes = 0
+
+    def count(x: Any) -> None:
+        nonlocal nbytes
+        if isinstance(x, torch.Tensor):
+            local = x.to_local() if hasattr(x, "to_local") else x
+            nbytes += local.numel() * local.element_size()
+        elif isinstance(x, dict):
+            for v in x.values():
+                count(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                count(v)
+
+    count(staged)
+    return staged, nbytes

@@ -29,6 +29,7 @@ from ._errors import (
     KindMismatchError,
     MissingItemError,
     UnsafeLoadError,
+    UnsupportedFormatError,
 )
 from ._fs import LocalFileSystem
 from ._manifest import CHECKSUM, Manifest, parse_manifest, torch_dtype
@@ -325,6 +326,8 @@ class _Decoder:
             return self.node(node.get("state"), where)
         if kind == "tensordict":
             return self.tensordict(node, where)
+        if kind == "dcp" and not self.unpickle and not where:
+            return None  # verify(): a DCP checkpoint's entries are checked, no tree
         raise self.bad(where, f"unknown node type {kind!r}")
 
     def mapping(self, node: dict[str, Any], where: tuple[Any, ...]) -> Any:
@@ -532,6 +535,12 @@ def load(
     p = Path(path)
     target = _device(device)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
+    if manifest.tree.get("type") == "dcp":
+        raise UnsupportedFormatError(
+            f"{p} was saved through torch.distributed.checkpoint (DTensor state): load "
+            "it with dcp.load(state, storage_reader=asyncsave.dcp.StorageReader(path))",
+            path=p,
+        )
     raw = _read_entries(fs, p, manifest, verify=verify)
     tensors = _build_tensors(manifest, raw, target)
     state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(

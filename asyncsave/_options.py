@@ -41,6 +41,17 @@ class CheckpointOptions:
     :param poll_interval_s: how often the event loop polls CUDA events of a copy
         in flight (never a blocking synchronize).
     :param filesystem: the I/O layer; tests substitute one that injects faults.
+    :param distributed: save as one rank of many (see ``asyncsave._dist``): every
+        rank calls ``save()`` with the same steps in the same order, writes its own
+        files into one shared temporary directory, and rank 0 commits after every
+        rank's files are durable. ``None`` (default): on when ``torch.distributed``
+        is initialised with a world size above 1.
+    :param dist_timeout_s: seconds a rank waits at one collective on asyncsave's
+        own gloo group (creating it, the open, and each save's three collectives)
+        for the other ranks. It includes waiting for the slowest rank's writes, so
+        it must exceed the spread of write times between ranks. A rank that dies
+        makes the others' collective fail at once (gloo sees the connection close)
+        or, at the latest, after this timeout.
     """
 
     layout: str = "asyncsave"
@@ -52,6 +63,8 @@ class CheckpointOptions:
     allow_pickle: bool = False
     poll_interval_s: float = 0.0005
     filesystem: LocalFileSystem = dataclasses.field(default_factory=LocalFileSystem)
+    distributed: bool | None = None
+    dist_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -68,7 +81,9 @@ class CheckpointOptions:
             or not 1 <= self.writer_threads <= 64
         ):
             raise ValueError(f"writer_threads={self.writer_threads!r} must be an int in 1..64")
-        for name in ("save_timeout_s", "close_timeout_s", "poll_interval_s"):
+        if self.distributed not in (None, True, False):
+            raise ValueError(f"distributed={self.distributed!r} must be None, True or False")
+        for name in ("save_timeout_s", "close_timeout_s", "poll_interval_s", "dist_timeout_s"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
