@@ -41,6 +41,9 @@ from ._errors import (
 from ._fs import LocalFileSystem
 from ._load import latest, load, verify
 from ._options import CheckpointOptions
+from ._policy import SaveAtStep, SaveBeforeDeadline, SaveEvery, SaveOnSignal, SavePolicy
+from ._retention import KeepBest, KeepEvery, KeepLast, Retention
+from ._rng import RNGState
 from ._sync import SyncCheckpointer, SyncSaveHandle
 from ._types import CheckpointInfo, Restored, Tagged
 
@@ -59,15 +62,25 @@ __all__ = [
     "InvalidKeyError",
     "InvalidStateError",
     "InvalidStepError",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
     "KindMismatchError",
     "LocalFileSystem",
     "MissingItemError",
     "ProtectedCheckpointError",
+    "RNGState",
     "RankFailedError",
     "Restored",
+    "Retention",
     "RootInUseError",
     "SaveFailedError",
+    "SaveAtStep",
+    "SaveBeforeDeadline",
+    "SaveEvery",
     "SaveHandle",
+    "SaveOnSignal",
+    "SavePolicy",
     "StagingBudgetError",
     "SyncCheckpointer",
     "SyncSaveHandle",

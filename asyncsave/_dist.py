@@ -246,9 +246,9 @@ async def run_save(
     ticket: int,
     handle: SaveHandle,
     job: PlainJob | DcpJob | BaseException,
-    t0: float,
-    staged_s: float,
+    times: tuple[float, float],
     overwrite: bool,
+    training_info: dict[str, Any],
 ) -> None:
     """The pipeline of one save of several ranks (see the module docstring).
 
@@ -257,6 +257,7 @@ async def run_save(
     naming it instead of waiting for it.
     """
     step = handle.step
+    t0, staged_s = times
     fs = ckpt.options.filesystem
     tmp: Path | None = None
     written_s = float("nan")
@@ -321,12 +322,19 @@ async def run_save(
                     try:
                         parts: list[dict[str, Any]] = [o[1] for o in outcomes if o is not None]
                         doc = _manifest(ckpt, job, parts, step, t0, staged_s, written_s)
+                        doc["training_info"] = training_info
+                        if ckpt.layout.info_name is not None:
+                            info_json = json.dumps({**training_info, "step": step}, indent=1)
+                            await ckpt._run(
+                                write_bytes, fs, tmp / ckpt.layout.info_name, info_json.encode()
+                            )
                         await ckpt._run(write_bytes, fs, tmp / MANIFEST_NAME, encode_manifest(doc))
                         await ckpt._run(
                             functools.partial(commit_dir, overwrite=overwrite), fs, tmp, final
                         )
                         tmp = None
                         await ckpt._track(step)
+                        await ckpt._retain(step)
                     except Exception as exc:
                         commit_error = exc
                         outcome = repr(exc)
@@ -351,6 +359,7 @@ async def run_save(
                 staged_s=staged_s,
                 written_s=written_s,
                 committed_s=time.perf_counter() - t0,
+                training_info=training_info,
             )
             ckpt._committed[step] = info
             handle._commit(info)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -58,10 +59,11 @@ from ._load import (
     read_checkpoint,
     resolve,
 )
-from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest
+from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, check_training_info, encode_manifest
 from ._options import CheckpointOptions
 from ._paths import LAYOUTS, MANIFEST_NAME
 from ._plan import Plan, make_plan
+from ._retention import apply_retention
 from ._stage import Lease, StagingPool, stage_entries
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
@@ -233,6 +235,7 @@ class Checkpointer:
         self._pool: StagingPool | None = None
         self._limiter: anyio.CapacityLimiter | None = None
         self._dist: DistContext | None = None  # several ranks: see asyncsave._dist
+        self._retention_lock = anyio.Lock()
 
     # -- lifecycle ---------------------------------------------------------------
     async def __aenter__(self) -> Checkpointer:
@@ -373,7 +376,14 @@ class Checkpointer:
         if self._failure is None:
             self._failure = error
 
-    async def save(self, step: int, state: Any, *, overwrite: bool = False) -> SaveHandle:
+    async def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        overwrite: bool = False,
+        training_info: dict[str, Any] | None = None,
+    ) -> SaveHandle:
         """Snapshot ``state`` as the checkpoint of ``step`` and write it in the
         background.
 
@@ -391,6 +401,12 @@ class Checkpointer:
             (their ``state_dict()`` is taken now).
         :param overwrite: replace a committed checkpoint of the same step
             atomically; refused for the checkpoint this run resumed from.
+        :param training_info: flat counters and metrics describing the checkpoint
+            (``{"consumed_samples": 640, "eval/reward": 0.71}``; values int,
+            finite float, str, bool or None). Kept in the manifest
+            (:attr:`CheckpointInfo.training_info`), ranked by :class:`KeepBest`,
+            and written as ``training_info.json`` (with ``"step"``) by the
+            ``nemo-rl`` layout.
         :raises InvalidStepError: ``step`` is not a non-negative int.
         :raises InvalidStateError: (or a subclass) naming the key that cannot be
             stored; nothing is written.
@@ -399,10 +415,18 @@ class Checkpointer:
         :raises SaveFailedError: an earlier save of this checkpointer failed.
         :raises CheckpointerClosedError: used outside ``async with``.
         """
-        return await self._save(step, state, overwrite=overwrite, ready=None)
+        return await self._save(
+            step, state, overwrite=overwrite, ready=None, training_info=training_info
+        )
 
     async def _save(
-        self, step: int, state: Any, *, overwrite: bool, ready: dict[torch.device, Any] | None
+        self,
+        step: int,
+        state: Any,
+        *,
+        overwrite: bool,
+        ready: dict[torch.device, Any] | None,
+        training_info: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """The body of :meth:`save`; ``ready`` are CUDA events recorded by the caller's
         thread (the synchronous facade records them before crossing threads)."""
@@ -410,6 +434,7 @@ class Checkpointer:
         self._check_usable()
         if type(step) is not int or not 0 <= step <= _MAX_STEP:
             raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
+        info_doc = check_training_info(training_info)
         if step == 0 and not self.options.save_step_zero:
             logger.info("not saving step 0 (pass save_step_zero=True to allow it)")
             return SaveHandle.resolved(0, None, skipped=True)
@@ -432,7 +457,9 @@ class Checkpointer:
         if step in self._committed and not overwrite:
             return SaveHandle.resolved(step, await self._committed_info(step))
         if self._dist is not None:
-            return await self._save_ranks(self._dist, step, state, overwrite=overwrite, t0=t0)
+            return await self._save_ranks(
+                self._dist, step, state, overwrite=overwrite, t0=t0, training_info=info_doc
+            )
 
         plan = make_plan(state, allow_pickle=self.options.allow_pickle)
         layouts = layout_files(plan.entries, rank=0, max_files=self.options.writer_threads)
@@ -463,7 +490,7 @@ class Checkpointer:
             plan.release_sources()
             staged_s = time.perf_counter() - t0
             self._tg.start_soon(
-                self._pipeline, handle, plan, layouts, lease, t0, staged_s, overwrite
+                self._pipeline, handle, plan, layouts, lease, t0, staged_s, overwrite, info_doc
             )
             handle._staged.set()
         except BaseException as exc:
@@ -485,7 +512,14 @@ class Checkpointer:
         return handle
 
     async def _save_ranks(
-        self, ctx: DistContext, step: int, state: Any, *, overwrite: bool, t0: float
+        self,
+        ctx: DistContext,
+        step: int,
+        state: Any,
+        *,
+        overwrite: bool,
+        t0: float,
+        training_info: dict[str, Any],
     ) -> SaveHandle:
         """The body of :meth:`save` for one rank of several (see ``asyncsave._dist``).
 
@@ -539,7 +573,15 @@ class Checkpointer:
             )
         staged_s = time.perf_counter() - t0
         self._tg.start_soon(
-            run_save, self, ctx, ctx.take_ticket(), handle, job, t0, staged_s, overwrite
+            run_save,
+            self,
+            ctx,
+            ctx.take_ticket(),
+            handle,
+            job,
+            (t0, staged_s),
+            overwrite,
+            training_info,
         )
         if isinstance(job, BaseException):
             # The pipeline reports it to the other ranks; this rank raises now.
@@ -572,6 +614,7 @@ class Checkpointer:
         t0: float,
         staged_s: float,
         overwrite: bool,
+        training_info: dict[str, Any],
     ) -> None:
         step = handle.step
         blocked_s = staged_s
@@ -586,6 +629,12 @@ class Checkpointer:
                     lease.release()
                     written_s = time.perf_counter() - t0
                     manifest = _manifest_doc(step, plan, layouts, blocked_s, staged_s, written_s)
+                    manifest["training_info"] = training_info
+                    if self.layout.info_name is not None:
+                        info_json = json.dumps({**training_info, "step": step}, indent=1)
+                        await self._run(
+                            write_bytes, self._fs, tmp / self.layout.info_name, info_json.encode()
+                        )
                     await self._run(
                         write_bytes, self._fs, tmp / MANIFEST_NAME, encode_manifest(manifest)
                     )
@@ -604,6 +653,7 @@ class Checkpointer:
                     committing = False
                     tmp = None  # committed: nothing to discard any more
                     await self._track(step)
+                    await self._retain(step)
                 info = CheckpointInfo(
                     step=step,
                     path=final,
@@ -613,6 +663,7 @@ class Checkpointer:
                     staged_s=staged_s,
                     written_s=written_s,
                     committed_s=time.perf_counter() - t0,
+                    training_info=training_info,
                 )
                 self._committed[step] = info
                 handle._commit(info)
@@ -685,6 +736,32 @@ class Checkpointer:
         """Move the tracker to ``step`` unless it already names a newer one."""
         if self._tracker is not None:
             await self._run(self._tracker.advance, step)
+
+    async def _retain(self, step: int) -> None:
+        """Apply the retention rule after a commit (S2, S8: never before).
+
+        A failure to delete is logged, not raised: the new checkpoint is committed
+        and safe, nothing is lost, and the rule is re-applied from what is on disk
+        after the next commit."""
+        rule = self.options.retention
+        if rule is None:
+            return
+        # The checkpoint this run resumed from is the newest committed one until
+        # this run commits a newer one, which apply_retention never deletes; once a
+        # newer one is durable it may go (S3: keep one, resume at 1, save 2: only 2).
+        protected = set(self._pending) - {step}  # this one is committed now
+        if self.tracked_step is not None:
+            protected.add(self.tracked_step)
+        async with self._retention_lock:
+            try:
+                removed = await self._run(
+                    apply_retention, self._fs, self.root, self.layout, rule, protected
+                )
+            except OSError as exc:
+                logger.warning("retention failed (re-applied after the next commit): %r", exc)
+                return
+        for step in removed:
+            self._committed.pop(step, None)
 
     async def wait(self) -> None:
         """Wait until every pending save has committed or failed.

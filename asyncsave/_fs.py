@@ -141,6 +141,13 @@ class LocalFileSystem:
         return fd
 
     def unlock(self, fd: int) -> None:
-        """Release a lock taken by :meth:`lock` (closing releases it)."""
+        """Release a lock taken by :meth:`lock`.
+
+        Unlocks explicitly before closing: a child forked a moment ago may still
+        hold a copy of the descriptor (it closes it right after the fork), and a
+        plain close would leave the lock held by that copy."""
         _LOCK_FDS.discard(fd)
-        os.close(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)

@@ -115,6 +115,7 @@ def info_of(path: Path, manifest: Manifest) -> CheckpointInfo:
         blocked_s=costs.get("blocked_s"),
         staged_s=costs.get("staged_s"),
         written_s=costs.get("written_s"),
+        training_info=manifest.training_info,
     )
 
 
@@ -551,9 +552,14 @@ def load(
 
 
 def _step_of_name(path: Path) -> int | None:
-    """The step a directory's name claims under the default layout (``step_40``):
-    a copied or swapped directory must not load as another step silently."""
-    return LAYOUTS["asyncsave"].parse_dir_name(path.name)
+    """The step a directory's name claims under any layout preset (``step_40``,
+    ``global_step_40``, ``iter_0000040``): a copied or swapped directory must not
+    load as another step silently."""
+    for layout in LAYOUTS.values():
+        step = layout.parse_dir_name(path.name)
+        if step is not None:
+            return step
+    return None
 
 
 def _device(device: str | torch.device) -> torch.device:

@@ -14,18 +14,20 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
 
-from ._errors import CorruptCheckpointError, UnsupportedFormatError
+from ._errors import CorruptCheckpointError, InvalidStateError, UnsupportedFormatError
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "Manifest",
+    "check_training_info",
     "encode_manifest",
     "parse_manifest",
     "torch_dtype",
@@ -51,6 +53,7 @@ class Manifest:
     tensors: list[dict[str, Any]]
     tree: dict[str, Any]
     costs: dict[str, float]
+    training_info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -92,6 +95,41 @@ def _safe_file_name(name: Any) -> bool:
         and not name.startswith(".")
         and name != "manifest.json"
     )
+
+
+def _info_problem(info: Any) -> str | None:
+    """Why ``info`` is not a flat ``training_info`` mapping, or ``None``."""
+    if not isinstance(info, dict):
+        return f"is a {type(info).__name__}, not a dict"
+    for key, value in info.items():
+        if not isinstance(key, str) or not key:
+            return f"has key {key!r}: keys must be non-empty str"
+        if value is None or isinstance(value, (bool, str)):
+            continue
+        if isinstance(value, int):
+            if not -(2**63) <= value < 2**63:
+                return f"[{key!r}] = {value} does not fit 64 bits"
+            continue
+        if isinstance(value, float) and math.isfinite(value):
+            continue
+        return f"[{key!r}] = {value!r}: values must be int, finite float, str, bool or None"
+    return None
+
+
+def check_training_info(info: Any) -> dict[str, Any]:
+    """Validate ``save(..., training_info=...)``: a flat mapping of counters and
+    metrics (``{"consumed_samples": 640, "eval/reward": 0.71}``).
+
+    :raises InvalidStateError: naming the offending key.
+    """
+    if info is None:
+        return {}
+    if isinstance(info, Mapping):
+        info = dict(info)
+    problem = _info_problem(info)
+    if problem is not None:
+        raise InvalidStateError(f"training_info {problem}", key="training_info")
+    return dict(info)
 
 
 def _canonical(doc: dict[str, Any]) -> bytes:
@@ -187,6 +225,10 @@ def parse_manifest(raw: bytes, path: Path) -> Manifest:
         isinstance(v, (int, float)) and math.isfinite(v) for v in costs.values()
     ):
         costs = {}
+    training_info = doc.get("training_info", {})
+    problem = _info_problem(training_info)
+    if problem is not None:
+        raise _fail(path, f"training_info {problem}")
     return Manifest(
         step=step,
         world_size=world_size,
@@ -195,6 +237,7 @@ def parse_manifest(raw: bytes, path: Path) -> Manifest:
         tensors=tensors,
         tree=tree,
         costs=costs,
+        training_info=training_info,
     )
 
 

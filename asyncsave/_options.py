@@ -7,6 +7,7 @@ import math
 
 from ._fs import LocalFileSystem
 from ._paths import LAYOUTS
+from ._retention import Retention, as_retention
 
 __all__ = ["CheckpointOptions"]
 
@@ -18,8 +19,17 @@ class CheckpointOptions:
     Every field is validated on construction; a bad value raises ``ValueError``
     naming the field.
 
-    :param layout: naming preset of the final directories and the tracker file.
-        ``"asyncsave"``: ``step_<N>/`` and ``latest_checkpointed_iteration.txt``.
+    :param layout: naming preset of the final directories and the tracker file, so
+        a framework's own resume logic finds the checkpoints unchanged:
+        ``"asyncsave"`` (``step_<N>/``, ``latest_checkpointed_iteration.txt``),
+        ``"verl"`` (``global_step_<N>/``, ``latest_checkpointed_iteration.txt``),
+        ``"megatron"`` (``iter_<N:07d>/``, ``latest_checkpointed_iteration.txt``),
+        ``"skyrl"`` (``global_step_<N>/``, ``latest_ckpt_global_step.txt``),
+        ``"nemo-rl"`` (``step_<N>/`` with ``training_info.json`` inside, no tracker).
+    :param retention: which committed checkpoints to keep (``KeepLast(k)``,
+        ``KeepEvery(n)``, ``KeepBest(k, metric=...)``, combined with ``|`` or given
+        as a list); ``None`` keeps everything. Decided from what is on disk after
+        each commit; see :mod:`asyncsave._retention`.
     :param budget_bytes: bytes of host staging memory, allocated once and reused
         for every save. ``None`` (default): the size of the first state saved,
         grown (once, while idle) if a later state is larger. An explicit budget
@@ -55,6 +65,7 @@ class CheckpointOptions:
     """
 
     layout: str = "asyncsave"
+    retention: Retention | None = None
     budget_bytes: int | None = None
     writer_threads: int = 2
     save_timeout_s: float = 3600.0
@@ -69,6 +80,7 @@ class CheckpointOptions:
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}")
+        object.__setattr__(self, "retention", as_retention(self.retention))
         if self.budget_bytes is not None and (
             isinstance(self.budget_bytes, bool)
             or not isinstance(self.budget_bytes, int)

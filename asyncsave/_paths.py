@@ -19,7 +19,9 @@ __all__ = [
     "Layout",
     "aside_dir_name",
     "data_file_name",
+    "is_retired_name",
     "is_temp_name",
+    "retired_dir_name",
     "temp_dir_name",
     "temp_file_name",
 ]
@@ -40,13 +42,18 @@ class Layout:
     :param dir_regex: the regex that recognises a final directory name; group 1 is
         the step in decimal.
     :param tracker_name: file in the root holding the latest committed step as a
-        bare decimal (Megatron/verl convention), or ``None`` for no tracker.
+        bare decimal (Megatron/verl convention), or ``None`` for no tracker (the
+        resolver then takes the highest committed directory).
+    :param info_name: a flat JSON file written inside each checkpoint directory
+        before its commit, holding ``{"step": N, **info}`` (NeMo-RL's
+        ``training_info.json``), or ``None``.
     """
 
     name: str
     dir_format: str
     dir_regex: str
     tracker_name: str | None
+    info_name: str | None = None
 
     def dir_name(self, step: int) -> str:
         """Final directory name of ``step``; e.g. ``step_40``."""
@@ -61,12 +68,47 @@ class Layout:
         return int(match.group(1))
 
 
+_DECIMAL = r"(0|[1-9][0-9]{0,18})"
+_MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+
 LAYOUTS: dict[str, Layout] = {
     "asyncsave": Layout(
         name="asyncsave",
         dir_format="step_{}",
-        dir_regex=r"step_(0|[1-9][0-9]{0,18})",
-        tracker_name="latest_checkpointed_iteration.txt",
+        dir_regex=rf"step_{_DECIMAL}",
+        tracker_name=_MEGATRON_TRACKER,
+    ),
+    # verl: trainer/ppo/ray_trainer.py saves global_step_{N}/ and its
+    # find_latest_ckpt_path reads latest_checkpointed_iteration.txt.
+    "verl": Layout(
+        name="verl",
+        dir_format="global_step_{}",
+        dir_regex=rf"global_step_{_DECIMAL}",
+        tracker_name=_MEGATRON_TRACKER,
+    ),
+    # Megatron-LM: get_checkpoint_name pads the iteration to 7 digits (more digits
+    # past 9,999,999, never a leading zero then); read_metadata reads the tracker.
+    "megatron": Layout(
+        name="megatron",
+        dir_format="iter_{:07d}",
+        dir_regex=r"iter_([0-9]{7}|[1-9][0-9]{7,18})",
+        tracker_name=_MEGATRON_TRACKER,
+    ),
+    # SkyRL: global_step_{N}/ and latest_ckpt_global_step.txt.
+    "skyrl": Layout(
+        name="skyrl",
+        dir_format="global_step_{}",
+        dir_regex=rf"global_step_{_DECIMAL}",
+        tracker_name="latest_ckpt_global_step.txt",
+    ),
+    # NeMo-RL: step_{N}/ published by rename, no tracker (the CheckpointManager
+    # takes the highest step_* directory), training_info.json inside.
+    "nemo-rl": Layout(
+        name="nemo-rl",
+        dir_format="step_{}",
+        dir_regex=rf"step_{_DECIMAL}",
+        tracker_name=None,
+        info_name="training_info.json",
     ),
 }
 
@@ -83,6 +125,20 @@ def temp_dir_name(step: int) -> str:
 def temp_file_name(final_name: str) -> str:
     """A fresh temporary name for a file about to be replaced atomically."""
     return f"{_TEMP_PREFIX}{final_name}-{uuid.uuid4().hex[:12]}"
+
+
+_RETIRED_PREFIX = f"{_TEMP_PREFIX}retired-"
+
+
+def retired_dir_name(step: int) -> str:
+    """Where retention moves a checkpoint it deletes, just before removing it: a
+    temporary name (removed at the next open too) that no in-flight save uses."""
+    return f"{_RETIRED_PREFIX}{step}-{uuid.uuid4().hex[:12]}"
+
+
+def is_retired_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint retention was removing."""
+    return name.startswith(_RETIRED_PREFIX)
 
 
 def aside_dir_name(why: str, step: int) -> str:

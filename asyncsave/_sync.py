@@ -148,13 +148,24 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
             raise CheckpointerClosedError("use the SyncCheckpointer inside `with`")
         return self._portal.call(func, *args)
 
-    def save(self, step: int, state: Any, *, overwrite: bool = False) -> SyncSaveHandle:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        overwrite: bool = False,
+        training_info: dict[str, Any] | None = None,
+    ) -> SyncSaveHandle:
         """Snapshot ``state`` and return once it is staged; see
         :meth:`Checkpointer.save` for arguments and errors."""
         # The caller's CUDA streams are per thread: mark what this thread queued
         # before the call crosses to the portal's thread.
         ready = producer_events()
-        handle = self._call(lambda: self._ckpt._save(step, state, overwrite=overwrite, ready=ready))
+        handle = self._call(
+            lambda: self._ckpt._save(
+                step, state, overwrite=overwrite, ready=ready, training_info=training_info
+            )
+        )
         assert self._portal is not None
         return SyncSaveHandle(self._portal, handle)
 

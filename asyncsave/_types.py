@@ -27,6 +27,7 @@ class CheckpointInfo:
     :param committed_s: seconds from ``save()`` until the rename was durable and the
         tracker named this checkpoint (or a newer one). ``None`` for checkpoints
         found on disk, since the commit time is not part of the manifest.
+    :param training_info: the flat counters and metrics given to ``save()``.
     """
 
     step: int
@@ -38,6 +39,7 @@ class CheckpointInfo:
     staged_s: float | None = None
     written_s: float | None = None
     committed_s: float | None = None
+    training_info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def write_gbps(self) -> float | None:

@@ -105,6 +105,7 @@ class ItemLocation:
     """Where one DCP item lives: ``WriteResult.storage_data`` and the values of
     ``Metadata.storage_data``.
 
+    :param name: the item's name in the data file's safetensors header.
     :param file: data file name in the checkpoint directory.
     :param offset: absolute byte offset of the item in ``file``.
     :param nbytes: bytes of the item (a tensor chunk's raw bytes, or a byte item).
@@ -116,6 +117,7 @@ class ItemLocation:
     :param file_nbytes: the size of ``file``.
     """
 
+    name: str
     file: str
     offset: int
     nbytes: int
@@ -171,10 +173,11 @@ def write_part(
         for i, digest in write_data_file(fs, tmp, fl, entries, buffer).items():
             entries[i].digest = digest
     out = []
-    for (_, t), e, n in zip(items, entries, lengths, strict=True):
+    for (name, t), e, n in zip(items, entries, lengths, strict=True):
         fl = layouts[e.file]
         out.append(
             ItemLocation(
+                name=name,
                 file=fl.name,
                 offset=e.offset,
                 nbytes=n,
@@ -207,7 +210,7 @@ def dcp_manifest_doc(
                 files.append({"name": loc.file, "nbytes": loc.file_nbytes})
             entries.append(
                 {
-                    "name": _item_name(wr.index),
+                    "name": loc.name,
                     "file": index[loc.file],
                     "offset": loc.offset,
                     "nbytes": loc.entry_nbytes,

@@ -33,6 +33,7 @@ def _child(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"  # DCP's process executor reads it
     try:
         dist.init_process_group(
             "gloo",
@@ -65,7 +66,7 @@ def run_ranks(
     queue = ctx.Queue()
     store = str(tmp / f"store-{uuid.uuid4().hex}")
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, store, queue, args), daemon=True)
+        ctx.Process(target=_child, args=(fn, r, world_size, store, queue, args), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

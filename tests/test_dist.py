@@ -181,7 +181,8 @@ def test_killed_rank_makes_the_other_raise_and_step_1_still_loads(tmp_path: Path
     assert results[1] == ("exit", -signal.SIGKILL)
     (survivor,) = values({0: results[0]})
     name, ranks, text = survivor["error"]
-    assert name == "RankFailedError" and "gloo" in text
+    # A dead peer cannot report a cause: the collective's own error says what broke.
+    assert name == "RankFailedError" and "gloo" in text and ranks == {}
     assert survivor["waited_s"] < 20 + 10  # raised by the collective, not the harness
     assert survivor["step2_exists"] is False and survivor["tracker"] == "1"
     # The last committed checkpoint loads at world size 1 ...

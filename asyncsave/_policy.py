@@ -1,0 +1,271 @@
+"""Save policies: small objects a train pump asks, once per trained step, whether
+to save now and whether to stop.
+
+::
+
+    policy = asyncsave.SaveEvery(100) | asyncsave.SaveAtStep(total_steps) \\
+        | asyncsave.SaveOnSignal(signal.SIGTERM)
+    with policy:                                  # installs the signal handler
+        for step in range(start, total_steps + 1):
+            train_one_step()
+            if policy.should_save(step):
+                await ckpt.save(step, state)
+            if policy.stop_requested:
+                break                             # preempted: saved, now stop
+
+``step`` is the last trained step (the number the checkpoint is named after, S16);
+call :meth:`SavePolicy.should_save` exactly once per step, after the step trained:
+time-based policies measure the step time between calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from types import FrameType, TracebackType
+from typing import Any
+
+__all__ = ["SaveAtStep", "SaveBeforeDeadline", "SaveEvery", "SaveOnSignal", "SavePolicy"]
+
+logger = logging.getLogger("asyncsave")
+
+
+class SavePolicy:
+    """Base of the save policies; combine them with ``|`` (save when any says so,
+    stop when any asks). Policies that install something (signal handlers) do it
+    in ``__enter__`` / :meth:`install` and undo it in ``__exit__`` / :meth:`close`."""
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save the state after trained step ``step``."""
+        raise NotImplementedError
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether the pump should stop after this step's save (preemption, a
+        deadline reached)."""
+        return False
+
+    def install(self) -> None:
+        """Install what the policy needs (nothing, by default)."""
+
+    def close(self) -> None:
+        """Undo :meth:`install`."""
+
+    def __enter__(self) -> SavePolicy:
+        self.install()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __or__(self, other: SavePolicy) -> SavePolicy:
+        if not isinstance(other, SavePolicy):
+            return NotImplemented
+        return _AnyPolicy((*_parts(self), *_parts(other)))
+
+
+def _parts(p: SavePolicy) -> tuple[SavePolicy, ...]:
+    return p.policies if isinstance(p, _AnyPolicy) else (p,)
+
+
+def _check_step(step: object) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    return step
+
+
+class _AnyPolicy(SavePolicy):
+    def __init__(self, policies: tuple[SavePolicy, ...]) -> None:
+        self.policies = policies
+
+    def should_save(self, step: int) -> bool:
+        # Every policy sees every step (time-based ones measure between calls).
+        answers = [p.should_save(step) for p in self.policies]
+        return any(answers)
+
+    @property
+    def stop_requested(self) -> bool:
+        return any(p.stop_requested for p in self.policies)
+
+    def install(self) -> None:
+        for p in self.policies:
+            p.install()
+
+    def close(self) -> None:
+        for p in reversed(self.policies):
+            p.close()
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(p) for p in self.policies)
+
+
+@dataclasses.dataclass
+class SaveEvery(SavePolicy):
+    """Save after every ``n``-th step (``step % n == 0``); never at step 0.
+
+    :param n: the period in steps (a positive int).
+    :raises ValueError: ``n`` is not a positive int.
+    """
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SaveEvery.n must be a positive int, got {self.n!r}")
+
+    def should_save(self, step: int) -> bool:
+        return _check_step(step) > 0 and step % self.n == 0
+
+
+@dataclasses.dataclass
+class SaveAtStep(SavePolicy):
+    """Save after the given steps (typically the last one:
+    ``SaveAtStep(total_steps)``).
+
+    :param steps: one positive step or several.
+    """
+
+    steps: int | Iterable[int]
+
+    def __post_init__(self) -> None:
+        steps = [self.steps] if isinstance(self.steps, int) else list(self.steps)
+        for s in steps:
+            if _check_step(s) == 0:
+                raise ValueError("SaveAtStep: step 0 holds an untrained model; use steps >= 1")
+        self._set = frozenset(steps)
+
+    def should_save(self, step: int) -> bool:
+        return _check_step(step) in self._set
+
+
+class SaveBeforeDeadline(SavePolicy):
+    """Save once before a wall-clock deadline (a job's time limit), then ask the
+    pump to stop.
+
+    The step time is measured between calls of :meth:`should_save`; the policy
+    fires at the first step after which another step (the slowest of the last
+    ``window`` steps) plus ``reserve_s`` would no longer fit before ``deadline``.
+
+    :param deadline: the time limit, in the units of ``clock`` (default: Unix
+        seconds, ``time.time()``).
+    :param reserve_s: seconds kept for the save itself and shutdown (time to
+        durable of an earlier save is a good value).
+    :param clock: returns the current time; tests pass a fake clock.
+    :param window: how many recent step times to take the maximum of.
+    :param stop: also request a stop once fired (default ``True``).
+    """
+
+    def __init__(
+        self,
+        deadline: float,
+        *,
+        reserve_s: float = 0.0,
+        clock: Callable[[], float] = time.time,
+        window: int = 8,
+        stop: bool = True,
+    ) -> None:
+        if reserve_s < 0 or window < 1:
+            raise ValueError("reserve_s must be >= 0 and window >= 1")
+        self.deadline = float(deadline)
+        self.reserve_s = float(reserve_s)
+        self.clock = clock
+        self.stop = stop
+        self.fired = False
+        self._last: float | None = None
+        self._steps: deque[float] = deque(maxlen=window)
+
+    def should_save(self, step: int) -> bool:
+        _check_step(step)
+        now = self.clock()
+        if self._last is not None:
+            self._steps.append(max(0.0, now - self._last))
+        self._last = now
+        if self.fired:
+            return False
+        step_s = max(self._steps, default=0.0)
+        if now + step_s + self.reserve_s >= self.deadline:
+            self.fired = True
+            logger.info(
+                "deadline in %.1f s, next step needs ~%.1f s (+%.1f s reserve): saving step %d",
+                self.deadline - now,
+                step_s,
+                self.reserve_s,
+                step,
+            )
+            return step > 0
+        return False
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.stop and self.fired
+
+    def __repr__(self) -> str:
+        return f"SaveBeforeDeadline({self.deadline}, reserve_s={self.reserve_s})"
+
+
+class SaveOnSignal(SavePolicy):
+    """Preemption: when one of ``signals`` arrives (SIGTERM from Slurm or
+    Kubernetes, say), save at the next step boundary and ask the pump to stop.
+
+    The handler only sets a flag (safe at any instant); the save happens in the
+    pump, at a step boundary, so the checkpoint is never torn. Handlers are
+    installed by ``with policy:`` / :meth:`install` (from the main thread, as
+    Python requires) and the previous ones restored by :meth:`close`.
+
+    :param signals: signal numbers (default ``SIGTERM``).
+    """
+
+    def __init__(self, *signals: int) -> None:
+        self.signals = tuple(signals) or (signal.SIGTERM,)
+        self.received: int | None = None
+        self._saved = False
+        self._previous: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signum
+
+    def install(self) -> None:
+        if self._previous:
+            return
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handler)
+
+    def close(self) -> None:
+        previous, self._previous = self._previous, {}
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def trigger(self, signum: int = signal.SIGTERM) -> None:
+        """Act as if ``signum`` arrived (for tests and for other notifiers)."""
+        self.received = signum
+
+    def should_save(self, step: int) -> bool:
+        _check_step(step)
+        with self._lock:
+            if self.received is None or self._saved:
+                return False
+            self._saved = True
+        logger.warning(
+            "signal %s received: saving step %d, then stopping",
+            signal.Signals(self.received).name,
+            step,
+        )
+        return step > 0
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.received is not None
+
+    def __repr__(self) -> str:
+        return f"SaveOnSignal({', '.join(signal.Signals(s).name for s in self.signals)})"

@@ -1,0 +1,222 @@
+"""Retention: which committed checkpoints to keep, decided from what is on disk.
+
+A rule looks only at the committed checkpoints found under the root (their steps
+and the ``training_info`` in their manifests), never at a list kept in memory, so a
+restarted process keeps enforcing it (Source: verl-project/verl #7395, where the
+prune list lived in memory and nothing old was deleted after a restart). The engine
+applies it only after a commit and the tracker update (S2, S8), and never deletes
+the tracked checkpoint, the newest committed one, one in flight, or the one this
+run resumed from.
+
+Rules combine with ``|``: a checkpoint is kept if any rule keeps it::
+
+    retention = asyncsave.KeepLast(2) | asyncsave.KeepEvery(1000)
+    retention = asyncsave.KeepLast(1) | asyncsave.KeepBest(3, metric="eval/reward")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from ._fs import LocalFileSystem
+from ._load import read_checkpoint, scan_steps
+from ._paths import Layout, is_retired_name, retired_dir_name
+
+__all__ = ["Candidate", "KeepBest", "KeepEvery", "KeepLast", "Retention", "apply_retention"]
+
+logger = logging.getLogger("asyncsave")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A committed checkpoint as retention sees it.
+
+    :param step: its step.
+    :param training_info: the flat ``training_info`` saved with it (counters and
+        metrics), empty when none was given.
+    """
+
+    step: int
+    training_info: Mapping[str, object]
+
+
+class Retention:
+    """Base of the retention rules; combine rules with ``|``."""
+
+    def keep(self, candidates: list[Candidate]) -> set[int]:
+        """The steps of ``candidates`` (sorted by step) this rule keeps."""
+        raise NotImplementedError
+
+    def __or__(self, other: Retention) -> Retention:
+        if not isinstance(other, Retention):
+            return NotImplemented
+        return _AnyOf((*_rules(self), *_rules(other)))
+
+
+def _rules(rule: Retention) -> tuple[Retention, ...]:
+    return rule.rules if isinstance(rule, _AnyOf) else (rule,)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _AnyOf(Retention):
+    rules: tuple[Retention, ...]
+
+    def keep(self, candidates: list[Candidate]) -> set[int]:
+        kept: set[int] = set()
+        for rule in self.rules:
+            kept |= rule.keep(candidates)
+        return kept
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(r) for r in self.rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLast(Retention):
+    """Keep the ``k`` committed checkpoints with the highest steps.
+
+    :param k: how many (a positive int).
+    :raises ValueError: ``k`` is not a positive int.
+    """
+
+    k: int
+
+    def __post_init__(self) -> None:
+        _positive_int("KeepLast.k", self.k)
+
+    def keep(self, candidates: list[Candidate]) -> set[int]:
+        return {c.step for c in candidates[-self.k :]}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepEvery(Retention):
+    """Keep every checkpoint whose step is a multiple of ``n`` (step 1000, 2000, ...
+    for ``n=1000``), for long-term evaluation.
+
+    :param n: the period in steps (a positive int).
+    :raises ValueError: ``n`` is not a positive int.
+    """
+
+    n: int
+
+    def __post_init__(self) -> None:
+        _positive_int("KeepEvery.n", self.n)
+
+    def keep(self, candidates: list[Candidate]) -> set[int]:
+        return {c.step for c in candidates if c.step % self.n == 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepBest(Retention):
+    """Keep the ``k`` checkpoints with the best value of a metric in their
+    ``training_info`` (``save(..., training_info={"eval/reward": 0.71})``).
+
+    Ties go to the newer step. A checkpoint whose ``training_info`` lacks the
+    metric, or holds a non-number or NaN there, is not ranked: this rule does not
+    keep it (combine with :class:`KeepLast` to keep recent unevaluated ones).
+
+    :param k: how many (a positive int).
+    :param metric: key in ``training_info``.
+    :param mode: ``"max"`` (higher is better) or ``"min"``.
+    :raises ValueError: a bad ``k``, an empty ``metric`` or an unknown ``mode``.
+    """
+
+    k: int
+    metric: str
+    mode: str = "max"
+
+    def __post_init__(self) -> None:
+        _positive_int("KeepBest.k", self.k)
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"KeepBest.metric must be a non-empty str, got {self.metric!r}")
+        if self.mode not in ("max", "min"):
+            raise ValueError(f"KeepBest.mode must be 'max' or 'min', got {self.mode!r}")
+
+    def keep(self, candidates: list[Candidate]) -> set[int]:
+        ranked: list[tuple[float, int]] = []
+        for c in candidates:
+            value = c.training_info.get(self.metric)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if math.isnan(value):
+                continue
+            ranked.append((value if self.mode == "max" else -value, c.step))
+        ranked.sort(reverse=True)
+        return {step for _, step in ranked[: self.k]}
+
+
+def as_retention(value: object) -> Retention | None:
+    """Normalise the ``retention`` option: a rule, an iterable of rules (any of
+    them keeps), or ``None`` (keep everything)."""
+    if value is None or isinstance(value, Retention):
+        return value
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        rules = list(value)
+        if rules and all(isinstance(r, Retention) for r in rules):
+            combined = rules[0]
+            for r in rules[1:]:
+                combined = combined | r
+            return combined
+    raise ValueError(
+        f"retention={value!r} must be a KeepLast/KeepEvery/KeepBest rule, several "
+        "combined with |, a list of them, or None"
+    )
+
+
+def apply_retention(
+    fs: LocalFileSystem,
+    root: Path,
+    layout: Layout,
+    rule: Retention,
+    protected: Iterable[int],
+) -> list[int]:
+    """Delete the committed checkpoints under ``root`` that ``rule`` does not keep.
+
+    Never deletes a step in ``protected`` (the caller passes the tracked step, the
+    resumed-from step and steps in flight) nor the newest committed step (what a
+    tracker-less resolver resumes from). Directories whose manifest does not read
+    are left alone (recovery moves them aside at the next open). Each retired
+    checkpoint is first renamed to a temporary name and the root fsynced, so a
+    crash mid-delete leaves either the whole checkpoint under its final name or a
+    temporary directory that the next open removes, never a partial checkpoint
+    under a final name.
+
+    Leftovers of an earlier pass whose removal failed are removed first.
+
+    :returns: the steps deleted, ascending.
+    :raises OSError: a rename or removal failed (the checkpoint is then either
+        intact under its final name or under a temporary name).
+    """
+    for name in fs.listdir(root):
+        if is_retired_name(name):
+            fs.remove_tree(root / name)
+    candidates: list[Candidate] = []
+    for step, path in sorted(scan_steps(fs, root, layout).items()):
+        try:
+            manifest = read_checkpoint(fs, path, expect_step=step)
+        except Exception as exc:  # damaged or foreign: not ours to delete
+            logger.debug("retention skips %s: %s", path, exc)
+            continue
+        candidates.append(Candidate(step, manifest.training_info))
+    if not candidates:
+        return []
+    keep = rule.keep(candidates) | set(protected) | {candidates[-1].step}
+    retired = [c.step for c in candidates if c.step not in keep]
+    for step in retired:
+        final = root / layout.dir_name(step)
+        doomed = root / retired_dir_name(step)
+        fs.rename(final, doomed)
+        fs.fsync_dir(root)
+        fs.remove_tree(doomed)
+        logger.info("retention removed %s", final)
+    return retired
