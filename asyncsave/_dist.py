@@ -82,7 +82,14 @@ if TYPE_CHECKING:
     from ._plan import Plan
     from ._stage import Lease
 
-__all__ = ["DistContext", "contains_dtensor", "load_rank", "merge_parts", "wants_distributed"]
+__all__ = [
+    "DistContext",
+    "ForeignJob",
+    "contains_dtensor",
+    "load_rank",
+    "merge_parts",
+    "wants_distributed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +239,29 @@ class PlainJob:
     lease: Lease
 
 
+class ForeignJob:
+    """A save whose files another library writes (Megatron's async request): the
+    hooks the collective pipeline calls, in order, on every rank."""
+
+    nbytes: int = 0
+
+    async def write(self, ckpt: Checkpointer, ctx: DistContext, tmp: Path) -> dict[str, Any]:
+        """Phase B: this rank's files, durable; returns this rank's part."""
+        raise NotImplementedError
+
+    async def finalize(
+        self, ckpt: Checkpointer, ctx: DistContext, tmp: Path, parts: list[dict[str, Any]]
+    ) -> None:
+        """After every rank's files are durable, before the commit (every rank)."""
+
+    def manifest(self, tmp: Path, step: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Rank 0: asyncsave's manifest of the finished directory (blocking)."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Give back staging memory; idempotent."""
+
+
 @dataclasses.dataclass
 class DcpJob:
     """DTensor state, staged to CPU by DCP's ``DefaultStager``."""
@@ -245,16 +275,18 @@ async def run_save(
     ctx: DistContext,
     ticket: int,
     handle: SaveHandle,
-    job: PlainJob | DcpJob | BaseException,
+    job: PlainJob | DcpJob | ForeignJob | BaseException,
     times: tuple[float, float],
     overwrite: bool,
     training_info: dict[str, Any],
+    tmp_name: str | None = None,
 ) -> None:
     """The pipeline of one save of several ranks (see the module docstring).
 
     ``job`` is an exception when this rank's ``save()`` failed before its snapshot
     was taken: the rank still takes part in the collectives, so the others raise
-    naming it instead of waiting for it.
+    naming it instead of waiting for it. ``tmp_name``: the temporary directory was
+    agreed already (phase A done by the caller, see ``asyncsave.megatron``).
     """
     step = handle.step
     t0, staged_s = times
@@ -267,15 +299,18 @@ async def run_save(
             with anyio.fail_after(ckpt.options.save_timeout_s):
                 await ctx.wait_turn(ticket)
                 # A: the shared temporary directory.
-                name: str | None = None
-                if ctx.rank == 0 and not isinstance(job, BaseException):
+                name: str | None = tmp_name
+                if tmp_name is not None:
+                    tmp = ckpt.root / tmp_name
+                elif ctx.rank == 0 and not isinstance(job, BaseException):
                     try:
                         name = (await ckpt._run(make_temp_dir, fs, ckpt.root, step)).name
                     except Exception as exc:
                         name = f"error: {exc!r}"
                 elif ctx.rank == 0:
                     name = f"error: {job!r}"
-                name = await ctx.broadcast("temp-dir", name, step)
+                if tmp_name is None:
+                    name = await ctx.broadcast("temp-dir", name, step)
                 assert isinstance(name, str)
                 local_error: BaseException | None = None
                 part: dict[str, Any] | None = None
@@ -313,6 +348,31 @@ async def run_save(
                     if local_error is not None:
                         error.__cause__ = local_error
                     raise error
+                if isinstance(job, ForeignJob):
+                    # The other library's finalize steps, after every rank's files
+                    # are durable and before the commit and the tracker.
+                    assert tmp is not None
+                    finalize_error: BaseException | None = None
+                    try:
+                        await job.finalize(ckpt, ctx, tmp, [o[1] for o in outcomes])
+                    except Exception as exc:
+                        finalize_error = exc
+                    finalized = await ctx.all_gather(
+                        "finalized", None if finalize_error is None else repr(finalize_error), step
+                    )
+                    failed = {r: o for r, o in enumerate(finalized) if isinstance(o, str)}
+                    if failed:
+                        error = RankFailedError(
+                            f"finalizing step {step} failed on rank(s) {sorted(failed)}; no "
+                            "rank committed it: "
+                            + "; ".join(f"rank {r}: {c}" for r, c in sorted(failed.items())),
+                            step=step,
+                            rank=min(failed),
+                            ranks=failed,
+                            path=tmp,
+                        )
+                        error.__cause__ = finalize_error
+                        raise error
                 # C: rank 0 commits and moves the tracker; everyone hears the outcome.
                 final = ckpt.root / ckpt.layout.dir_name(step)
                 outcome: str | None = None
@@ -321,7 +381,11 @@ async def run_save(
                     assert tmp is not None
                     try:
                         parts: list[dict[str, Any]] = [o[1] for o in outcomes if o is not None]
-                        doc = _manifest(ckpt, job, parts, step, t0, staged_s, written_s)
+                        doc = await ckpt._run(
+                            functools.partial(
+                                _manifest, ckpt, job, parts, step, staged_s, written_s, tmp
+                            )
+                        )
                         doc["training_info"] = training_info
                         if ckpt.layout.info_name is not None:
                             info_json = json.dumps({**training_info, "step": step}, indent=1)
@@ -392,6 +456,8 @@ async def run_save(
             ctx.end_turn(ticket)
             if isinstance(job, PlainJob):
                 job.lease.release()
+            elif isinstance(job, ForeignJob):
+                job.release()
             if ckpt._pending.get(step) is handle:
                 del ckpt._pending[step]
             ckpt._scopes.pop(step, None)
@@ -406,10 +472,16 @@ def _as_error(exc: Exception, step: int, timeout_s: float) -> SaveFailedError:
 
 
 async def _write_rank(
-    ckpt: Checkpointer, ctx: DistContext, tmp: Path, job: PlainJob | DcpJob, step: int
+    ckpt: Checkpointer,
+    ctx: DistContext,
+    tmp: Path,
+    job: PlainJob | DcpJob | ForeignJob,
+    step: int,
 ) -> dict[str, Any] | None:
     """Phase B on this rank: its files, durable. Returns its part of the manifest
     (plain state), or ``None`` (DCP: rank 0's writer holds the manifest)."""
+    if isinstance(job, ForeignJob):
+        return await job.write(ckpt, ctx, tmp)
     if isinstance(job, PlainJob):
         await ckpt._write_files(tmp, job.plan, job.layouts, job.lease)
         job.lease.release()
@@ -446,13 +518,17 @@ def _manifest(
     job: Any,
     parts: list[dict[str, Any]],
     step: int,
-    t0: float,
     staged_s: float,
     written_s: float,
+    tmp: Path,
 ) -> dict[str, Any]:
     from ._engine import _manifest_doc
 
     costs = {"blocked_s": staged_s, "staged_s": staged_s, "written_s": written_s}
+    if isinstance(job, ForeignJob):
+        doc = job.manifest(tmp, step, parts)
+        doc["costs"] = costs
+        return doc
     if isinstance(job, DcpJob):
         doc = dict(parts[0]["dcp"])
         doc["costs"] = costs

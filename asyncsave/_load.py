@@ -542,6 +542,12 @@ def load(
             "it with dcp.load(state, storage_reader=asyncsave.dcp.StorageReader(path))",
             path=p,
         )
+    if manifest.tree.get("type") == "foreign":
+        raise UnsupportedFormatError(
+            f"{p} holds files written by {manifest.tree.get('format')!r}, committed by "
+            "asyncsave: load it with that library (e.g. megatron.core.dist_checkpointing.load)",
+            path=p,
+        )
     raw = _read_entries(fs, p, manifest, verify=verify)
     tensors = _build_tensors(manifest, raw, target)
     state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(
@@ -590,6 +596,8 @@ def verify(
     fs = filesystem or LocalFileSystem()
     p = Path(path)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
+    if manifest.tree.get("type") == "foreign":
+        return info_of(p, manifest)  # another library's files: their sizes are checked
     raw = _read_entries(fs, p, manifest, verify=True)
     tensors = _build_tensors(manifest, raw, torch.device("cpu"))
     decoder = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=False, unpickle=False)
