@@ -206,6 +206,15 @@ class Checkpointer:
     ``wait()`` and close raise :class:`SaveFailedError`. A trainer never goes on
     believing it is checkpointing; open a new checkpointer to go on.
 
+    Several ranks (``torch.distributed`` initialised with a world size above 1, or
+    ``distributed=True``): entering creates asyncsave's own gloo group (every rank,
+    in the same order); only rank 0 locks and recovers the root; every rank calls
+    ``save()`` with the same steps in the same order; rank 0 commits once every
+    rank's files are durable and every rank's handle resolves after that; any
+    rank's failure raises :class:`RankFailedError` on all ranks. DTensor (FSDP2)
+    state goes through DCP's planner so that ``dcp.load`` reshards it. See
+    ``asyncsave._dist``, ``asyncsave.dcp`` and ``asyncsave.megatron``.
+
     :param root: directory holding the checkpoints and the tracker.
     :param options: a :class:`CheckpointOptions`; keyword ``overrides`` replace
         single fields (``Checkpointer(root, budget_bytes=2 << 30)``).

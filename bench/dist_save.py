@@ -147,17 +147,21 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     med = statistics.median
     ref = {k: med(v) for k, v in r0["reference"].items()}
-    rows = {
-        name: {k: med(v) for k, v in r.items()} for name, r in r0["results"].items()
-    }
-    print(f"2 ranks, {args.mib} MiB in total ({r0['local_bytes'] / 2**20:.0f} MiB per rank), "
-          f"median of {args.repeats}, slower rank")
-    print(f"  reference: host memcpy {ref['host_memcpy_s']:.3f} s, "
-          f"raw write+fsync {ref['raw_write_fsync_s']:.3f} s (per rank, both at once)")
+    rows = {name: {k: med(v) for k, v in r.items()} for name, r in r0["results"].items()}
+    print(
+        f"2 ranks, {args.mib} MiB in total ({r0['local_bytes'] / 2**20:.0f} MiB per rank), "
+        f"median of {args.repeats}, slower rank"
+    )
+    print(
+        f"  reference: host memcpy {ref['host_memcpy_s']:.3f} s, "
+        f"raw write+fsync {ref['raw_write_fsync_s']:.3f} s (per rank, both at once)"
+    )
     print(f"  {'':34s} {'blocked s':>10s} {'durable s':>10s} {'durable/raw':>12s}")
     for name, r in rows.items():
-        print(f"  {name:34s} {r['blocked_s']:10.3f} {r['durable_s']:10.3f} "
-              f"{r['durable_s'] / ref['raw_write_fsync_s']:12.2f}")
+        print(
+            f"  {name:34s} {r['blocked_s']:10.3f} {r['durable_s']:10.3f} "
+            f"{r['durable_s'] / ref['raw_write_fsync_s']:12.2f}"
+        )
     doc = {
         "world_size": 2,
         "mib_total": args.mib,
