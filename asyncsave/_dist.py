@@ -71,7 +71,7 @@ from ._errors import (
 from ._fs import LocalFileSystem
 from ._load import _build_tensors, _Decoder, _read_entries, _step_of_name, read_checkpoint
 from ._manifest import encode_manifest
-from ._paths import MANIFEST_NAME
+from ._paths import MANIFEST_NAME, temp_dir_name
 from ._plan import is_stateful
 from ._types import CheckpointInfo
 from ._write import write_bytes
@@ -323,6 +323,14 @@ async def run_save(
                     # B: this rank's files, then everyone's outcome.
                     if isinstance(job, BaseException):
                         local_error = job
+                    elif not name.startswith(temp_dir_name(step)[:-12]):
+                        local_error = CheckpointError(
+                            f"rank {ctx.rank} saved step {step} while rank 0 saved another "
+                            f"step ({name}): every rank must call save() with the same "
+                            "steps in the same order",
+                            step=step,
+                            rank=ctx.rank,
+                        )
                     else:
                         try:
                             part = await _write_rank(ckpt, ctx, tmp, job, step)

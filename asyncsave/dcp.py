@@ -381,6 +381,10 @@ class StorageReader(_DcpStorageReader):
     """DCP storage reader of checkpoints written through :class:`StorageWriter` (or
     by :meth:`Checkpointer.save` of DTensor state).
 
+    DCP's ``.metadata`` is a pickle (DCP's own format); it is unpickled only after
+    its size and XXH3-64 match the manifest, which guards against damage, not
+    against a forged checkpoint: read only checkpoints you trust, as with DCP.
+
     :param path: a checkpoint directory (``runs/exp1/step_40``), or a root, which
         resolves to the checkpoint its tracker names (:func:`asyncsave.latest`).
     :param verify: check every item's XXH3-64 checksum while reading.

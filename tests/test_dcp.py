@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import asyncsave
 from asyncsave import LocalFileSystem
+from asyncsave._dist import load_rank
 from asyncsave.dcp import StorageReader, StorageWriter
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -53,6 +54,8 @@ def test_dcp_save_commits_in_finish_and_dcp_load_reads_it_back(tmp_path: Path) -
     assert info.step == 5 and info.world_size == 1
     with pytest.raises(asyncsave.UnsupportedFormatError, match="StorageReader"):
         asyncsave.load(root / "step_5")
+    with pytest.raises(asyncsave.UnsupportedFormatError, match="StorageReader"):
+        load_rank(root / "step_5", 0, 2)  # what a distributed load_latest() calls
     target = zeros_like(state)
     dcp.load(target, storage_reader=StorageReader(root))  # the root: its latest
     for k, v in state.items():

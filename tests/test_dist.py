@@ -220,3 +220,28 @@ def test_rank_whose_save_call_fails_is_named_on_every_rank(tmp_path: Path) -> No
     assert r0[0] == "RankFailedError" and list(r0[1]) == [1] and "key" in r0[1][1].lower()
     assert r1[0] == "InvalidKeyError"  # the rank's own error, raised by its save()
     assert not (root / "step_1").exists()
+
+
+def _different_steps(rank: int, world: int, root: str) -> tuple[str, dict[int, str]]:
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(root, dist_timeout_s=20) as ckpt:
+            try:
+                await (await ckpt.save(3 + rank, state_of(rank, 3)))
+            except RankFailedError as exc:
+                seen["error"] = (type(exc).__name__, dict(exc.ranks))
+
+    try:
+        anyio.run(main)
+    except RankFailedError:
+        pass
+    return seen["error"]
+
+
+def test_ranks_saving_different_steps_commit_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    for name, ranks in values(run_ranks(_different_steps, 2, tmp_path, str(root))):
+        assert name == "RankFailedError" and list(ranks) == [1]
+        assert "same steps in the same order" in ranks[1]
+    assert sorted(p.name for p in root.iterdir()) == [".asyncsave.lock"]
