@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import asyncsave
 from asyncsave import LocalFileSystem, RankFailedError
+from asyncsave._dist import load_rank
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed import run_ranks, values
@@ -96,6 +97,11 @@ def test_two_ranks_commit_one_checkpoint_between_caller_barriers(
     assert set(whole) == {0, 1}
     assert same(whole[0], state_of(0, 2)) and same(whole[1], state_of(1, 2))
     assert asyncsave.verify(root / "step_2").world_size == 2
+    # One rank's part alone (what load_latest() reads on that rank), and a typed
+    # error at a world size per-rank state cannot be resharded to.
+    assert same(load_rank(root / "step_2", 1, 2), state_of(1, 2))
+    with pytest.raises(asyncsave.CheckpointError, match="saved by 2 ranks"):
+        load_rank(root / "step_2", 0, 3)
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
         "latest_checkpointed_iteration.txt",
         "step_1",
