@@ -44,6 +44,7 @@ from ._errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CorruptCheckpointError,
+    InvalidKeyError,
     InvalidStepError,
     ProtectedCheckpointError,
     SaveFailedError,
@@ -67,6 +68,7 @@ from ._retention import apply_retention
 from ._stage import Lease, StagingPool, stage_entries
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
+from ._update import rewrite_item
 from ._write import write_bytes, write_data_file
 
 __all__ = ["Checkpointer", "SaveHandle"]
@@ -745,6 +747,91 @@ class Checkpointer:
         """Move the tracker to ``step`` unless it already names a newer one."""
         if self._tracker is not None:
             await self._run(self._tracker.advance, step)
+
+    async def update(self, step: int, key: str, value: Any) -> CheckpointInfo:
+        """Replace one top-level item of a checkpoint this run committed, atomically.
+
+        For a small item next to a large state (a trainer state or dataloader
+        position rewritten after filtering data, as in SkyRL's fully-async
+        checkpointing fix): the other items are not read or rewritten; the new
+        checkpoint directory hard-links their data files, adds one checksummed data
+        file for the item's tensors (if any) and a new manifest, and replaces the
+        old directory with ``renameat2(RENAME_EXCHANGE)`` (a crash leaves the old
+        or the new checkpoint, never a mix). Runs like a save of that step: a
+        ``save()`` of the same step waits for it, retention never deletes it
+        meanwhile. ``value`` is copied before this returns.
+
+        :param step: a step this checkpointer saved and committed.
+        :param key: the top-level key of the item (a str) the checkpoint has.
+        :param value: its new value (anything ``save()`` stores).
+        :returns: the updated checkpoint's info.
+        :raises ProtectedCheckpointError: ``step`` is the checkpoint this run
+            resumed from, or one this run did not write.
+        :raises MissingItemError: the checkpoint has no item ``key``.
+        :raises InvalidKeyError: ``key`` is not a str.
+        :raises InvalidStateError: ``value`` cannot be stored (nothing changes).
+        :raises SaveFailedError: the rewrite failed (the committed checkpoint is
+            unchanged); like a failed save, the checkpointer refuses further saves.
+        """
+        self._check_usable()
+        path = self.root / self.layout.dir_name(step)
+        if type(key) is not str:
+            raise InvalidKeyError(f"update() needs a str key, got {key!r}", key=repr(key))
+        if step == self._resumed_step:
+            raise ProtectedCheckpointError(
+                f"step {step} is the checkpoint this run resumed from; it is never rewritten",
+                step=step,
+                path=path,
+            )
+        while (pending := self._pending.get(step)) is not None:
+            await pending._done.wait()
+            self._check_usable()
+        old = self._committed.get(step)
+        if old is None or old.committed_s is None:
+            raise ProtectedCheckpointError(
+                f"step {step} was not saved by this checkpointer; update() rewrites only "
+                "checkpoints this run wrote",
+                step=step,
+                path=path,
+            )
+        plan = make_plan({key: value}, allow_pickle=self.options.allow_pickle)
+        layouts = layout_files(plan.entries, rank=0, max_files=1)
+        handle = SaveHandle(step)
+        handle._staged.set()
+        self._pending[step] = handle
+        pool = StagingPool(None)
+        try:
+            lease = await pool.acquire(
+                staging_nbytes(layouts), pin=any(d.type == "cuda" for d in plan.devices)
+            )
+            await stage_entries(
+                lease,
+                plan.entries,
+                poll_interval_s=self.options.poll_interval_s,
+                timeout_s=self.options.save_timeout_s,
+            )
+            plan.release_sources()
+            with anyio.CancelScope(shield=True), anyio.fail_after(self.options.save_timeout_s):
+                async with self._retention_lock:
+                    nbytes = await self._run(
+                        rewrite_item, self._fs, self.root, path, key, plan, layouts, lease.buffer
+                    )
+            info = dataclasses.replace(old, nbytes=nbytes)
+            self._committed[step] = info
+            handle._commit(info)
+            return info
+        except (CheckpointError, anyio.get_cancelled_exc_class()) as exc:
+            handle._fail(SaveFailedError(f"update of step {step} did not happen: {exc!r}"))
+            raise
+        except Exception as exc:
+            error = _as_save_error(exc, step, path, self.options.save_timeout_s)
+            self._fail(handle, error)
+            raise error from exc
+        finally:
+            if self._pending.get(step) is handle:
+                del self._pending[step]
+            with anyio.CancelScope(shield=True):
+                await pool.aclose()
 
     async def _retain(self, step: int) -> None:
         """Apply the retention rule after a commit (S2, S8: never before).

@@ -118,6 +118,11 @@ class LocalFileSystem:
         """Delete a directory and everything under it."""
         shutil.rmtree(path)
 
+    def link(self, src: Path, dst: Path) -> None:
+        """Hard-link ``src`` as ``dst`` (files of a committed checkpoint are never
+        written again, so a checkpoint derived from another shares them)."""
+        os.link(src, dst)
+
     def unlink(self, path: Path) -> None:
         path.unlink()
 
