@@ -511,10 +511,24 @@ async def _write_rank(
     )
     # DCP's own collectives (plans, write results) run here, on asyncsave's group,
     # inside this save's turn; a rank's write error comes back from DCP on every rank.
-    await anyio.to_thread.run_sync(
-        functools.partial(dcp.save, job.staged, storage_writer=writer, process_group=ctx.group),
-        abandon_on_cancel=True,
-    )
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        await anyio.to_thread.run_sync(
+            functools.partial(dcp.save, job.staged, storage_writer=writer, process_group=ctx.group),
+            abandon_on_cancel=True,
+        )
+    except CheckpointException as exc:
+        # DCP's error derives from BaseException: translated here, at the boundary.
+        causes = {
+            r: repr(f[0]) if isinstance(f, tuple) else repr(f) for r, f in exc.failures.items()
+        }
+        raise SaveFailedError(
+            f"DCP's save of step {step} failed on rank(s) {sorted(causes)}: "
+            + "; ".join(f"rank {r}: {c}" for r, c in sorted(causes.items())),
+            step=step,
+            path=tmp,
+        ) from exc
     if ctx.rank == 0:
         assert writer.manifest_doc is not None
         return {"dcp": writer.manifest_doc}

@@ -251,3 +251,44 @@ def test_ranks_saving_different_steps_commit_nothing(tmp_path: Path) -> None:
         assert name == "RankFailedError" and list(ranks) == [1]
         assert "same steps in the same order" in ranks[1]
     assert sorted(p.name for p in root.iterdir()) == [".asyncsave.lock"]
+
+
+def _dtensor_save_with_failing_rank(rank: int, world: int, root: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(64.0).reshape(8, 8)
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": 1}
+    fs: LocalFileSystem = _FailingFS() if rank == 1 else LocalFileSystem()
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(root, filesystem=fs, dist_timeout_s=30) as ckpt:
+            await (await ckpt.save(1, state))  # DTensor: DCP's planner, asyncsave's commit
+            try:
+                await (await ckpt.save(2, state))
+            except RankFailedError as exc:
+                seen["error"] = dict(exc.ranks)
+
+    try:
+        anyio.run(main)
+    except RankFailedError:
+        seen["close"] = True
+    return seen
+
+
+def test_dtensor_save_failing_on_one_rank_commits_nothing(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from asyncsave.dcp import StorageReader
+
+    root = tmp_path / "run"
+    for s in values(run_ranks(_dtensor_save_with_failing_rank, 2, tmp_path, str(root))):
+        # DCP reports rank 1's write error to every rank; no rank commits.
+        assert s["close"] and all("No space left" in c for c in s["error"].values())
+    assert not (root / "step_2").exists()
+    assert (root / TRACKER).read_text().strip() == "1"
+    out = {"w": torch.zeros(8, 8), "step": 0}
+    dcp.load(out, storage_reader=StorageReader(root), no_dist=True)  # resharded to 1
+    assert torch.equal(out["w"], torch.arange(64.0).reshape(8, 8)) and out["step"] == 1
