@@ -185,6 +185,15 @@ class RankFailedError(SaveFailedError):
         super().__init__(message, **kw)
         self.ranks: dict[int, str] = dict(ranks or {})
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_rank_failed, (self.message, self.step, self.path, self.rank, self.ranks))
+
+
+def _rebuild_rank_failed(
+    message: str, step: int | None, path: str | None, rank: int | None, ranks: dict[int, str]
+) -> RankFailedError:
+    return RankFailedError(message, step=step, path=path, rank=rank, ranks=ranks)
+
 
 class WaitTimeoutError(CheckpointError, TimeoutError):
     """``handle.wait(timeout_s=...)`` ran out before the commit. The save goes on and

@@ -292,3 +292,40 @@ def test_dtensor_save_failing_on_one_rank_commits_nothing(tmp_path: Path) -> Non
     out = {"w": torch.zeros(8, 8), "step": 0}
     dcp.load(out, storage_reader=StorageReader(root), no_dist=True)  # resharded to 1
     assert torch.equal(out["w"], torch.arange(64.0).reshape(8, 8)) and out["step"] == 1
+
+
+def test_rank_failed_error_keeps_its_ranks_across_pickle() -> None:
+    import pickle
+
+    err = RankFailedError("step 2 failed on rank 1", step=2, rank=1, ranks={1: "ENOSPC"})
+    back = pickle.loads(pickle.dumps(err))
+    assert (type(back), back.ranks, back.step, back.rank, str(back)) == (
+        RankFailedError,
+        {1: "ENOSPC"},
+        2,
+        1,
+        "step 2 failed on rank 1",
+    )
+
+
+def _three_saves_keep_last(rank: int, world: int, root: str) -> int:
+    async def main() -> int:
+        async with asyncsave.Checkpointer(
+            root, retention=asyncsave.KeepLast(1), dist_timeout_s=30
+        ) as ckpt:
+            for step in (1, 2, 3):
+                await (await ckpt.save(step, state_of(rank, step)))
+            restored = await ckpt.load_latest()
+            assert restored is not None and same(restored.state, state_of(rank, 3))
+            return restored.info.step
+
+    return anyio.run(main)
+
+
+def test_retention_after_a_collective_commit_keeps_only_the_last(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    assert values(run_ranks(_three_saves_keep_last, 2, tmp_path, str(root))) == [3, 3]
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
+        TRACKER,
+        "step_3",
+    ]
