@@ -264,10 +264,95 @@ class ForeignJob:
 
 @dataclasses.dataclass
 class DcpJob:
-    """DTensor state, staged to CPU by DCP's ``DefaultStager``."""
+    """DTensor state whose tensors (each DTensor's local shard) are staged in the
+    rank's pool; ``staged`` is the same tree over the staged copies."""
 
     staged: Any
     nbytes: int
+    lease: Lease | None = None
+
+
+def _walk(x: Any, fn: Callable[[Any], Any], depth: int = 0) -> Any:
+    """``x`` rebuilt with ``fn`` applied to every leaf, dicts/lists/tuples kept."""
+    if depth > 1000:
+        raise CheckpointError("state nested over 1000 levels deep")
+    if isinstance(x, dict):
+        return type(x)((k, _walk(v, fn, depth + 1)) for k, v in x.items())
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_walk(v, fn, depth + 1) for v in x)
+    return fn(x)
+
+
+async def stage_dtensor_state(ckpt: Checkpointer, state: Any) -> DcpJob:
+    """Snapshot DTensor state into this rank's staging pool: every DTensor's local
+    shard and every plain tensor copied (CUDA: pinned buffer, side stream, polled
+    events); other leaves deep-copied. Returns once the snapshot is consistent.
+
+    A non-contiguous CUDA shard is made contiguous on its device first (FSDP2's
+    shards are contiguous).
+    """
+    import copy
+
+    from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from ._plan import Entry
+    from ._stage import _destination, stage_entries
+
+    assert ckpt._pool is not None
+    tree = _stateful_to_state_dict(state) if isinstance(state, dict) else state
+    entries: list[Entry] = []
+    offset = 0
+
+    def collect(x: Any) -> Any:
+        nonlocal offset
+        if isinstance(x, torch.Tensor):
+            local = (x.to_local() if isinstance(x, DTensor) else x).detach()
+            if not local.is_contiguous():
+                local = local.contiguous()
+            nbytes = local.numel() * local.element_size()
+            e = Entry(
+                str(len(entries)),
+                local,
+                nbytes,
+                local.element_size(),
+                False,
+                local.dtype,
+                tuple(local.shape),
+            )
+            e.staging_offset = offset
+            offset += -(-nbytes // 64) * 64
+            entries.append(e)
+        return x
+
+    _walk(tree, collect)
+    ckpt._pool.check(offset)
+    lease = await ckpt._pool.acquire(
+        offset, pin=any(e.source is not None and e.source.is_cuda for e in entries)
+    )
+    try:
+        await stage_entries(
+            lease,
+            entries,
+            poll_interval_s=ckpt.options.poll_interval_s,
+            timeout_s=ckpt.options.save_timeout_s,
+        )
+        views = iter([_destination(lease.buffer, e) for e in entries])
+
+        def rebuild(x: Any) -> Any:
+            if isinstance(x, DTensor):
+                return DTensor(next(views), x._spec, requires_grad=False)
+            if isinstance(x, torch.Tensor):
+                return next(views)
+            return copy.deepcopy(x)
+
+        staged = _walk(tree, rebuild)
+    except BaseException:
+        lease.release()
+        raise
+    for e in entries:
+        e.source = None
+    return DcpJob(staged, sum(e.nbytes for e in entries), lease)
 
 
 async def run_save(
@@ -466,6 +551,8 @@ async def run_save(
                 job.lease.release()
             elif isinstance(job, ForeignJob):
                 job.release()
+            elif isinstance(job, DcpJob) and job.lease is not None:
+                job.lease.release()
             if ckpt._pending.get(step) is handle:
                 del ckpt._pending[step]
             ckpt._scopes.pop(step, None)
@@ -529,6 +616,8 @@ async def _write_rank(
             step=step,
             path=tmp,
         ) from exc
+    if job.lease is not None:
+        job.lease.release()  # written and fsynced: the pool is free for the next save
     if ctx.rank == 0:
         assert writer.manifest_doc is not None
         return {"dcp": writer.manifest_doc}

@@ -36,6 +36,7 @@ from ._dist import (
     contains_dtensor,
     load_rank,
     run_save,
+    stage_dtensor_state,
     wants_distributed,
 )
 from ._errors import (
@@ -546,7 +547,7 @@ class Checkpointer:
         lease: Lease | None = None
         try:
             if contains_dtensor(state):
-                job = DcpJob(*await anyio.to_thread.run_sync(_stage_dcp, state))
+                job = await stage_dtensor_state(self, state)
             else:
                 plan = make_plan(state, allow_pickle=self.options.allow_pickle)
                 layouts = layout_files(
@@ -1019,32 +1020,3 @@ def _manifest_doc(
             if math.isfinite(v)
         },
     }
-
-
-def _stage_dcp(state: Any) -> tuple[Any, int]:
-    """A CPU snapshot of DTensor state, taken by DCP's own stager (each rank's
-    local shards copied to fresh host tensors); runs in a worker thread."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
-
-    stager = DefaultStager(StagingOptions(False, False, False, False))
-    try:
-        staged = stager.stage(_stateful_to_state_dict(state))
-    finally:
-        stager.close()
-    nbytes = 0
-
-    def count(x: Any) -> None:
-        nonlocal nbytes
-        if isinstance(x, torch.Tensor):
-            local = x.to_local() if hasattr(x, "to_local") else x
-            nbytes += local.numel() * local.element_size()
-        elif isinstance(x, dict):
-            for v in x.values():
-                count(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                count(v)
-
-    count(staged)
-    return staged, nbytes

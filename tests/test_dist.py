@@ -265,7 +265,9 @@ def _dtensor_save_with_failing_rank(rank: int, world: int, root: str) -> dict[st
 
     async def main() -> None:
         async with asyncsave.Checkpointer(root, filesystem=fs, dist_timeout_s=30) as ckpt:
-            await (await ckpt.save(1, state))  # DTensor: DCP's planner, asyncsave's commit
+            handle = await ckpt.save(1, state)  # DTensor: DCP's planner, asyncsave's commit
+            state["w"].to_local().add_(1000)  # after save() returned: not in step 1 (S11)
+            await handle
             try:
                 await (await ckpt.save(2, state))
             except RankFailedError as exc:
