@@ -82,30 +82,36 @@ def _bench(rank: int, world: int, mib: int, repeats: int, base: str) -> dict[str
         r["blocked_s"].append(_slowest(blocked))
         r["durable_s"].append(_slowest(durable))
 
-    async def asyncsave_round(name: str, root: str, state: dict[str, Any]) -> None:
-        async with asyncsave.Checkpointer(root, dist_timeout_s=600) as ckpt:
+    async def rounds() -> None:
+        # Methods interleaved round by round, so that the disk's mood on this shared
+        # machine spreads over all of them alike.
+        async with (
+            asyncsave.Checkpointer(f"{base}/as-dtensor", dist_timeout_s=600) as c_dt,
+            asyncsave.Checkpointer(f"{base}/as-plain", dist_timeout_s=600) as c_pl,
+        ):
             for step in range(1, repeats + 1):
-                dist.barrier()
-                t0 = time.perf_counter()
-                handle = await ckpt.save(step, state)
-                blocked = time.perf_counter() - t0
-                await handle
-                record(name, blocked, time.perf_counter() - t0)
+                for name, ckpt, state in (
+                    ("asyncsave DTensor", c_dt, sharded),
+                    ("asyncsave per-rank", c_pl, local),
+                ):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    handle = await ckpt.save(step, state)
+                    blocked = time.perf_counter() - t0
+                    await handle
+                    record(name, blocked, time.perf_counter() - t0)
+                for name, writer in (
+                    ("dcp.async_save FileSystemWriter", dcp.FileSystemWriter(f"{base}/dcp-{step}")),
+                    ("dcp.async_save asyncsave writer", StorageWriter(f"{base}/dcp-as", step)),
+                ):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fut = dcp.async_save({"state": sharded}, storage_writer=writer)
+                    blocked = time.perf_counter() - t0
+                    fut.result()
+                    record(name, blocked, time.perf_counter() - t0)
 
-    anyio.run(asyncsave_round, "asyncsave DTensor", f"{base}/as-dtensor", sharded)
-    anyio.run(asyncsave_round, "asyncsave per-rank", f"{base}/as-plain", local)
-
-    for name, make in (
-        ("dcp.async_save FileSystemWriter", lambda s: dcp.FileSystemWriter(f"{base}/dcp-{s}")),
-        ("dcp.async_save asyncsave writer", lambda s: StorageWriter(f"{base}/dcp-as", s)),
-    ):
-        for step in range(1, repeats + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fut = dcp.async_save({"state": sharded}, storage_writer=make(step))
-            blocked = time.perf_counter() - t0
-            fut.result()
-            record(name, blocked, time.perf_counter() - t0)
+    anyio.run(rounds)
 
     # References: one rank's bytes copied in host memory, and written + fsynced raw.
     flat = torch.cat([t.reshape(-1) for t in local.values()]).view(torch.uint8)
