@@ -331,3 +331,18 @@ def test_retention_after_a_collective_commit_keeps_only_the_last(tmp_path: Path)
         TRACKER,
         "step_3",
     ]
+
+
+def _sync_facade(rank: int, world: int, root: str) -> tuple[int, int, bool]:
+    with asyncsave.SyncCheckpointer(root, dist_timeout_s=30) as ckpt:
+        info = ckpt.save(4, state_of(rank, 4)).result()
+        dist.barrier()  # the caller's own collective while nothing is pending
+        assert info is not None
+        restored = ckpt.load_latest()
+        assert restored is not None
+        return info.step, info.world_size, same(restored.state, state_of(rank, 4))
+
+
+def test_sync_facade_commits_collectively(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    assert values(run_ranks(_sync_facade, 2, tmp_path, str(root))) == [(4, 2, True)] * 2
