@@ -4,6 +4,7 @@ and FSDP2 on CPU (2 forked gloo ranks) resuming on 2 and on 1 rank."""
 from __future__ import annotations
 
 import errno
+import io
 import pickle
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import asyncsave
 from asyncsave import LocalFileSystem
+from asyncsave._cli import main as cli_main
 from asyncsave._dist import load_rank
 from asyncsave.dcp import StorageReader, StorageWriter
 
@@ -51,6 +53,9 @@ def test_dcp_save_commits_in_finish_and_dcp_load_reads_it_back(tmp_path: Path) -
     assert (root / TRACKER).read_text().strip() == "5"
     assert [p.name for p in root.iterdir() if p.name.startswith(".asyncsave-tmp")] == []
     info = asyncsave.verify(root / "step_5")  # every byte against its checksum
+    out = io.StringIO()
+    assert cli_main(["inspect", str(root / "step_5")], out=out) == 0
+    assert "torch.distributed.checkpoint" in out.getvalue()
     assert info.step == 5 and info.world_size == 1
     with pytest.raises(asyncsave.UnsupportedFormatError, match="StorageReader"):
         asyncsave.load(root / "step_5")
