@@ -129,9 +129,11 @@ class _KillingFS(LocalFileSystem):
         return super().write(fd, data)
 
 
-def _save_with_faulty_rank(rank: int, world: int, root: str, fault: str) -> dict[str, Any]:
+def _save_with_faulty_rank(
+    rank: int, world: int, root: str, fault: str, victim: int = 1
+) -> dict[str, Any]:
     fs: LocalFileSystem = LocalFileSystem()
-    if rank == 1:
+    if rank == victim:
         fs = _FailingFS() if fault == "enospc" else _KillingFS()
 
     async def main() -> dict[str, Any]:
@@ -181,11 +183,16 @@ def _resume(rank: int, world: int, root: str) -> bool:
     return anyio.run(main)
 
 
-def test_killed_rank_makes_the_other_raise_and_step_1_still_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1-killed", "rank0-killed"])
+def test_killed_rank_makes_the_other_raise_and_step_1_still_loads(
+    tmp_path: Path, victim: int
+) -> None:
     root = tmp_path / "run"
-    results = run_ranks(_save_with_faulty_rank, 2, tmp_path, str(root), "kill", timeout_s=90)
-    assert results[1] == ("exit", -signal.SIGKILL)
-    (survivor,) = values({0: results[0]})
+    results = run_ranks(
+        _save_with_faulty_rank, 2, tmp_path, str(root), "kill", victim, timeout_s=90
+    )
+    assert results[victim] == ("exit", -signal.SIGKILL)
+    (survivor,) = values({1 - victim: results[1 - victim]})
     name, ranks, text = survivor["error"]
     # A dead peer cannot report a cause: the collective's own error says what broke.
     assert name == "RankFailedError" and "gloo" in text and ranks == {}
