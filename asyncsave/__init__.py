@@ -39,6 +39,7 @@ from ._errors import (
     WaitTimeoutError,
 )
 from ._fs import LocalFileSystem
+from ._fsspec import FsspecFileSystem
 from ._load import latest, load, verify
 from ._options import CheckpointOptions
 from ._policy import SaveAtStep, SaveBeforeDeadline, SaveEvery, SaveOnSignal, SavePolicy
@@ -59,6 +60,7 @@ __all__ = [
     "CheckpointerClosedError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
+    "FsspecFileSystem",
     "InvalidKeyError",
     "InvalidStateError",
     "InvalidStepError",

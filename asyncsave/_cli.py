@@ -6,6 +6,10 @@
     asyncsave verify PATH      every checksum of one checkpoint (or of every one in ROOT)
     asyncsave inspect PATH     the state tree with dtype, shape and bytes per tensor
 
+ROOT and PATH may be URLs (``s3://bucket/prefix``, any fsspec URL). Credentials
+and endpoint come from the environment as the fsspec implementation reads them
+(``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``...) or from ``--storage-options JSON``.
+
 Read-only: nothing here deletes or moves files. Exit status 0 on success, 1 when a
 checkpoint fails verification or cannot be read, 2 on bad usage.
 """
@@ -13,6 +17,7 @@ checkpoint fails verification or cannot be read, 2 on bad usage.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -21,8 +26,10 @@ from typing import Any, TextIO
 
 from ._errors import CheckpointError
 from ._fs import LocalFileSystem
+from ._fsspec import open_root
 from ._load import read_checkpoint, scan_steps, verify
 from ._manifest import Manifest
+from ._marker import is_committed
 from ._paths import LAYOUTS, MANIFEST_NAME, is_temp_name
 from ._track import read_tracker
 
@@ -37,13 +44,12 @@ def _size(n: float) -> str:
     raise AssertionError
 
 
-def _ls(root: Path, layout_name: str, out: TextIO) -> int:
-    fs = LocalFileSystem()
+def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
     layout = LAYOUTS[layout_name]
-    if not root.exists():
+    if not fs.exists(root):
         print(f"asyncsave: {root}: no such file or directory", file=sys.stderr)
         return 1
-    if not root.is_dir():
+    if not fs.is_dir(root):
         print(f"asyncsave: {root} is not a directory", file=sys.stderr)
         return 1
     tracked: int | None = None
@@ -60,6 +66,13 @@ def _ls(root: Path, layout_name: str, out: TextIO) -> int:
     for step in sorted(steps):
         path = steps[step]
         mark = "*" if step == tracked else " "
+        if not is_committed(fs, path):
+            print(
+                f" {mark} {path.name:<20} step {step:>10}  uncommitted: no commit marker (a save "
+                "in flight, or one that never committed; removed at the next open)",
+                file=out,
+            )
+            continue
         try:
             m = read_checkpoint(fs, path, expect_step=step)
             size = m.nbytes
@@ -83,14 +96,13 @@ def _ls(root: Path, layout_name: str, out: TextIO) -> int:
     return rc
 
 
-def _verify(path: Path, layout_name: str, out: TextIO) -> int:
-    fs = LocalFileSystem()
-    if not path.exists():
+def _verify(fs: LocalFileSystem, path: Path, layout_name: str, out: TextIO) -> int:
+    if not fs.exists(path):
         print(f"asyncsave: {path}: no such file or directory", file=sys.stderr)
         return 1
     if path.name == MANIFEST_NAME:
         path = path.parent
-    if (path / MANIFEST_NAME).exists() or not path.is_dir():
+    if fs.exists(path / MANIFEST_NAME) or not fs.is_dir(path):
         targets = [path]
     else:
         targets = [p for _, p in sorted(scan_steps(fs, path, LAYOUTS[layout_name]).items())]
@@ -100,7 +112,7 @@ def _verify(path: Path, layout_name: str, out: TextIO) -> int:
     rc = 0
     for target in targets:
         try:
-            info = verify(target)
+            info = verify(target, filesystem=fs)
         except CheckpointError as exc:
             rc = 1
             print(f"FAIL {target}: {exc}", file=out)
@@ -169,16 +181,14 @@ def _describe(node: Any, m: Manifest, indent: int, label: str, out: TextIO) -> N
         print(f"{pad}{label}: {kind} {value!r}"[:200], file=out)
 
 
-def _inspect(path: Path, out: TextIO) -> int:
-    if not path.exists():
+def _inspect(fs: LocalFileSystem, path: Path, out: TextIO) -> int:
+    if not fs.exists(path):
         print(f"asyncsave: {path}: no such file or directory", file=sys.stderr)
         return 1
     if path.name == MANIFEST_NAME:
         path = path.parent
     try:
-        m = read_checkpoint(
-            LocalFileSystem(), path, expect_step=LAYOUTS["asyncsave"].parse_dir_name(path.name)
-        )
+        m = read_checkpoint(fs, path, expect_step=LAYOUTS["asyncsave"].parse_dir_name(path.name))
     except CheckpointError as exc:
         print(f"asyncsave: {exc}", file=sys.stderr)
         return 1
@@ -195,6 +205,16 @@ def _inspect(path: Path, out: TextIO) -> int:
     return 0
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Entry point of the ``asyncsave`` command; returns the exit status."""
     out = out or sys.stdout
@@ -203,22 +223,36 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     p_ls = sub.add_parser("ls", help="list committed checkpoints under ROOT")
-    p_ls.add_argument("root", type=Path)
+    p_ls.add_argument("root")
     p_ver = sub.add_parser(
         "verify", help="check every checksum of a checkpoint (or of all in a ROOT)"
     )
-    p_ver.add_argument("path", type=Path)
+    p_ver.add_argument("path")
     p_ins = sub.add_parser("inspect", help="print the state tree of a checkpoint")
-    p_ins.add_argument("path", type=Path)
+    p_ins.add_argument("path")
     for p in (p_ls, p_ver):
         p.add_argument("--layout", default="asyncsave", choices=sorted(LAYOUTS))
+    for p in (p_ls, p_ver, p_ins):
+        p.add_argument(
+            "--storage-options",
+            type=_json_object,
+            default=None,
+            metavar="JSON",
+            help='for URLs: fsspec keyword arguments, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+        )
     args = parser.parse_args(argv)
+    where = args.root if args.command == "ls" else args.path
+    try:
+        fs, path = open_root(where, storage_options=args.storage_options)
+    except (ValueError, ImportError) as exc:
+        print(f"asyncsave: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "ls":
-            return _ls(args.root, args.layout, out)
+            return _ls(fs, path, args.layout, out)
         if args.command == "verify":
-            return _verify(args.path, args.layout, out)
-        return _inspect(args.path, out)
+            return _verify(fs, path, args.layout, out)
+        return _inspect(fs, path, out)
     except BrokenPipeError:
         # `asyncsave inspect PATH | head`: the reader left; not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -12,6 +12,8 @@ The protocol, in order (each step durable before the next):
 A crash before 4 leaves only a temporary directory, which the next
 :func:`recover` removes; a crash between 5 and 6 leaves a committed checkpoint the
 tracker does not name yet, and :func:`recover` moves the tracker forward to it.
+Where the I/O layer has no atomic rename (object stores), ``_marker`` commits
+instead: files go under the final name and a marker written last is the commit.
 Sources: the ALICE study (OSDI'14) of what crash-consistent update protocols need,
 and verl-project/verl #4667 (tracker moved before the save finished).
 """
@@ -23,6 +25,7 @@ import errno
 import logging
 from pathlib import Path
 
+from . import _marker
 from ._errors import CheckpointError, CorruptCheckpointError, RootInUseError
 from ._fs import LocalFileSystem
 from ._load import read_checkpoint, scan_steps
@@ -58,8 +61,15 @@ def lock_root(fs: LocalFileSystem, root: Path) -> int:
     return fd
 
 
-def make_temp_dir(fs: LocalFileSystem, root: Path, step: int) -> Path:
-    """Create a fresh temporary directory for a save of ``step`` under ``root``."""
+def make_temp_dir(fs: LocalFileSystem, root: Path, step: int, *, final: Path | None = None) -> Path:
+    """Create a fresh temporary directory for a save of ``step`` under ``root``.
+
+    Without atomic rename (``fs.atomic_rename`` false) the save is written straight
+    under ``final`` instead (:func:`_marker.begin`).
+    """
+    if not fs.atomic_rename:
+        assert final is not None, "the marker protocol writes under the final name"
+        return _marker.begin(fs, final)
     path = root / temp_dir_name(step)
     fs.mkdir(path)
     return path
@@ -74,7 +84,19 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
     new checkpoint under the final name, never neither; the old one is then removed.
     :raises FileExistsError: ``final`` exists and ``overwrite`` is false.
     :raises CheckpointError: overwrite asked where the file system cannot exchange.
+
+    Without atomic rename, ``tmp`` is ``final`` and writing the commit marker is the
+    commit (:func:`_marker.commit`).
     """
+    if not fs.atomic_rename:
+        if tmp != final or overwrite:
+            raise CheckpointError(
+                f"{fs!r} has no atomic rename: a save is committed in place and never "
+                "overwrites a committed checkpoint",
+                path=final,
+            )
+        _marker.commit(fs, final)
+        return
     fs.fsync_dir(tmp)
     if overwrite and fs.exists(final):
         try:
@@ -117,7 +139,8 @@ class Recovered:
 def recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     """Bring ``root`` to a clean state when a checkpointer opens.
 
-    Removes temporary files and directories of saves that never committed; moves
+    Removes temporary files and directories of saves that never committed (and, on
+    object stores, final-named prefixes without a commit marker: ``_marker``); moves
     directories under a final name that hold no manifest (a partial directory from
     a non-atomic writer: NeMo-Automodel #3254, or another tool's files) and damaged
     checkpoints (a manifest that fails to parse, a file of the wrong size) aside
@@ -140,6 +163,12 @@ def recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     committed: dict[int, Path] = {}
     damaged: list[Path] = []
     for step, path in scan_steps(fs, root, layout).items():
+        if not _marker.is_committed(fs, path):
+            # Object stores: a save that never wrote its marker (crashed, failed).
+            logger.warning("removing %s: an uncommitted save (no commit marker)", path)
+            fs.remove_tree(path)
+            removed.append(path)
+            continue
         if not fs.exists(path / MANIFEST_NAME):
             # Never a checkpoint (S13); maybe another tool's files: moved, not deleted.
             aside = root / aside_dir_name("incomplete", step)

@@ -375,7 +375,7 @@ async def run_save(
     """
     step = handle.step
     t0, staged_s = times
-    fs = ckpt.options.filesystem
+    fs = ckpt._fs
     tmp: Path | None = None
     written_s = float("nan")
     with anyio.CancelScope(shield=True) as scope:
@@ -487,11 +487,14 @@ async def run_save(
                             )
                         await ckpt._run(write_bytes, fs, tmp / MANIFEST_NAME, encode_manifest(doc))
                         await ckpt._run(
-                            functools.partial(commit_dir, overwrite=overwrite), fs, tmp, final
+                            ckpt._under_final_lock,
+                            functools.partial(commit_dir, overwrite=overwrite),
+                            fs,
+                            tmp,
+                            final,
                         )
                         tmp = None
                         await ckpt._track(step)
-                        await ckpt._retain(step)
                     except Exception as exc:
                         commit_error = exc
                         outcome = repr(exc)
@@ -506,6 +509,10 @@ async def run_save(
                         ranks={0: outcome},
                     )
                 tmp = None
+            if ctx.rank == 0:
+                # Outside the save's deadline, as for one rank: the save is committed
+                # and tracked; a slow delete must not fail it.
+                await ckpt._retain(step)
             info = CheckpointInfo(
                 step=step,
                 path=final,
@@ -592,7 +599,7 @@ async def _write_rank(
         str(ckpt.root),
         step,
         layout=ckpt.options.layout,
-        filesystem=ckpt.options.filesystem,
+        filesystem=ckpt._fs,
         _tmp=tmp.name,
         _commit=False,
     )

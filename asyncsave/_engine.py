@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 import warnings
 from collections.abc import Generator, Iterable, Sequence
@@ -46,12 +47,14 @@ from ._errors import (
     CheckpointTimeoutError,
     CorruptCheckpointError,
     InvalidKeyError,
+    InvalidStateError,
     InvalidStepError,
     ProtectedCheckpointError,
     SaveFailedError,
     WaitTimeoutError,
 )
 from ._format import FileLayout, layout_files, staging_nbytes
+from ._fsspec import open_root
 from ._load import (
     _apply_template,
     _check_required,
@@ -218,7 +221,10 @@ class Checkpointer:
     state goes through DCP's planner so that ``dcp.load`` reshards it. See
     ``asyncsave._dist``, ``asyncsave.dcp`` and ``asyncsave.megatron``.
 
-    :param root: directory holding the checkpoints and the tracker.
+    :param root: directory holding the checkpoints and the tracker; or a URL
+        (``s3://bucket/prefix``, any fsspec URL), where checkpoints are committed by
+        a marker written last instead of a rename, and no lock guards the root (one
+        saver per root is the caller's duty there). See ``storage_options``.
     :param options: a :class:`CheckpointOptions`; keyword ``overrides`` replace
         single fields (``Checkpointer(root, budget_bytes=2 << 30)``).
     """
@@ -231,9 +237,16 @@ class Checkpointer:
     ) -> None:
         options = options or CheckpointOptions()
         self.options = dataclasses.replace(options, **overrides) if overrides else options
-        self.root = Path(root)
+        self._fs, self.root = open_root(
+            root, filesystem=self.options.filesystem, storage_options=self.options.storage_options
+        )
         self.layout = LAYOUTS[self.options.layout]
-        self._fs = self.options.filesystem
+        if not self._fs.atomic_rename and self.layout.tracker_name is None:
+            raise ValueError(
+                f"layout={self.layout.name!r} has no tracker: its resolver takes the highest "
+                f"directory, which on {self._fs!r} (commit by marker, files written under "
+                "the final name) could be a save in flight; use a layout with a tracker"
+            )
         self._state = "new"
         self._pending: dict[int, SaveHandle] = {}
         self._scopes: dict[int, anyio.CancelScope] = {}
@@ -247,7 +260,10 @@ class Checkpointer:
         self._pool: StagingPool | None = None
         self._limiter: anyio.CapacityLimiter | None = None
         self._dist: DistContext | None = None  # several ranks: see asyncsave._dist
-        self._retention_lock = anyio.Lock()
+        # Held inside worker threads by everything that renames or removes a final
+        # directory (commit, retention, update): a thread abandoned at a deadline
+        # keeps it until it finishes, so no later thread can race it.
+        self._final_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------
     async def __aenter__(self) -> Checkpointer:
@@ -256,6 +272,13 @@ class Checkpointer:
         self._pool = StagingPool(self.options.budget_bytes)
         self._limiter = anyio.CapacityLimiter(self.options.writer_threads)
         if wants_distributed(self.options.distributed):
+            if not self._fs.atomic_rename:
+                raise CheckpointError(
+                    f"several ranks save into a shared POSIX file system root; {self.root} "
+                    f"is on {self._fs!r} (commit by marker), which asyncsave supports for "
+                    "one process only",
+                    path=self.root,
+                )
             self._dist = await DistContext.create(self.options.dist_timeout_s)
             # Rank 0 alone locks and recovers; the others wait for its result.
             committed, tracked = await self._dist.open_root(self._open_root, self.root)
@@ -447,6 +470,12 @@ class Checkpointer:
         if type(step) is not int or not 0 <= step <= _MAX_STEP:
             raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
         info_doc = check_training_info(training_info)
+        if info_doc.get("step", step) != step:
+            raise InvalidStateError(
+                f"training_info['step'] is {info_doc['step']!r} but this is step {step}",
+                key="training_info",
+                step=step,
+            )
         if step == 0 and not self.options.save_step_zero:
             logger.info("not saving step 0 (pass save_step_zero=True to allow it)")
             return SaveHandle.resolved(0, None, skipped=True)
@@ -468,6 +497,13 @@ class Checkpointer:
             pending = self._pending.get(step)
         if step in self._committed and not overwrite:
             return SaveHandle.resolved(step, await self._committed_info(step))
+        if step in self._committed and not self._fs.atomic_rename:
+            raise CheckpointError(
+                f"cannot overwrite step {step} on {self._fs!r}: without an atomic rename "
+                "the new files would replace the committed ones before the new commit",
+                step=step,
+                path=self.root / self.layout.dir_name(step),
+            )
         if self._dist is not None:
             return await self._save_ranks(
                 self._dist, step, state, overwrite=overwrite, t0=t0, training_info=info_doc
@@ -612,7 +648,9 @@ class Checkpointer:
 
     async def _run(self, func: Any, *args: Any) -> Any:
         """Blocking I/O in a worker thread; a thread stuck past the save's deadline
-        is abandoned (it can only touch the save's temporary directory)."""
+        is abandoned. Threads that rename or remove final directories (commit,
+        retention, update) hold ``_final_lock`` while they do, so an abandoned one
+        finishes before any other can touch a final directory."""
         return await anyio.to_thread.run_sync(
             func, *args, limiter=self._limiter, abandon_on_cancel=True
         )
@@ -636,7 +674,10 @@ class Checkpointer:
             self._scopes[step] = scope
             try:
                 with anyio.fail_after(self.options.save_timeout_s):
-                    tmp = await self._run(make_temp_dir, self._fs, self.root, step)
+                    final = self.root / self.layout.dir_name(step)
+                    tmp = await self._run(
+                        functools.partial(make_temp_dir, final=final), self._fs, self.root, step
+                    )
                     await self._write_files(tmp, plan, layouts, lease)
                     lease.release()
                     written_s = time.perf_counter() - t0
@@ -650,14 +691,17 @@ class Checkpointer:
                     await self._run(
                         write_bytes, self._fs, tmp / MANIFEST_NAME, encode_manifest(manifest)
                     )
-                    final = self.root / self.layout.dir_name(step)
                     # From here on a thread abandoned at the deadline may still
                     # rename: the temp dir is left to the next open, never removed
                     # under its feet.
                     committing = True
                     try:
                         await self._run(
-                            functools.partial(commit_dir, overwrite=overwrite), self._fs, tmp, final
+                            self._under_final_lock,
+                            functools.partial(commit_dir, overwrite=overwrite),
+                            self._fs,
+                            tmp,
+                            final,
                         )
                     except Exception:
                         committing = False  # the thread finished: nothing runs on
@@ -665,7 +709,9 @@ class Checkpointer:
                     committing = False
                     tmp = None  # committed: nothing to discard any more
                     await self._track(step)
-                    await self._retain(step)
+                # Outside the save's deadline: the save is committed and tracked, a
+                # slow delete must not fail it (retention has its own bound).
+                await self._retain(step)
                 info = CheckpointInfo(
                     step=step,
                     path=final,
@@ -769,6 +815,8 @@ class Checkpointer:
         :raises ProtectedCheckpointError: ``step`` is the checkpoint this run
             resumed from, or one this run did not write.
         :raises MissingItemError: the checkpoint has no item ``key``.
+        :raises CheckpointNotFoundError: the checkpoint is gone (retention) or does
+            not read (:class:`CorruptCheckpointError`); the checkpointer stays usable.
         :raises InvalidKeyError: ``key`` is not a str.
         :raises InvalidStateError: ``value`` cannot be stored (nothing changes).
         :raises SaveFailedError: the rewrite failed (the committed checkpoint is
@@ -776,6 +824,13 @@ class Checkpointer:
         """
         self._check_usable()
         path = self.root / self.layout.dir_name(step)
+        if not self._fs.atomic_rename:
+            raise CheckpointError(
+                f"update() swaps directories atomically, which {self._fs!r} cannot; "
+                "save the step under a new number instead",
+                step=step,
+                path=path,
+            )
         if type(key) is not str:
             raise InvalidKeyError(f"update() needs a str key, got {key!r}", key=repr(key))
         if step == self._resumed_step:
@@ -813,11 +868,18 @@ class Checkpointer:
             )
             plan.release_sources()
             with anyio.CancelScope(shield=True), anyio.fail_after(self.options.save_timeout_s):
-                async with self._retention_lock:
-                    nbytes = await self._run(
-                        rewrite_item, self._fs, self.root, path, key, plan, layouts, lease.buffer
-                    )
-            info = dataclasses.replace(old, nbytes=nbytes)
+                nbytes, num_tensors = await self._run(
+                    self._under_final_lock,
+                    rewrite_item,
+                    self._fs,
+                    self.root,
+                    path,
+                    key,
+                    plan,
+                    layouts,
+                    lease.buffer,
+                )
+            info = dataclasses.replace(old, nbytes=nbytes, num_tensors=num_tensors)
             self._committed[step] = info
             handle._commit(info)
             return info
@@ -834,31 +896,47 @@ class Checkpointer:
             with anyio.CancelScope(shield=True):
                 await pool.aclose()
 
-    async def _retain(self, step: int) -> None:
-        """Apply the retention rule after a commit (S2, S8: never before).
+    def _under_final_lock(self, func: Any, *args: Any) -> Any:
+        with self._final_lock:
+            return func(*args)
 
-        A failure to delete is logged, not raised: the new checkpoint is committed
+    async def _retain(self, step: int) -> None:
+        """Apply the retention rule after the commit of ``step`` (S2, S8: never
+        before), bounded by ``save_timeout_s``.
+
+        ``step`` itself is never retired by its own pass: its handle resolves to a
+        directory that exists (a late, older step is retired by the next pass). A
+        failure or a timeout is logged, not raised: the new checkpoint is committed
         and safe, nothing is lost, and the rule is re-applied from what is on disk
         after the next commit."""
         rule = self.options.retention
         if rule is None:
             return
-        # The checkpoint this run resumed from is the newest committed one until
-        # this run commits a newer one, which apply_retention never deletes; once a
-        # newer one is durable it may go (S3: keep one, resume at 1, save 2: only 2).
-        protected = set(self._pending) - {step}  # this one is committed now
-        if self.tracked_step is not None:
-            protected.add(self.tracked_step)
-        async with self._retention_lock:
+
+        def protected() -> set[int]:
+            # Read under the final-directory lock, in the worker thread: a save or
+            # update that starts later commits under the same lock, after this pass.
+            steps = {step, *self._pending}
+            if self.tracked_step is not None:
+                steps.add(self.tracked_step)
+            return steps
+
+        removed: list[int] = []
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.options.save_timeout_s):
             try:
                 removed = await self._run(
-                    apply_retention, self._fs, self.root, self.layout, rule, protected
+                    self._under_final_lock,
+                    apply_retention,
+                    self._fs,
+                    self.root,
+                    self.layout,
+                    rule,
+                    protected,
                 )
             except OSError as exc:
                 logger.warning("retention failed (re-applied after the next commit): %r", exc)
-                return
-        for step in removed:
-            self._committed.pop(step, None)
+        for gone in removed:
+            self._committed.pop(gone, None)
 
     async def wait(self) -> None:
         """Wait until every pending save has committed or failed.

@@ -93,7 +93,14 @@ class CheckpointError(Exception):
         super().__init__(message)
         self.message = message
         self.step = step
-        self.path = os.fspath(path) if path is not None else None
+        # A URL path (``upath.UPath`` of an object store) is not os.PathLike.
+        self.path = (
+            None
+            if path is None
+            else os.fspath(path)
+            if isinstance(path, (str, os.PathLike))
+            else str(path)
+        )
         self.rank = rank
         self.key = key
 

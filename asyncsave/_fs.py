@@ -12,6 +12,7 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import io
 import os
 import shutil
 from pathlib import Path
@@ -44,6 +45,11 @@ class LocalFileSystem:
     Nothing here fsyncs implicitly: the commit protocol (see ``_commit``) says when.
     """
 
+    #: ``rename(2)`` is atomic here, so a save is committed by renaming its temporary
+    #: directory. Layers without it (object stores, ``FsspecFileSystem``) commit by
+    #: writing a marker last instead (``_marker``).
+    atomic_rename = True
+
     # -- files -------------------------------------------------------------------
     def create(self, path: Path) -> int:
         """Create ``path`` exclusively for writing; returns a raw file descriptor."""
@@ -66,6 +72,10 @@ class LocalFileSystem:
 
     def size(self, path: Path) -> int:
         return os.stat(path).st_size
+
+    def open_read(self, path: Path) -> io.RawIOBase:
+        """Open ``path`` for unbuffered binary reads (``seek``, ``read``, ``readinto``)."""
+        return open(path, "rb", buffering=0)
 
     # -- directories -------------------------------------------------------------
     def makedirs(self, path: Path) -> None:

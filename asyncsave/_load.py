@@ -14,7 +14,7 @@ import os
 import pickle
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,9 @@ from ._errors import (
     UnsupportedFormatError,
 )
 from ._fs import LocalFileSystem
+from ._fsspec import open_root
 from ._manifest import CHECKSUM, Manifest, parse_manifest, torch_dtype
-from ._paths import LAYOUTS, MANIFEST_NAME, Layout
+from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout
 from ._plan import is_stateful, key_str
 from ._track import read_tracker
 from ._types import CheckpointInfo, Tagged
@@ -52,10 +53,17 @@ def read_checkpoint(fs: LocalFileSystem, path: Path, *, expect_step: int | None 
 
     :param expect_step: the step the directory's name says; a manifest of another
         step (a copied or renamed directory) is refused.
-    :raises CheckpointNotFoundError: ``path`` has no ``manifest.json``.
+    :raises CheckpointNotFoundError: ``path`` has no ``manifest.json``, or (object
+        stores) no commit marker: an uncommitted save.
     :raises CorruptCheckpointError: the manifest is damaged or a file is missing,
         truncated or too long.
     """
+    if not fs.atomic_rename and not fs.exists(path / COMMIT_MARKER_NAME):
+        raise CheckpointNotFoundError(
+            f"{path} is not a committed checkpoint: it has no {COMMIT_MARKER_NAME} "
+            "(a save in flight, or one that never committed)",
+            path=path,
+        )
     mpath = path / MANIFEST_NAME
     try:
         size = fs.size(mpath)
@@ -153,7 +161,7 @@ def _read_entries(
     out: list[torch.Tensor | None] = [None] * len(manifest.entries)
     for fi, finfo in enumerate(manifest.files):
         fpath = path / finfo["name"]
-        with open(fpath, "rb", buffering=0) as f:
+        with fs.open_read(fpath) as f:
             _check_header(fpath, f, manifest, fi)
             for ei, e in enumerate(manifest.entries):
                 if e["file"] != fi:
@@ -502,6 +510,7 @@ def load(
     verify: bool = True,
     required: Iterable[str | Sequence[Any]] = (),
     filesystem: LocalFileSystem | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Read the checkpoint at ``path`` back into its state tree.
 
@@ -512,7 +521,8 @@ def load(
     shared a storage at save time share one again. A lone non-contiguous tensor
     comes back contiguous with equal values.
 
-    :param path: a checkpoint directory (``runs/exp1/step_40``).
+    :param path: a checkpoint directory (``runs/exp1/step_40``), or its URL
+        (``s3://bucket/exp1/step_40``, any fsspec URL; see ``storage_options``).
     :param template: optional tree mirroring the saved one. Where it holds an
         object with ``load_state_dict()`` (model, optimizer, dataloader), that
         object is restored in place and returned in the result; a tensor is
@@ -524,7 +534,12 @@ def load(
     :param verify: check every byte against its XXH3-64 checksum while reading.
     :param required: key paths that must exist: ``"dataloader"``,
         ``"trainer/rng"``, or tuples (``("data/loader",)`` for a key holding ``/``).
-    :raises CheckpointNotFoundError: ``path`` holds no manifest.
+    :param filesystem: the I/O layer (default: chosen from ``path``).
+    :param storage_options: for a URL ``path``: keyword arguments of its fsspec file
+        system (``{"endpoint_url": ...}`` for s3fs); credentials may also come from
+        the environment, as the fsspec implementation reads them.
+    :raises CheckpointNotFoundError: ``path`` holds no manifest (or, on an object
+        store, no commit marker).
     :raises CorruptCheckpointError: damaged manifest, missing/truncated file,
         header disagreeing with the manifest; :class:`ChecksumMismatchError` for
         altered bytes.
@@ -532,8 +547,7 @@ def load(
     :raises KindMismatchError: a :class:`Tagged` kind differs from the template's.
     :raises UnsafeLoadError: a pickled leaf without ``allow_pickle``.
     """
-    fs = filesystem or LocalFileSystem()
-    p = Path(path)
+    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options)
     target = _device(device)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
     if manifest.tree.get("type") == "dcp":
@@ -581,20 +595,22 @@ def _device(device: str | torch.device) -> torch.device:
 
 
 def verify(
-    path: str | os.PathLike[str], *, filesystem: LocalFileSystem | None = None
+    path: str | os.PathLike[str],
+    *,
+    filesystem: LocalFileSystem | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointInfo:
     """Check a checkpoint completely: manifest (and its own checksum), file sizes,
     safetensors headers, the checksum of every byte, and that every tensor and the
     state tree can be rebuilt (pickled leaves are not unpickled). Reads every byte
-    once.
+    once. ``path``, ``filesystem`` and ``storage_options`` as for :func:`load`.
 
     :returns: the checkpoint's :class:`CheckpointInfo`.
     :raises CheckpointNotFoundError: no manifest at ``path``.
     :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) naming the
         file and entry that is wrong.
     """
-    fs = filesystem or LocalFileSystem()
-    p = Path(path)
+    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
     if manifest.tree.get("type") == "foreign":
         return info_of(p, manifest)  # another library's files: their sizes are checked
@@ -702,13 +718,16 @@ def latest(
     layout: str = "asyncsave",
     fallback: bool = False,
     filesystem: LocalFileSystem | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointInfo | None:
     """The latest committed checkpoint under ``root``, or ``None`` if there is none.
 
     Reads the tracker; checks the manifest and file sizes of the checkpoint it names
-    (not the checksums: :func:`verify` does that).
+    (not the checksums: :func:`verify` does that). ``root`` may be a URL
+    (``s3://bucket/exp1``); ``filesystem`` and ``storage_options`` as for :func:`load`.
 
     :raises CheckpointNotFoundError: the tracker names a checkpoint that is missing
         or damaged and ``fallback`` is false.
     """
-    return resolve(filesystem or LocalFileSystem(), Path(root), LAYOUTS[layout], fallback=fallback)
+    fs, path = open_root(root, filesystem=filesystem, storage_options=storage_options)
+    return resolve(fs, path, LAYOUTS[layout], fallback=fallback)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from ._fs import LocalFileSystem
 from ._paths import LAYOUTS
@@ -50,7 +52,16 @@ class CheckpointOptions:
         Loading such a checkpoint needs ``allow_pickle=True`` too.
     :param poll_interval_s: how often the event loop polls CUDA events of a copy
         in flight (never a blocking synchronize).
-    :param filesystem: the I/O layer; tests substitute one that injects faults.
+    :param filesystem: the I/O layer. ``None`` (default): chosen from the root:
+        :class:`~asyncsave.LocalFileSystem` for a local path,
+        :class:`~asyncsave.FsspecFileSystem` for a URL (``s3://bucket/prefix``).
+        Pass an ``FsspecFileSystem`` wrapping an fsspec file system you configured
+        yourself, or a subclass that injects faults (tests).
+    :param storage_options: for a URL root: keyword arguments of its fsspec file
+        system, as fsspec and pandas take them (for s3fs: ``endpoint_url``, ``key``,
+        ``secret``, ``client_kwargs``, ``default_block_size``...). Credentials may also
+        come from the environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``...).
+        ``ValueError`` with a local root.
     :param distributed: save as one rank of many (see ``asyncsave._dist``): every
         rank calls ``save()`` with the same steps in the same order, writes its own
         files into one shared temporary directory, and rank 0 commits after every
@@ -73,7 +84,8 @@ class CheckpointOptions:
     save_step_zero: bool = False
     allow_pickle: bool = False
     poll_interval_s: float = 0.0005
-    filesystem: LocalFileSystem = dataclasses.field(default_factory=LocalFileSystem)
+    filesystem: LocalFileSystem | None = None
+    storage_options: Mapping[str, Any] | None = None
     distributed: bool | None = None
     dist_timeout_s: float = 1800.0
 
@@ -93,6 +105,10 @@ class CheckpointOptions:
             or not 1 <= self.writer_threads <= 64
         ):
             raise ValueError(f"writer_threads={self.writer_threads!r} must be an int in 1..64")
+        if self.storage_options is not None and not isinstance(self.storage_options, Mapping):
+            raise ValueError(
+                f"storage_options={self.storage_options!r} must be a mapping of keyword arguments"
+            )
         if self.distributed not in (None, True, False):
             raise ValueError(f"distributed={self.distributed!r} must be None, True or False")
         for name in ("save_timeout_s", "close_timeout_s", "poll_interval_s", "dist_timeout_s"):

@@ -13,6 +13,7 @@ import re
 import uuid
 
 __all__ = [
+    "COMMIT_MARKER_NAME",
     "LAYOUTS",
     "LOCK_NAME",
     "MANIFEST_NAME",
@@ -27,6 +28,9 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
+# Written last into a checkpoint on storage without atomic rename (object stores):
+# the commit point there. Orbax's name for the same thing on cloud storage.
+COMMIT_MARKER_NAME = "commit_success.txt"
 LOCK_NAME = ".asyncsave.lock"
 _TEMP_PREFIX = ".asyncsave-tmp-"
 _TEMP_RE = re.compile(r"^\.asyncsave-tmp-")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import signal
 import threading
 import time
@@ -98,8 +99,15 @@ class _AnyPolicy(SavePolicy):
         return any(p.stop_requested for p in self.policies)
 
     def install(self) -> None:
-        for p in self.policies:
-            p.install()
+        done: list[SavePolicy] = []
+        try:
+            for p in self.policies:
+                p.install()
+                done.append(p)
+        except BaseException:
+            for p in reversed(done):
+                p.close()
+            raise
 
     def close(self) -> None:
         for p in reversed(self.policies):
@@ -156,10 +164,15 @@ class SaveBeforeDeadline(SavePolicy):
     fires at the first step after which another step (the slowest of the last
     ``window`` steps) plus ``reserve_s`` would no longer fit before ``deadline``.
 
+    The first step is timed from :meth:`install` (``with policy:``), or from
+    construction; ``expected_step_s`` is a floor under the measured step time (so
+    a job resumed close to its deadline is safe before any step was measured).
+
     :param deadline: the time limit, in the units of ``clock`` (default: Unix
         seconds, ``time.time()``).
     :param reserve_s: seconds kept for the save itself and shutdown (time to
         durable of an earlier save is a good value).
+    :param expected_step_s: the least step time to assume, in seconds.
     :param clock: returns the current time; tests pass a fake clock.
     :param window: how many recent step times to take the maximum of.
     :param stop: also request a stop once fired (default ``True``).
@@ -170,29 +183,40 @@ class SaveBeforeDeadline(SavePolicy):
         deadline: float,
         *,
         reserve_s: float = 0.0,
+        expected_step_s: float = 0.0,
         clock: Callable[[], float] = time.time,
         window: int = 8,
         stop: bool = True,
     ) -> None:
-        if reserve_s < 0 or window < 1:
-            raise ValueError("reserve_s must be >= 0 and window >= 1")
+        for name, value in (
+            ("deadline", deadline),
+            ("reserve_s", reserve_s),
+            ("expected_step_s", expected_step_s),
+        ):
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"SaveBeforeDeadline: {name}={value!r} must be a finite number")
+        if reserve_s < 0 or expected_step_s < 0 or window < 1:
+            raise ValueError("reserve_s and expected_step_s must be >= 0, window >= 1")
         self.deadline = float(deadline)
         self.reserve_s = float(reserve_s)
         self.clock = clock
         self.stop = stop
+        self.expected_step_s = float(expected_step_s)
         self.fired = False
-        self._last: float | None = None
+        self._last: float = clock()
         self._steps: deque[float] = deque(maxlen=window)
+
+    def install(self) -> None:
+        self._last = self.clock()  # the first step is timed from here
 
     def should_save(self, step: int) -> bool:
         _check_step(step)
         now = self.clock()
-        if self._last is not None:
-            self._steps.append(max(0.0, now - self._last))
+        self._steps.append(max(0.0, now - self._last))
         self._last = now
         if self.fired:
             return False
-        step_s = max(self._steps, default=0.0)
+        step_s = max(*self._steps, self.expected_step_s)
         if now + step_s + self.reserve_s >= self.deadline:
             self.fired = True
             logger.info(
@@ -238,13 +262,18 @@ class SaveOnSignal(SavePolicy):
     def install(self) -> None:
         if self._previous:
             return
-        for sig in self.signals:
-            self._previous[sig] = signal.signal(sig, self._handler)
+        try:
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handler)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         previous, self._previous = self._previous, {}
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            # None: a handler not installed from Python; the default is the closest.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
     def trigger(self, signum: int = signal.SIGTERM) -> None:
         """Act as if ``signum`` arrived (for tests and for other notifiers)."""
@@ -265,7 +294,10 @@ class SaveOnSignal(SavePolicy):
 
     @property
     def stop_requested(self) -> bool:
-        return self.received is not None
+        # Only once should_save() has seen the signal: a signal landing between a
+        # pump's should_save() and its stop check is saved at the next boundary,
+        # never dropped.
+        return self._saved
 
     def __repr__(self) -> str:
         return f"SaveOnSignal({', '.join(signal.Signals(s).name for s in self.signals)})"

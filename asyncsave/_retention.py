@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from ._fs import LocalFileSystem
@@ -178,18 +178,20 @@ def apply_retention(
     root: Path,
     layout: Layout,
     rule: Retention,
-    protected: Iterable[int],
+    protected: Iterable[int] | Callable[[], Iterable[int]],
 ) -> list[int]:
     """Delete the committed checkpoints under ``root`` that ``rule`` does not keep.
 
-    Never deletes a step in ``protected`` (the caller passes the tracked step, the
-    resumed-from step and steps in flight) nor the newest committed step (what a
+    Never deletes a step in ``protected`` (the caller passes the step just
+    committed, the tracked step and steps in flight; a callable is evaluated once
+    the candidates are listed) nor the newest committed step (what a
     tracker-less resolver resumes from). Directories whose manifest does not read
     are left alone (recovery moves them aside at the next open). Each retired
     checkpoint is first renamed to a temporary name and the root fsynced, so a
     crash mid-delete leaves either the whole checkpoint under its final name or a
     temporary directory that the next open removes, never a partial checkpoint
-    under a final name.
+    under a final name. On object stores (no atomic rename) its commit marker is
+    deleted first instead, with the same effect (``_marker``).
 
     Leftovers of an earlier pass whose removal failed are removed first.
 
@@ -210,10 +212,17 @@ def apply_retention(
         candidates.append(Candidate(step, manifest.training_info))
     if not candidates:
         return []
-    keep = rule.keep(candidates) | set(protected) | {candidates[-1].step}
+    guard = protected() if callable(protected) else protected
+    keep = rule.keep(candidates) | set(guard) | {candidates[-1].step}
     retired = [c.step for c in candidates if c.step not in keep]
     for step in retired:
         final = root / layout.dir_name(step)
+        if not fs.atomic_rename:
+            # Object stores (``_marker``): a rename would copy every object; deleting
+            # the commit marker first (remove_tree does) uncommits it in one request.
+            fs.remove_tree(final)
+            logger.info("retention removed %s", final)
+            continue
         doomed = root / retired_dir_name(step)
         fs.rename(final, doomed)
         fs.fsync_dir(root)

@@ -64,7 +64,14 @@ def read_tracker(fs: LocalFileSystem, path: Path) -> int | None:
 
 
 def write_tracker(fs: LocalFileSystem, path: Path, step: int) -> None:
-    """Atomically make the tracker at ``path`` name ``step``; durable on return."""
+    """Atomically make the tracker at ``path`` name ``step``; durable on return.
+
+    Without atomic rename (object stores) the tracker is written in one PUT, which
+    replaces an object atomically there.
+    """
+    if not fs.atomic_rename:
+        write_bytes(fs, path, str(step).encode("ascii"))
+        return
     tmp = path.parent / temp_file_name(path.name)
     try:
         write_bytes(fs, tmp, str(step).encode("ascii"))

@@ -16,7 +16,8 @@ class CheckpointInfo:
     """A committed checkpoint and, when this process saved it, what it cost.
 
     :param step: the training step the checkpoint holds (the last trained step).
-    :param path: the checkpoint's final directory.
+    :param path: the checkpoint's final directory (a ``upath.UPath`` carrying the
+        storage options for URL roots such as ``s3://bucket/prefix``).
     :param nbytes: bytes of tensor data (headers and manifest not counted).
     :param num_tensors: tensor leaves in the state tree.
     :param world_size: ranks that wrote it.

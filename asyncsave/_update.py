@@ -8,14 +8,16 @@ ones (never written again), plus one new data file for the item's tensors if it
 has any, and a new self-checksummed manifest whose tree holds the new item. The new
 directory replaces the old one with ``renameat2(RENAME_EXCHANGE)``, so a crash
 leaves the old or the new checkpoint under the final name, never neither and never
-a mix. Bytes of the replaced item stay in the old files, unreferenced, until the
-checkpoint is deleted or saved again with ``overwrite=True``.
+a mix. The manifest is compacted: tensors, entries and files only the replaced item
+used are dropped (a file shared with other items stays, its dead bytes with it,
+until the checkpoint is saved again with ``overwrite=True``).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +34,45 @@ from ._write import write_bytes, write_data_file
 __all__ = ["rewrite_item"]
 
 
-def _shift_leaves(node: Any, by: int) -> Any:
-    """A copy of a tree node whose tensor/pickle leaf indices are moved by ``by``."""
+def _remap_leaves(node: Any, index: Callable[[int], int]) -> Any:
+    """A copy of a tree node whose tensor/pickle leaf indices go through ``index``."""
     if isinstance(node, dict):
-        out = {k: _shift_leaves(v, by) for k, v in node.items()}
+        out = {k: _remap_leaves(v, index) for k, v in node.items()}
         if node.get("type") in ("tensor", "pickle") and isinstance(node.get("index"), int):
-            out["index"] = node["index"] + by
+            out["index"] = index(node["index"])
         return out
     if isinstance(node, list):
-        return [_shift_leaves(v, by) for v in node]
+        return [_remap_leaves(v, index) for v in node]
     return node
+
+
+def _leaf_indices(node: Any, found: set[int]) -> set[int]:
+    if isinstance(node, dict):
+        if node.get("type") in ("tensor", "pickle") and isinstance(node.get("index"), int):
+            found.add(node["index"])
+        for v in node.values():
+            _leaf_indices(v, found)
+    elif isinstance(node, list):
+        for v in node:
+            _leaf_indices(v, found)
+    return found
+
+
+def _compact(doc: dict[str, Any]) -> None:
+    """Drop tensors, entries and files the tree no longer references (the replaced
+    item's), renumbering what is left, so repeated updates do not grow the
+    manifest or keep dead files alive."""
+    tensors, entries, files = doc["tensors"], doc["entries"], doc["files"]
+    used_t = sorted(_leaf_indices(doc["tree"], set()))
+    used_e = sorted({tensors[i]["entry"] for i in used_t})
+    used_f = sorted({entries[j]["file"] for j in used_e})
+    t_map = {old: new for new, old in enumerate(used_t)}
+    e_map = {old: new for new, old in enumerate(used_e)}
+    f_map = {old: new for new, old in enumerate(used_f)}
+    doc["tree"] = _remap_leaves(doc["tree"], t_map.__getitem__)
+    doc["tensors"] = [{**tensors[i], "entry": e_map[tensors[i]["entry"]]} for i in used_t]
+    doc["entries"] = [{**entries[j], "file": f_map[entries[j]["file"]]} for j in used_e]
+    doc["files"] = [files[k] for k in used_f]
 
 
 def rewrite_item(
@@ -52,11 +83,11 @@ def rewrite_item(
     plan: Plan,
     layouts: list[FileLayout],
     buffer: Any,
-) -> int:
+) -> tuple[int, int]:
     """Replace top-level item ``key`` of the checkpoint at ``final`` by the item
     planned in ``plan`` (a plan of ``{key: value}``, staged into ``buffer``).
 
-    :returns: the checkpoint's new tensor byte count.
+    :returns: the checkpoint's tensor bytes and tensor count after the update.
     :raises MissingItemError: the checkpoint has no top-level item ``key``.
     :raises CorruptCheckpointError: the committed checkpoint does not read.
     :raises OSError: an I/O step failed (the committed checkpoint is untouched).
@@ -74,35 +105,45 @@ def rewrite_item(
         raise MissingItemError(
             f"{final} has no top-level item {key!r} to update", path=final, step=step, key=key
         )
+    new_node = plan.tree["items"][0][1]
+    n_entries, n_tensors, n_files = len(doc["entries"]), len(doc["tensors"]), len(doc["files"])
+    for fl in layouts:
+        fl.name = f"update-{uuid.uuid4().hex[:12]}.safetensors"
+        doc["files"].append({"name": fl.name, "nbytes": fl.nbytes})
+    for e in plan.entries:
+        doc["entries"].append(
+            {"name": e.name, "file": n_files + e.file, "offset": e.offset, "nbytes": e.nbytes}
+        )
+    for rec in plan.records:
+        doc["tensors"].append({**rec, "entry": rec["entry"] + n_entries})
+    items[slot] = [["s", key], _remap_leaves(new_node, lambda i: i + n_tensors)]
+    old_data = {f["name"] for f in doc["files"][:n_files]}
+    _compact(doc)
+    kept_data = {f["name"] for f in doc["files"]}
+
     tmp = make_temp_dir(fs, root, step)
     try:
         for name in fs.listdir(final):
-            if name != MANIFEST_NAME:
+            # Data files still referenced, and files that are not data files (a
+            # layout's training_info.json); the manifest is new.
+            if name != MANIFEST_NAME and (name in kept_data or name not in old_data):
                 fs.link(final / name, tmp / name)
-        new_node = plan.tree["items"][0][1]
-        n_entries, n_tensors, n_files = len(doc["entries"]), len(doc["tensors"]), len(doc["files"])
+        digests: dict[int, str] = {}
         for fl in layouts:
-            fl.name = f"update-{uuid.uuid4().hex[:12]}.safetensors"
-            for i, digest in write_data_file(fs, tmp, fl, plan.entries, buffer).items():
-                plan.entries[i].digest = digest
-            doc["files"].append({"name": fl.name, "nbytes": fl.nbytes})
-        for e in plan.entries:
-            doc["entries"].append(
-                {
-                    "name": e.name,
-                    "file": n_files + e.file,
-                    "offset": e.offset,
-                    "nbytes": e.nbytes,
-                    CHECKSUM: e.digest,
-                }
-            )
-        for rec in plan.records:
-            doc["tensors"].append({**rec, "entry": rec["entry"] + n_entries})
-        items[slot] = [["s", key], _shift_leaves(new_node, n_tensors)]
+            if fl.name in kept_data:
+                digests.update(write_data_file(fs, tmp, fl, plan.entries, buffer))
+        by_name = {e.name: i for i, e in enumerate(plan.entries)}
+        new_files = {f["name"] for f in doc["files"]} - old_data
+        for f_index, f in enumerate(doc["files"]):
+            if f["name"] not in new_files:
+                continue
+            for e in doc["entries"]:
+                if e["file"] == f_index and CHECKSUM not in e:
+                    e[CHECKSUM] = digests[by_name[e["name"]]]
         write_bytes(fs, tmp / MANIFEST_NAME, encode_manifest(doc))
         read_checkpoint(fs, tmp, expect_step=step)  # the new manifest parses
         commit_dir(fs, tmp, final, overwrite=True)
     except BaseException:
         discard(fs, tmp)
         raise
-    return sum(e["nbytes"] for e in doc["entries"])
+    return sum(e["nbytes"] for e in doc["entries"]), len(doc["tensors"])

@@ -353,3 +353,19 @@ def _sync_facade(rank: int, world: int, root: str) -> tuple[int, int, bool]:
 def test_sync_facade_commits_collectively(tmp_path: Path) -> None:
     root = tmp_path / "run"
     assert values(run_ranks(_sync_facade, 2, tmp_path, str(root))) == [(4, 2, True)] * 2
+
+
+def _object_store_root(rank: int, world: int, root: str) -> str:
+    async def main() -> str:
+        try:
+            async with asyncsave.Checkpointer(root):
+                return "opened"
+        except asyncsave.CheckpointError as exc:
+            return str(exc)
+
+    return anyio.run(main)
+
+
+def test_several_ranks_refuse_an_object_store_root(tmp_path: Path) -> None:
+    for text in values(run_ranks(_object_store_root, 2, tmp_path, "memory://asyncsave-dist")):
+        assert "shared POSIX file system" in text

@@ -121,3 +121,48 @@ def test_bad_steps_are_value_errors() -> None:
         asyncsave.SaveEvery(2).should_save(-1)
     with pytest.raises(ValueError):
         asyncsave.SaveEvery(2).should_save(True)  # type: ignore[arg-type]
+
+
+def test_a_signal_between_should_save_and_the_stop_check_is_not_dropped() -> None:
+    """The signal lands after should_save(7) said no: the pump must not stop before
+    the next boundary has saved."""
+    sig = asyncsave.SaveOnSignal(signal.SIGUSR1)
+    policy = asyncsave.SaveEvery(100) | sig
+    assert not policy.should_save(7)
+    sig.trigger(signal.SIGUSR1)
+    assert not policy.stop_requested  # not yet: nothing saved since the signal
+    assert policy.should_save(8) and policy.stop_requested
+
+
+def test_deadline_times_the_first_step_from_install_and_honours_expected_step() -> None:
+    clock = FakeClock()
+    policy = asyncsave.SaveBeforeDeadline(100.0, clock=clock)
+    clock.now = 50.0
+    with policy:  # the run (re)starts at t=50
+        clock.now = 95.0  # the first step took 45 s: another would end past 100
+        assert policy.should_save(1) and policy.stop_requested
+    for floor, fires in ((30.0, True), (0.0, False)):
+        clock = FakeClock()
+        policy = asyncsave.SaveBeforeDeadline(100.0, clock=clock, expected_step_s=floor)
+        clock.now = 69.0
+        with policy:
+            clock.now = 70.0  # a quick first step (1 s); the floor says steps take 30 s
+            assert policy.should_save(1) is fires
+    with pytest.raises(ValueError):
+        asyncsave.SaveBeforeDeadline(100.0, reserve_s=float("nan"))
+
+
+def test_closing_restores_a_handler_not_installed_from_python(monkeypatch: Any) -> None:
+    calls: list[Any] = []
+    real = signal.signal
+
+    def fake_signal(sig: int, handler: Any) -> Any:
+        calls.append(handler)
+        previous = real(sig, handler)
+        return None if len(calls) == 1 else previous  # as for a C-installed handler
+
+    monkeypatch.setattr(signal, "signal", fake_signal)
+    policy = asyncsave.SaveOnSignal(signal.SIGUSR2)
+    with policy:
+        pass
+    assert calls[-1] is signal.SIG_DFL

@@ -146,8 +146,10 @@ async def test_s3_retention_survives_a_restart(tmp_path: Path) -> None:
 async def test_the_resumed_checkpoint_stays_until_a_newer_one_commits(tmp_path: Path) -> None:
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         await (await ckpt.save(3, _state(3)))
-    gate = threading.Event()
-    fs = FaultyFS("rename", pause(gate), where=lambda p: p.endswith("step_4"))
+    gate = threading.Event()  # step 4 pauses before its manifest: written, not committed
+    fs = FaultyFS(
+        "create", pause(gate), where=lambda p: ".asyncsave-tmp-4-" in p and "manifest" in p
+    )
     async with asyncsave.Checkpointer(
         tmp_path, filesystem=fs, retention=asyncsave.KeepLast(1)
     ) as ckpt:
@@ -156,8 +158,9 @@ async def test_the_resumed_checkpoint_stays_until_a_newer_one_commits(tmp_path: 
         with anyio.fail_after(30):
             while not fs.fired.is_set():
                 await anyio.sleep(0.01)
-        await (await ckpt.save(2, _state(2)))  # a late, older step commits meanwhile
-        assert _steps(tmp_path) == [3]  # step 2 retired at once, 3 kept
+        info2 = await (await ckpt.save(2, _state(2)))  # a late, older step commits
+        assert info2 is not None and info2.path.exists()  # not retired by its own pass
+        assert _steps(tmp_path) == [2, 3]
         gate.set()
         await h4
     assert _steps(tmp_path) == [4]
@@ -205,7 +208,9 @@ async def test_a_save_in_flight_is_never_deleted(tmp_path: Path) -> None:
     """An overwrite of step 3 is in flight while step 4 commits under KeepLast(1):
     step 3 stays until its own save is done."""
     gate = threading.Event()
-    fs = RetireFS("exchange", pause(gate), where=lambda p: p.endswith("step_3"))
+    fs = FaultyFS(
+        "create", pause(gate), where=lambda p: ".asyncsave-tmp-3-" in p and "manifest" in p
+    )
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         await (await ckpt.save(3, _state(3)))
     async with asyncsave.Checkpointer(
@@ -218,9 +223,10 @@ async def test_a_save_in_flight_is_never_deleted(tmp_path: Path) -> None:
         await (await ckpt.save(4, _state(4)))
         assert _steps(tmp_path) == [3, 4]
         gate.set()
-        await h3
-        # step 3's own commit re-applies the rule: 4 is newest and tracked
-    assert _steps(tmp_path) == [4]
+        await h3  # its own pass never retires it; the next pass does
+        assert _steps(tmp_path) == [3, 4]
+        await (await ckpt.save(5, _state(5)))
+    assert _steps(tmp_path) == [5]
 
 
 async def test_a_failed_delete_never_fails_the_save_and_is_retried(
@@ -317,3 +323,42 @@ def test_retention_keeps_its_promise_across_three_process_restarts(tmp_path: Pat
         for step in expected:
             state = asyncsave.load(root / f"step_{step}")
             assert torch.equal(state["w"], torch.full((8,), float(step)))
+
+
+@pytest.mark.parametrize("layout", ["asyncsave", "nemo-rl"])
+async def test_a_late_older_step_is_retired_by_the_next_pass_and_can_be_saved_again(
+    tmp_path: Path, layout: str
+) -> None:
+    """Without a tracker (nemo-rl) the newest step is what resume takes: never retired."""
+    async with asyncsave.Checkpointer(
+        tmp_path, layout=layout, retention=asyncsave.KeepLast(1)
+    ) as ckpt:
+        await (await ckpt.save(10, _state(10)))
+        info = await (await ckpt.save(8, _state(8)))
+        assert info is not None and info.path.exists() and _steps(tmp_path) == [8, 10]
+        await (await ckpt.save(11, _state(11)))
+        assert _steps(tmp_path) == [11]
+        again = await (await ckpt.save(8, _state(88)))  # gone: a real save again
+        assert again is not None and again.path.exists()
+    assert torch.equal(asyncsave.load(tmp_path / "step_8")["w"], _state(88)["w"])
+
+
+def test_apply_retention_guards_protected_and_newest(tmp_path: Path) -> None:
+    import anyio as _anyio
+
+    from asyncsave._fs import LocalFileSystem
+    from asyncsave._paths import LAYOUTS
+    from asyncsave._retention import apply_retention
+
+    async def make() -> None:
+        async with asyncsave.Checkpointer(tmp_path, layout="nemo-rl") as ckpt:
+            for step in (1, 2, 3, 4):
+                await ckpt.save(step, _state(step))
+
+    _anyio.run(make)
+    fs, layout = LocalFileSystem(), LAYOUTS["nemo-rl"]
+    drop_all = asyncsave.KeepEvery(1000)  # keeps none of 1..4
+    assert apply_retention(fs, tmp_path, layout, drop_all, lambda: {2}) == [1, 3]
+    assert _steps(tmp_path) == [2, 4]  # 2 protected, 4 the newest
+    assert apply_retention(fs, tmp_path, layout, drop_all, ()) == [2]
+    assert _steps(tmp_path) == [4]

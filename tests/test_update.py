@@ -4,6 +4,7 @@ items' files are hard links), refused for checkpoints this run did not write."""
 from __future__ import annotations
 
 import errno
+import multiprocessing
 import os
 import threading
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from faults import FaultyFS, raise_errno
+from faults import FaultyFS, kill, raise_errno
 from tensordict import TensorDict
 
 import asyncsave
@@ -114,3 +115,78 @@ async def test_a_save_of_the_same_step_waits_for_the_update(tmp_path: Path) -> N
         await (await ckpt.save(5, {**_state(), "step": 77}, overwrite=True))
     assert asyncsave.load(tmp_path / "step_5")["step"] == 77
     assert os.listdir(tmp_path / "step_5")
+
+
+async def test_repeated_updates_keep_only_what_the_tree_references(tmp_path: Path) -> None:
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(5, _state()))
+        for i in range(3):
+            info = await ckpt.update(5, "trainer", {"cursor": i, "filtered": torch.arange(i + 1)})
+    final = tmp_path / "step_5"
+    updates = [p for p in final.iterdir() if p.name.startswith("update-")]
+    assert len(updates) == 1  # the earlier updates' files are gone
+    from asyncsave._load import read_checkpoint
+
+    manifest = read_checkpoint(asyncsave.LocalFileSystem(), final)
+    assert len(manifest.tensors) == info.num_tensors == 3  # w, b, filtered
+    assert info.nbytes == manifest.nbytes
+    state = asyncsave.load(final)
+    assert torch.equal(state["trainer"]["filtered"], torch.arange(3))
+    asyncsave.verify(final)
+
+
+class _ExchangeFS(FaultyFS):
+    def exchange(self, a: Path, b: Path) -> None:
+        if self._hit("exchange", b):
+            self.action()
+        super().exchange(a, b)
+
+    def remove_tree(self, path: Path) -> None:
+        if self._hit("remove_tree", path):
+            self.action()
+        super().remove_tree(path)
+
+
+def _update_then_die(root: str, op: str) -> None:
+    import anyio
+
+    where = {"write": lambda p: "update-" in p, "create": lambda p: "manifest" in p}
+    fs = _ExchangeFS(op, kill(), where=where.get(op, lambda p: True))
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(root) as ckpt:
+            await (await ckpt.save(5, _state()))
+            ckpt._fs = fs  # faults only in the update, not in the first save
+            await ckpt.update(5, "trainer", {"cursor": 99, "filtered": torch.tensor([7])})
+
+    anyio.run(main)
+    os._exit(3)  # not killed: the test fails
+
+
+@pytest.mark.parametrize(
+    "op, updated", [("write", False), ("create", False), ("exchange", False), ("remove_tree", True)]
+)
+def test_a_crash_in_the_middle_of_an_update_leaves_old_or_new_never_a_mix(
+    tmp_path: Path, op: str, updated: bool
+) -> None:
+    child = multiprocessing.get_context("fork").Process(
+        target=_update_then_die, args=(str(tmp_path), op)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == -9, child.exitcode
+    final = tmp_path / "step_5"
+    asyncsave.verify(final)
+    state = asyncsave.load(final)
+    assert state["trainer"]["cursor"] == (99 if updated else 10)
+    assert torch.equal(state["model"]["w"], _state()["model"]["w"])
+
+    async def reopen() -> None:
+        async with asyncsave.Checkpointer(tmp_path):
+            pass
+
+    import anyio
+
+    anyio.run(reopen)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".asyncsave-tmp")]
+    asyncsave.verify(final)

@@ -1,0 +1,65 @@
+"""Commit by marker: the protocol on storage without an atomic rename (object stores).
+
+An S3 "rename" of a prefix is a copy of every object and a delete, visible half-done
+to every reader, so the rename protocol of ``_commit`` cannot commit there. On a file
+system whose I/O layer says ``atomic_rename = False`` (:class:`FsspecFileSystem`),
+a save of step ``N`` goes, in order (each step complete before the next):
+
+1. every data file written directly under the final prefix (``step_N/``): one PUT,
+   or a multipart upload completed at close (the object appears whole or not at all);
+2. ``manifest.json``;
+3. ``commit_success.txt`` (:data:`COMMIT_MARKER_NAME`), one PUT: **the commit point**;
+4. the tracker, one PUT (a PUT replaces an object atomically on S3), never backwards.
+
+A prefix under a final name without the marker is uncommitted: every reader
+(``latest``, ``load``, ``verify``, the CLI, resume) treats it as absent, and the next
+:class:`~asyncsave.Checkpointer` open deletes it. Deleting a checkpoint deletes its
+marker first (``FsspecFileSystem.remove_tree``), so a deletion cut short leaves an
+uncommitted prefix, never a committed-looking one with missing files. Overwriting a
+committed step is refused: the new files would replace the old ones before the new
+marker could commit them.
+
+Source: Orbax commits checkpoints on cloud storage the same way
+(``orbax/checkpoint/_src/path/atomicity.py``, ``CommitFileTemporaryPath``: a
+``commit_success.txt`` written last; directories without it are not checkpoints).
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+from ._fs import LocalFileSystem
+from ._paths import COMMIT_MARKER_NAME
+from ._write import write_bytes
+
+__all__ = ["begin", "commit", "is_committed"]
+
+
+def begin(fs: LocalFileSystem, final: Path) -> Path:
+    """Where a save's files go under the marker protocol: the final prefix itself.
+
+    :raises FileExistsError: something is already under ``final`` (a committed
+        checkpoint, or another saver's files: one saver per root).
+    """
+    if fs.exists(final):
+        raise FileExistsError(
+            errno.EEXIST,
+            "objects already exist under this final prefix (a committed checkpoint, or "
+            "another saver writing into the same root)",
+            str(final),
+        )
+    return final
+
+
+def commit(fs: LocalFileSystem, final: Path) -> None:
+    """Write the commit marker into ``final``: after this returns, the checkpoint is
+    committed. Every other file of the checkpoint must be complete before."""
+    write_bytes(fs, final / COMMIT_MARKER_NAME, f"committed {final}\n".encode())
+
+
+def is_committed(fs: LocalFileSystem, path: Path) -> bool:
+    """Whether the checkpoint directory ``path`` is committed: under the rename
+    protocol, being under a final name is the commit; under the marker protocol, the
+    marker must be there."""
+    return fs.atomic_rename or fs.exists(path / COMMIT_MARKER_NAME)

@@ -1,0 +1,604 @@
+"""Object stores: s3:// roots against a real S3 server process (moto's server mode on
+loopback, started once per session), and memory:// roots for fast coverage.
+
+Where rename is not atomic the commit is ``commit_success.txt`` written last; a
+prefix without it is uncommitted: ignored by every reader, removed at the next open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import http.client
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import fsspec
+import pytest
+import s3fs  # a dev dependency: the S3 tests run in CI, never skip
+import torch
+
+import asyncsave
+from asyncsave import FsspecFileSystem, LocalFileSystem
+from asyncsave._cli import main as cli_main
+from asyncsave._fsspec import is_url, open_root
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MARKER = "commit_success.txt"
+BLOCK = 5 << 20  # s3fs part size here: the smallest S3 allows, so saves use multipart
+
+
+# -- the S3 server -------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto S3 server process on 127.0.0.1, for the whole session."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"moto server exited with {proc.returncode}: {log.read_text()}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+                conn.request("GET", "/")
+                conn.getresponse().read()
+                conn.close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"moto server did not answer within 60 s: {log.read_text()}")
+                time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _options(endpoint: str) -> dict[str, Any]:
+    return {
+        "key": "testing",  # moto takes any credentials
+        "secret": "testing",
+        "endpoint_url": endpoint,
+        "client_kwargs": {"region_name": "us-west-2"},
+        "default_block_size": BLOCK,
+    }
+
+
+@pytest.fixture
+def s3(s3_endpoint: str) -> tuple[str, dict[str, Any], Any]:
+    """A fresh bucket: (root URL, storage_options, an s3fs file system on it)."""
+    options = _options(s3_endpoint)
+    fs = s3fs.S3FileSystem(**options)
+    bucket = f"ckpt-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)
+    return f"s3://{bucket}/runs/exp1", options, fs
+
+
+def state_of(step: int, big: bool = False) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {
+            "w": torch.randn(3 * (BLOCK // 4) + 1000 if big else 1000, generator=g),
+            "b": torch.randn(64, generator=g).half(),
+        },
+        "optim": {"m": torch.randn(32, 32, generator=g, dtype=torch.float64)},
+        "trainer": {"step": step, "name": f"run-{step}"},
+    }
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["trainer"] == b["trainer"]
+    for group in ("model", "optim"):
+        assert a[group].keys() == b[group].keys()
+        for k, v in b[group].items():
+            assert a[group][k].dtype == v.dtype and torch.equal(a[group][k], v), (group, k)
+
+
+def key(url: str) -> str:
+    return url.removeprefix("s3://")
+
+
+# -- fault injection on the fsspec layer ------------------------------------------
+class FaultyFsspecFS(FsspecFileSystem):
+    """Runs ``action`` at the ``n``-th call of ``op`` whose path contains ``where``
+    and records every create, close and delete in order."""
+
+    def __init__(self, fs: Any, op: str = "", where: str = "", n: int = 1) -> None:
+        super().__init__(fs)
+        self.op, self.where, self.n = op, where, n
+        self.action: Callable[[], None] = lambda: None
+        self.seen = 0
+        self.fired = threading.Event()
+        self.paths: dict[int, str] = {}
+        self.log: list[tuple[str, str]] = []
+
+    def _hit(self, op: str, path: str) -> None:
+        if op == self.op and self.where in path:
+            self.seen += 1
+            if self.seen == self.n:
+                self.fired.set()
+                self.action()
+
+    def create(self, path: Path) -> int:
+        self._hit("create", str(path))
+        fd = super().create(path)
+        self.paths[fd] = str(path)
+        self.log.append(("create", str(path)))
+        return fd
+
+    def write(self, fd: int, data: memoryview) -> int:
+        self._hit("write", self.paths[fd])
+        return super().write(fd, data)
+
+    def close(self, fd: int) -> None:
+        path = self.paths.pop(fd)
+        self._hit("close", path)
+        super().close(fd)
+        self.log.append(("closed", path))
+
+    def remove_tree(self, path: Path) -> None:
+        self.log.append(("remove_tree", str(path)))
+        super().remove_tree(path)
+
+
+def _sigkill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- S3: round trip, commit order, failures ---------------------------------------
+@pytest.mark.anyio
+async def test_s3_round_trip_commits_by_marker_and_resumes_bit_exact(s3: Any) -> None:
+    root, options, fs = s3
+    async with asyncsave.Checkpointer(root, storage_options=options) as ckpt:
+        assert await ckpt.load_latest() is None
+        for step in (1, 2):
+            info = await (await ckpt.save(step, state_of(step, big=True)))
+            assert info is not None and str(info.path) == f"{root}/step_{step}"
+    prefix = key(root)
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.find(f"{prefix}/step_2"))
+    assert names == [MARKER, "data-r00000-000.safetensors", "manifest.json"]
+    data = fs.size(f"{prefix}/step_2/data-r00000-000.safetensors")
+    assert data > 3 * BLOCK  # written as a multipart upload of several parts
+    assert fs.cat_file(f"{prefix}/{TRACKER}") == b"2"
+    assert not [p for p in fs.find(prefix) if "asyncsave-tmp" in p]  # no temp prefix: no copy
+
+    latest = asyncsave.latest(root, storage_options=options)
+    assert latest is not None and latest.step == 2
+    assert_same(asyncsave.load(latest.path), state_of(2, big=True))  # the UPath carries options
+    assert asyncsave.verify(f"{root}/step_1", storage_options=options).step == 1
+
+    async with asyncsave.Checkpointer(root, storage_options=options) as ckpt:
+        restored = await ckpt.load_latest()
+        assert restored is not None and restored.info.step == 2
+        assert_same(restored.state, state_of(2, big=True))
+
+
+@pytest.mark.anyio
+async def test_s3_tracker_moves_only_after_the_marker_and_readers_ignore_an_unmarked_prefix(
+    s3: Any,
+) -> None:
+    root, options, fs = s3
+    release = threading.Event()
+    faulty = FaultyFsspecFS(s3fs.S3FileSystem(**options), "create", f"step_2/{MARKER}")
+    faulty.action = lambda: release.wait(60) and None
+    prefix = key(root)
+    async with asyncsave.Checkpointer(root, filesystem=faulty) as ckpt:
+        await (await ckpt.save(1, state_of(1)))
+        handle = await ckpt.save(2, state_of(2))
+        await anyio.to_thread.run_sync(faulty.fired.wait, 60)
+        try:
+            # Data and manifest are complete under the final prefix; no marker yet.
+            present = {p.rsplit("/", 1)[1] for p in fs.find(f"{prefix}/step_2")}
+            assert present == {"data-r00000-000.safetensors", "manifest.json"}
+            assert fs.cat_file(f"{prefix}/{TRACKER}") == b"1"
+            info = asyncsave.latest(root, storage_options=options)
+            assert info is not None and info.step == 1
+            with pytest.raises(asyncsave.CheckpointNotFoundError, match=MARKER):
+                asyncsave.verify(f"{root}/step_2", storage_options=options)
+            with pytest.raises(asyncsave.CheckpointNotFoundError, match=MARKER):
+                asyncsave.load(f"{root}/step_2", storage_options=options)
+            assert not handle.done()
+        finally:
+            release.set()
+        info = await handle
+    assert info is not None and info.step == 2
+    assert fs.cat_file(f"{prefix}/{TRACKER}") == b"2"
+    first = next(i for i, (_, p) in enumerate(faulty.log) if "step_2" in p)
+    order = [(op, p.rsplit("/", 1)[1]) for op, p in faulty.log[first:]]
+    assert order.index(("closed", MARKER)) < order.index(("create", TRACKER))
+    assert order.index(("closed", "manifest.json")) < order.index(("create", MARKER))
+    assert order.index(("closed", "data-r00000-000.safetensors")) < order.index(
+        ("create", "manifest.json")
+    )
+
+
+@pytest.mark.anyio
+async def test_s3_failed_upload_is_discarded_and_commits_nothing(s3: Any) -> None:
+    root, options, fs = s3
+    faulty = FaultyFsspecFS(s3fs.S3FileSystem(**options), "write", "step_2/data-", n=3)
+
+    def eio() -> None:
+        raise OSError(errno.EIO, "injected")
+
+    faulty.action = eio
+    async with asyncsave.Checkpointer(root, filesystem=faulty) as ckpt:
+        await (await ckpt.save(1, state_of(1, big=True)))
+        handle = await ckpt.save(2, state_of(2, big=True))
+        with pytest.raises(asyncsave.SaveFailedError) as err:
+            await handle
+        assert isinstance(err.value.__cause__, OSError)
+        with pytest.raises(asyncsave.SaveFailedError):
+            await ckpt.aclose()
+    prefix = key(root)
+    assert not fs.exists(f"{prefix}/step_2")  # parts aborted, prefix discarded
+    fs.invalidate_cache()
+    uploads = fs.call_s3("list_multipart_uploads", Bucket=prefix.split("/")[0])
+    assert not uploads.get("Uploads")  # the multipart upload was aborted, not completed
+    assert fs.cat_file(f"{prefix}/{TRACKER}") == b"1"
+    info = asyncsave.latest(root, storage_options=options)
+    assert info is not None and info.step == 1
+
+
+def test_s3_object_closed_while_an_error_propagates_is_aborted_not_completed(s3: Any) -> None:
+    root, _, fs = s3
+    layer = FsspecFileSystem(fs)
+    path = f"{key(root)}/partial.bin"
+    fd = layer.create(Path(path))
+    layer.write(fd, memoryview(b"x" * (BLOCK + 1024)))  # one part uploaded already
+    try:
+        raise OSError(errno.EIO, "the writer failed")
+    except OSError:
+        layer.close(fd)  # as asyncsave's writers close a failed file
+    fs.invalidate_cache()
+    assert not fs.exists(path)
+    uploads = fs.call_s3("list_multipart_uploads", Bucket=key(root).split("/")[0])
+    assert not uploads.get("Uploads")
+    fd = layer.create(Path(path))
+    layer.write(fd, memoryview(b"y" * 10))
+    layer.close(fd)  # no error: completed
+    assert fs.cat_file(path) == b"y" * 10
+
+
+@pytest.mark.anyio
+async def test_s3_overwrite_of_a_committed_step_is_refused_and_keeps_it(s3: Any) -> None:
+    root, options, _ = s3
+    async with asyncsave.Checkpointer(root, storage_options=options) as ckpt:
+        await (await ckpt.save(1, state_of(1)))
+        with pytest.raises(asyncsave.CheckpointError, match="cannot overwrite step 1"):
+            await ckpt.save(1, state_of(7), overwrite=True)
+        # A plain duplicate stays a no-op; the checkpointer keeps working.
+        assert (await (await ckpt.save(1, state_of(7)))) is not None
+        await (await ckpt.save(2, state_of(2)))
+    assert_same(asyncsave.load(f"{root}/step_1", storage_options=options), state_of(1))
+
+
+@pytest.mark.anyio
+async def test_s3_retention_deletes_the_marker_first_and_keeps_what_it_promises(s3: Any) -> None:
+    root, options, fs = s3
+    layer = FaultyFsspecFS(s3fs.S3FileSystem(**options))
+    async with asyncsave.Checkpointer(
+        root, filesystem=layer, retention=asyncsave.KeepLast(1)
+    ) as ckpt:
+        for step in (1, 2, 3):
+            await (await ckpt.save(step, state_of(step)))
+    prefix = key(root)
+    fs.invalidate_cache()
+    assert sorted(n.rsplit("/", 1)[1] for n in fs.ls(prefix)) == sorted(["step_3", TRACKER])
+    # Retired without a copy aside: remove_tree (marker first) on the final prefix.
+    assert [p.rsplit("/", 1)[1] for op, p in layer.log if op == "remove_tree"] == [
+        "step_1",
+        "step_2",
+    ]
+    assert_same(asyncsave.load(f"{root}/step_3", storage_options=options), state_of(3))
+
+
+@pytest.mark.anyio
+async def test_s3_update_and_tracker_less_layouts_are_refused(s3: Any) -> None:
+    root, options, _ = s3
+    with pytest.raises(ValueError, match="has no tracker"):
+        asyncsave.Checkpointer(root, storage_options=options, layout="nemo-rl")
+    async with asyncsave.Checkpointer(root, storage_options=options) as ckpt:
+        await (await ckpt.save(1, state_of(1)))
+        with pytest.raises(asyncsave.CheckpointError, match="update"):
+            await ckpt.update(1, "trainer", {"step": 1, "name": "edited"})
+        await (await ckpt.save(2, state_of(2)))  # still usable
+    assert_same(asyncsave.load(f"{root}/step_1", storage_options=options), state_of(1))
+
+
+# -- S3: SIGKILL at every step of the marker protocol ------------------------------
+# (operation, path substring, occurrence) in the save of step 2.
+KILL_POINTS = [
+    ("write", "step_2/data-", 3),  # mid-upload: parts sent, upload never completed
+    ("create", "step_2/manifest.json", 1),  # data object complete
+    ("create", f"step_2/{MARKER}", 1),  # data and manifest complete: just before the marker
+    ("create", TRACKER, 2),  # marker written: committed, tracker not moved yet
+]
+
+
+def _crash_child(root: str, options: dict[str, Any], op: str, where: str, n: int) -> None:
+    async def go() -> None:
+        faulty = FaultyFsspecFS(s3fs.S3FileSystem(**options), op, where, n)
+        faulty.action = _sigkill
+        async with asyncsave.Checkpointer(root, filesystem=faulty) as ckpt:
+            await (await ckpt.save(1, state_of(1, big=True)))
+            await (await ckpt.save(2, state_of(2, big=True)))
+
+    anyio.run(go)
+
+
+@pytest.mark.parametrize(
+    ("op", "where", "n"), KILL_POINTS, ids=[f"{o}-{w}" for o, w, _ in KILL_POINTS]
+)
+def test_s3_sigkill_mid_save_resumes_the_last_commit_bit_exact(
+    s3: Any, op: str, where: str, n: int
+) -> None:
+    root, options, fs = s3
+    pid = os.fork()  # torch is imported once, in this parent
+    if pid == 0:  # pragma: no cover - the child dies by SIGKILL or exits
+        try:
+            _crash_child(root, options, op, where, n)
+        finally:
+            os._exit(3)  # not killed: the parent sees exit status 3
+    deadline = time.monotonic() + 120
+    while (waited := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the child neither died at the kill point nor exited within 120 s")
+        time.sleep(0.02)
+    status = waited[1]
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+
+    prefix = key(root)
+    committed = op == "create" and where == TRACKER
+    expect = 2 if committed else 1
+    # 1. Readers see the last commit (a marked step 2 counts before the tracker moves).
+    info = asyncsave.latest(root, storage_options=options)
+    assert info is not None and info.step == expect
+    assert_same(asyncsave.load(info.path), state_of(expect, big=True))
+    if where == f"step_2/{MARKER}":  # the crash before the marker left a prefix
+        assert fs.exists(f"{prefix}/step_2/manifest.json")
+        assert not fs.exists(f"{prefix}/step_2/{MARKER}")
+        out = io.StringIO()
+        assert cli_main(["ls", root, "--storage-options", json.dumps(options)], out=out) == 0
+        assert "uncommitted" in out.getvalue()
+
+    # 2. The next open removes the unmarked prefix, moves the tracker forward, and
+    #    resumes bit-exact; saving step 2 again then commits.
+    async def reopen() -> int:
+        async with asyncsave.Checkpointer(root, storage_options=options) as ckpt:
+            restored = await ckpt.load_latest()
+            assert restored is not None
+            assert_same(restored.state, state_of(restored.info.step, big=True))
+            await (await ckpt.save(2, state_of(2, big=True)))
+            return restored.info.step
+
+    assert anyio.run(reopen) == expect
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{prefix}/{TRACKER}") == b"2"
+    assert fs.exists(f"{prefix}/step_2/{MARKER}")
+    asyncsave.verify(f"{root}/step_2", storage_options=options)
+
+
+# -- S3: CLI ----------------------------------------------------------------------
+def test_s3_cli_ls_verify_inspect_and_a_flipped_byte(s3: Any, s3_endpoint: str) -> None:
+    root, options, fs = s3
+
+    async def make() -> None:
+        async with asyncsave.Checkpointer(root, storage_options=options) as ckpt:
+            for step in (1, 2):
+                await (await ckpt.save(step, state_of(step)))
+
+    anyio.run(make)
+    opts = ["--storage-options", json.dumps(options)]
+
+    def run(*argv: str) -> tuple[int, str]:
+        out = io.StringIO()
+        return cli_main([*argv, *opts], out=out), out.getvalue()
+
+    rc, text = run("ls", root)
+    assert rc == 0 and "tracker -> step 2" in text and " * step_2" in text
+    rc, text = run("verify", root)
+    assert rc == 0 and text.count("ok ") == 2
+    rc, text = run("inspect", f"{root}/step_1")
+    assert rc == 0 and "'w': float32 [1000] 4000 B" in text
+
+    data = f"{key(root)}/step_2/data-r00000-000.safetensors"
+    raw = bytearray(fs.cat_file(data))
+    raw[-1] ^= 0xFF
+    fs.pipe_file(data, bytes(raw))
+    rc, text = run("verify", f"{root}/step_2")
+    assert rc == 1 and "FAIL" in text and "checksum" in text
+
+    # The installed command, with the endpoint and credentials from the environment.
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-west-2",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncsave", "ls", root],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "tracker -> step 2" in proc.stdout and "step_1" in proc.stdout
+
+
+# -- memory:// (fast) --------------------------------------------------------------
+@pytest.fixture
+def mem_root() -> Iterator[str]:
+    name = f"/asyncsave-test-{uuid.uuid4().hex[:12]}"
+    yield f"memory://{name}"
+    mem = fsspec.filesystem("memory")
+    with contextlib.suppress(FileNotFoundError):
+        mem.rm(name, recursive=True)
+
+
+@pytest.mark.anyio
+async def test_memory_round_trip_and_resume(mem_root: str) -> None:
+    async with asyncsave.Checkpointer(mem_root) as ckpt:
+        assert isinstance(ckpt._fs, FsspecFileSystem) and not ckpt._fs.atomic_rename
+        for step in (1, 2, 3):
+            await (await ckpt.save(step, state_of(step)))
+    async with asyncsave.Checkpointer(mem_root) as ckpt:
+        restored = await ckpt.load_latest()
+        assert restored is not None and restored.info.step == 3
+        assert_same(restored.state, state_of(3))
+    assert [i.step for i in [asyncsave.latest(mem_root)] if i] == [3]
+
+
+def test_memory_root_through_the_synchronous_facade(mem_root: str) -> None:
+    with asyncsave.SyncCheckpointer(mem_root) as ckpt:
+        info = ckpt.save(1, state_of(1)).result(timeout_s=60)
+    assert info is not None and str(info.path).endswith(f"{mem_root[len('memory:///') :]}/step_1")
+    assert_same(asyncsave.load(info.path), state_of(1))
+
+
+def _commit_steps(root: str, *steps: int) -> None:
+    async def go() -> None:
+        async with asyncsave.Checkpointer(root) as ckpt:
+            for step in steps:
+                await (await ckpt.save(step, state_of(step)))
+
+    anyio.run(go)
+
+
+def test_memory_unmarked_prefix_is_ignored_then_removed_at_open(mem_root: str) -> None:
+    _commit_steps(mem_root, 1, 2)
+    mem = fsspec.filesystem("memory")
+    path = mem_root.removeprefix("memory://")
+    # A save of step 3 that crashed before its marker: a full copy of step 2's files.
+    mem.copy(f"{path}/step_2", f"{path}/step_3", recursive=True)
+    mem.rm_file(f"{path}/step_3/{MARKER}")
+    info = asyncsave.latest(mem_root)
+    assert info is not None and info.step == 2
+    out = io.StringIO()
+    assert cli_main(["ls", mem_root], out=out) == 0
+    assert "step_3" in out.getvalue() and "uncommitted" in out.getvalue()
+
+    async def reopen() -> int | None:
+        async with asyncsave.Checkpointer(mem_root) as ckpt:
+            restored = await ckpt.load_latest()
+            return None if restored is None else restored.info.step
+
+    assert anyio.run(reopen) == 2
+    assert not mem.exists(f"{path}/step_3")
+    assert mem.exists(f"{path}/step_2/{MARKER}")
+
+
+def test_memory_damaged_checkpoint_is_moved_aside_not_deleted(mem_root: str) -> None:
+    _commit_steps(mem_root, 1, 2)
+    mem = fsspec.filesystem("memory")
+    path = mem_root.removeprefix("memory://")
+    data = f"{path}/step_2/data-r00000-000.safetensors"
+    mem.pipe_file(data, mem.cat_file(data)[:-10])  # truncated
+
+    async def reopen() -> int | None:
+        async with asyncsave.Checkpointer(mem_root) as ckpt:
+            restored = await ckpt.load_latest(fallback=True)
+            return None if restored is None else restored.info.step
+
+    assert anyio.run(reopen) == 1
+    aside = [n for n in mem.ls(path, detail=False) if ".asyncsave-damaged-2-" in n]
+    assert len(aside) == 1 and not mem.exists(f"{path}/step_2")
+    assert mem.exists(f"{aside[0]}/data-r00000-000.safetensors")
+
+
+class _Recorder:
+    """An fsspec file system proxy that records its delete calls, in order."""
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+        self.calls: list[tuple[str, str]] = []
+
+    def rm_file(self, path: str) -> None:
+        self.calls.append(("rm_file", path))
+        self._fs.rm_file(path)
+
+    def rm(self, path: str, recursive: bool = False) -> None:
+        self.calls.append(("rm", path))
+        self._fs.rm(path, recursive=recursive)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+
+def test_deleting_a_checkpoint_removes_its_marker_alone_first(mem_root: str) -> None:
+    # Retention and discards go through remove_tree: a deletion cut short after its
+    # first call leaves an uncommitted prefix, never a marked one missing files.
+    _commit_steps(mem_root, 1)
+    rec = _Recorder(fsspec.filesystem("memory"))
+    fs, root = open_root(mem_root, filesystem=FsspecFileSystem(rec))
+    fs.remove_tree(root / "step_1")
+    path = mem_root.removeprefix("memory://")
+    assert rec.calls == [("rm_file", f"{path}/step_1/{MARKER}"), ("rm", f"{path}/step_1")]
+    assert not rec._fs.exists(f"{path}/step_1")
+
+
+def test_fsspec_layer_overrides_every_call_of_the_local_layer() -> None:
+    # A call added to the local layer must not silently do local I/O on an object store.
+    calls = {n for n, v in vars(LocalFileSystem).items() if callable(v) and not n.startswith("_")}
+    missing = sorted(n for n in calls if n not in vars(FsspecFileSystem))
+    assert not missing, f"FsspecFileSystem must implement {missing}"
+
+
+# -- root resolution ----------------------------------------------------------------
+def test_open_root_chooses_the_layer_from_the_root(tmp_path: Path) -> None:
+    fs, path = open_root(tmp_path)
+    assert type(fs) is LocalFileSystem and path == tmp_path and fs.atomic_rename
+    fs, path = open_root(f"file://{tmp_path}")
+    assert type(fs) is LocalFileSystem and path == tmp_path
+    fs, path = open_root("memory://x/y")
+    assert isinstance(fs, FsspecFileSystem) and str(path / "step_1").endswith("x/y/step_1")
+    assert is_url("s3://b/k") and not is_url(str(tmp_path)) and is_url(path)
+    from upath import UPath
+
+    for local in (UPath(tmp_path), UPath(f"file://{tmp_path}")):
+        fs, path = open_root(local)
+        assert type(fs) is LocalFileSystem and type(path) is type(tmp_path) and path == tmp_path
+    with pytest.raises(ValueError, match="storage_options"):
+        open_root(tmp_path, storage_options={"key": "k"})
+    with pytest.raises(ValueError, match="local file system"):
+        open_root("memory://x", filesystem=LocalFileSystem())
+    with pytest.raises(ValueError, match="storage_options"):
+        asyncsave.CheckpointOptions(storage_options=["key"])  # type: ignore[arg-type]
+
+
+def test_errors_name_url_paths() -> None:
+    _, path = open_root("memory://x/y")
+    err = asyncsave.CheckpointNotFoundError("gone", path=path)
+    assert err.path == "memory://x/y"
