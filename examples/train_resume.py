@@ -15,8 +15,8 @@ What this example demonstrates:
   end.
 * The checkpoint holds the model, the optimizer, a data sampler (its epoch
   permutation, cursor and generator), the torch RNG state, the step and the loss
-  history. ``--crash-at K`` saves step K and SIGKILLs the process while that save is
-  being written; running the same command without ``--crash-at`` resumes from the
+  history. ``--crash-at K`` waits for the earlier saves to commit, saves step K and
+  SIGKILLs the process while that save is being written; running the same command without ``--crash-at`` resumes from the
   last committed step and produces per-step losses equal, bit for bit, to those of
   an uninterrupted run (compare ``<run-dir>/losses.jsonl``).
 
@@ -404,6 +404,10 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
                     loss_file.flush()  # a SIGKILL keeps what was written
                     crash = step == args.crash_at
                     if step % args.save_every == 0 or step == args.steps or crash:
+                        if crash:
+                            # A reproducible demo: the earlier saves are committed,
+                            # the crash tears only this one.
+                            await ckpt.wait()
                         # Returns once the state is staged; the write goes on meanwhile.
                         handle = await ckpt.save(step, state())
                         handles.append(handle)
