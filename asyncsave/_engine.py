@@ -30,6 +30,16 @@ import anyio.to_thread
 import torch
 
 from ._commit import commit_dir, discard, lock_root, make_temp_dir, recover
+from ._dist import (
+    DcpJob,
+    DistContext,
+    PlainJob,
+    contains_dtensor,
+    load_rank,
+    run_save,
+    stage_dtensor_state,
+    wants_distributed,
+)
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -202,6 +212,15 @@ class Checkpointer:
     ``wait()`` and close raise :class:`SaveFailedError`. A trainer never goes on
     believing it is checkpointing; open a new checkpointer to go on.
 
+    Several ranks (``torch.distributed`` initialised with a world size above 1, or
+    ``distributed=True``): entering creates asyncsave's own gloo group (every rank,
+    in the same order); only rank 0 locks and recovers the root; every rank calls
+    ``save()`` with the same steps in the same order; rank 0 commits once every
+    rank's files are durable and every rank's handle resolves after that; any
+    rank's failure raises :class:`RankFailedError` on all ranks. DTensor (FSDP2)
+    state goes through DCP's planner so that ``dcp.load`` reshards it. See
+    ``asyncsave._dist``, ``asyncsave.dcp`` and ``asyncsave.megatron``.
+
     :param root: directory holding the checkpoints and the tracker; or a URL
         (``s3://bucket/prefix``, any fsspec URL), where checkpoints are committed by
         a marker written last instead of a rename, and no lock guards the root (one
@@ -240,6 +259,7 @@ class Checkpointer:
         self._tg: anyio.abc.TaskGroup | None = None
         self._pool: StagingPool | None = None
         self._limiter: anyio.CapacityLimiter | None = None
+        self._dist: DistContext | None = None  # several ranks: see asyncsave._dist
         # Held inside worker threads by everything that renames or removes a final
         # directory (commit, retention, update): a thread abandoned at a deadline
         # keeps it until it finishes, so no later thread can race it.
@@ -251,19 +271,25 @@ class Checkpointer:
             raise CheckpointerClosedError("a Checkpointer can be entered only once", path=self.root)
         self._pool = StagingPool(self.options.budget_bytes)
         self._limiter = anyio.CapacityLimiter(self.options.writer_threads)
-        self._lock_fd = await anyio.to_thread.run_sync(lock_root, self._fs, self.root)
-        try:
-            recovered = await anyio.to_thread.run_sync(recover, self._fs, self.root, self.layout)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._unlock()
-            raise
-        self._committed = dict.fromkeys(recovered.committed)
+        if wants_distributed(self.options.distributed):
+            if not self._fs.atomic_rename:
+                raise CheckpointError(
+                    f"several ranks save into a shared POSIX file system root; {self.root} "
+                    f"is on {self._fs!r} (commit by marker), which asyncsave supports for "
+                    "one process only",
+                    path=self.root,
+                )
+            self._dist = await DistContext.create(self.options.dist_timeout_s)
+            # Rank 0 alone locks and recovers; the others wait for its result.
+            committed, tracked = await self._dist.open_root(self._open_root, self.root)
+        else:
+            committed, tracked = await self._open_root()
+        self._committed = dict.fromkeys(committed)
         # Forward only, even past a tracker that names a checkpoint that is gone:
         # saves below it commit but do not move it (resume then needs fallback=True).
-        steps = [s for s in (recovered.tracked, *recovered.committed) if s is not None]
+        steps = [s for s in (tracked, *committed) if s is not None]
         baseline = max(steps, default=None)
-        if self.layout.tracker_name is not None:
+        if self.layout.tracker_name is not None and (self._dist is None or self._dist.rank == 0):
             self._tracker = TrackerWriter(self._fs, self.root / self.layout.tracker_name, baseline)
         tg = anyio.create_task_group()
         await tg.__aenter__()
@@ -271,6 +297,17 @@ class Checkpointer:
         self._accepting = True
         self._state = "open"
         return self
+
+    async def _open_root(self) -> tuple[list[int], int | None]:
+        """Take the saver lock and recover the root: (committed steps, tracked step)."""
+        self._lock_fd = await anyio.to_thread.run_sync(lock_root, self._fs, self.root)
+        try:
+            recovered = await anyio.to_thread.run_sync(recover, self._fs, self.root, self.layout)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._unlock()
+            raise
+        return list(recovered.committed), recovered.tracked
 
     async def __aexit__(
         self,
@@ -467,6 +504,10 @@ class Checkpointer:
                 step=step,
                 path=self.root / self.layout.dir_name(step),
             )
+        if self._dist is not None:
+            return await self._save_ranks(
+                self._dist, step, state, overwrite=overwrite, t0=t0, training_info=info_doc
+            )
 
         plan = make_plan(state, allow_pickle=self.options.allow_pickle)
         layouts = layout_files(plan.entries, rank=0, max_files=self.options.writer_threads)
@@ -516,6 +557,85 @@ class Checkpointer:
             if self._pending.get(step) is handle:
                 del self._pending[step]
             raise
+        return handle
+
+    async def _save_ranks(
+        self,
+        ctx: DistContext,
+        step: int,
+        state: Any,
+        *,
+        overwrite: bool,
+        t0: float,
+        training_info: dict[str, Any],
+    ) -> SaveHandle:
+        """The body of :meth:`save` for one rank of several (see ``asyncsave._dist``).
+
+        DTensor state is staged by DCP's ``DefaultStager`` (CPU copies) and written
+        through DCP's planner; other state is staged into this rank's pool. A rank
+        whose snapshot fails still takes part in the save's collectives, so that
+        every rank raises naming it.
+        """
+        assert self._pool is not None and self._tg is not None
+        handle = SaveHandle(step)
+        self._pending[step] = handle
+        job: PlainJob | DcpJob | BaseException
+        lease: Lease | None = None
+        try:
+            if contains_dtensor(state):
+                job = await stage_dtensor_state(self, state)
+            else:
+                plan = make_plan(state, allow_pickle=self.options.allow_pickle)
+                layouts = layout_files(
+                    plan.entries, rank=ctx.rank, max_files=self.options.writer_threads
+                )
+                nbytes = staging_nbytes(layouts)
+                self._pool.check(nbytes)
+                lease = await self._pool.acquire(
+                    nbytes, pin=any(d.type == "cuda" for d in plan.devices)
+                )
+                self._check_usable()
+                await stage_entries(
+                    lease,
+                    plan.entries,
+                    poll_interval_s=self.options.poll_interval_s,
+                    timeout_s=self.options.save_timeout_s,
+                )
+                plan.release_sources()
+                job = PlainJob(plan, layouts, lease)
+                lease = None
+        except Exception as exc:
+            if lease is not None:
+                if lease.poisoned:
+                    self._set_failure(SaveFailedError(f"staging of step {step} was lost"))
+                lease.release()
+            job = exc
+        if not self._accepting:
+            if isinstance(job, PlainJob):
+                job.lease.release()
+            del self._pending[step]
+            raise CheckpointerClosedError(
+                f"the Checkpointer for {self.root} closed while step {step} was staging",
+                step=step,
+                path=self.root,
+            )
+        staged_s = time.perf_counter() - t0
+        self._tg.start_soon(
+            run_save,
+            self,
+            ctx,
+            ctx.take_ticket(),
+            handle,
+            job,
+            (t0, staged_s),
+            overwrite,
+            training_info,
+        )
+        if isinstance(job, BaseException):
+            # The pipeline reports it to the other ranks; this rank raises now.
+            await handle._done.wait()
+            raise job
+        handle._staged.set()
         return handle
 
     async def _committed_info(self, step: int) -> CheckpointInfo:
@@ -871,11 +991,13 @@ class Checkpointer:
             return None
         while True:
             path = info.path
+            reader: Any = functools.partial(load, path)
+            if self._dist is not None:  # this rank's part only
+                reader = functools.partial(load_rank, path, self._dist.rank, self._dist.world_size)
             try:
                 state = await anyio.to_thread.run_sync(
                     functools.partial(
-                        load,
-                        path,
+                        reader,
                         device=device,
                         allow_pickle=self.options.allow_pickle,
                         filesystem=self._fs,

@@ -30,6 +30,7 @@ from ._errors import (
     KindMismatchError,
     MissingItemError,
     UnsafeLoadError,
+    UnsupportedFormatError,
 )
 from ._format import SAFETENSORS_DTYPES
 from ._fs import LocalFileSystem
@@ -373,6 +374,8 @@ class _Decoder:
             return self.node(node.get("state"), where)
         if kind == "tensordict":
             return self.tensordict(node, where)
+        if kind == "dcp" and not self.unpickle and not where:
+            return None  # verify(): a DCP checkpoint's entries are checked, no tree
         raise self.bad(where, f"unknown node type {kind!r}")
 
     def mapping(self, node: dict[str, Any], where: tuple[Any, ...]) -> Any:
@@ -586,6 +589,18 @@ def load(
     fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options)
     target = _device(device)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
+    if manifest.tree.get("type") == "dcp":
+        raise UnsupportedFormatError(
+            f"{p} was saved through torch.distributed.checkpoint (DTensor state): load "
+            "it with dcp.load(state, storage_reader=asyncsave.dcp.StorageReader(path))",
+            path=p,
+        )
+    if manifest.tree.get("type") == "foreign":
+        raise UnsupportedFormatError(
+            f"{p} holds files written by {manifest.tree.get('format')!r}, committed by "
+            "asyncsave: load it with that library (e.g. megatron.core.dist_checkpointing.load)",
+            path=p,
+        )
     raw = _read_entries(fs, p, manifest, verify=verify)
     tensors = _build_tensors(manifest, raw, target)
     state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(
@@ -636,6 +651,8 @@ def verify(
     """
     fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
+    if manifest.tree.get("type") == "foreign":
+        return info_of(p, manifest)  # another library's files: their sizes are checked
     raw = _read_entries(fs, p, manifest, verify=True)
     tensors = _build_tensors(manifest, raw, torch.device("cpu"))
     decoder = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=False, unpickle=False)

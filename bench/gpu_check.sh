@@ -13,4 +13,15 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 timeout 180 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -k "not trio" -o addopts="" 2>&1 | tee "$out/gpu_pytest.txt"
 rc=${PIPESTATUS[0]}
 timeout 180 python3 bench/gpu_stage.py --gib 1.5 --saves 3 --out "$out/gpu_stage.json"
-exit $(( rc || $? ))
+rc=$(( rc || $? ))
+# asyncsave.megatron with CUDA tensors: megatron-core's real request, staged by
+# asyncsave's pool (pinned buffers, side stream) instead of its CUDA preload.
+if python3 -c "import megatron.core, psutil" 2>/dev/null; then
+  timeout 240 python3 -m pytest tests/test_megatron.py -q -p no:cacheprovider -o addopts="" \
+    -k cuda 2>&1 | tee "$out/gpu_megatron.txt"
+  rc=$(( rc || PIPESTATUS[0] ))
+else
+  echo "megatron-core or psutil not installed on this image: Megatron GPU variant not run" \
+    | tee "$out/gpu_megatron.txt"
+fi
+exit $rc
