@@ -509,10 +509,6 @@ async def run_save(
                         ranks={0: outcome},
                     )
                 tmp = None
-            if ctx.rank == 0:
-                # Outside the save's deadline, as for one rank: the save is committed
-                # and tracked; a slow delete must not fail it.
-                await ckpt._retain(step)
             info = CheckpointInfo(
                 step=step,
                 path=final,
@@ -526,7 +522,13 @@ async def run_save(
                 training_info=training_info,
             )
             ckpt._committed[step] = info
-            handle._commit(info)
+            try:
+                if ctx.rank == 0:
+                    # Outside the save's deadline, as for one rank: the save is
+                    # committed and tracked; a slow delete must not fail it.
+                    await ckpt._retain(step)
+            finally:
+                handle._commit(info)
             logger.info(
                 "rank %d: step %d committed to %s by %d ranks in %.3f s",
                 ctx.rank,

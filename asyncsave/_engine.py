@@ -174,6 +174,8 @@ class SaveHandle:
         self._done.set()
 
     def _fail(self, error: BaseException) -> None:
+        if self._done.is_set():
+            return  # resolved already (committed before a late cancellation): it stands
         self._error = error
         self._staged.set()
         self._done.set()
@@ -710,9 +712,6 @@ class Checkpointer:
                     committing = False
                     tmp = None  # committed: nothing to discard any more
                     await self._track(step)
-                # Outside the save's deadline: the save is committed and tracked, a
-                # slow delete must not fail it (retention has its own bound).
-                await self._retain(step)
                 info = CheckpointInfo(
                     step=step,
                     path=final,
@@ -725,7 +724,12 @@ class Checkpointer:
                     training_info=training_info,
                 )
                 self._committed[step] = info
-                handle._commit(info)
+                try:
+                    # Outside the save's deadline: the save is committed and tracked,
+                    # a slow delete must not fail it (retention has its own bound).
+                    await self._retain(step)
+                finally:
+                    handle._commit(info)  # committed, whatever became of retention
                 logger.info(
                     "saved step %d to %s: %d bytes, blocked %.3f s, written %.3f s, committed %.3f s",
                     step,
@@ -925,7 +929,9 @@ class Checkpointer:
             return steps
 
         removed: list[int] = []
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self.options.save_timeout_s):
+        # Not shielded: close_timeout_s may abandon a slow pass (its thread holds the
+        # final-directory lock until it finishes, so nothing races it).
+        with anyio.move_on_after(self.options.save_timeout_s):
             try:
                 removed = await self._run(
                     self._under_final_lock,

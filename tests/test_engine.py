@@ -75,9 +75,12 @@ async def test_write_runs_in_background_and_nothing_is_final_before_commit(tmp_p
 
 async def test_tracker_never_moves_backwards_when_saves_finish_out_of_order(tmp_path: Path) -> None:
     gate = threading.Event()
-    # Hold step 5 just before its rename (after its data is written and the staging
-    # budget is free), so step 10 commits first.
-    fs = FaultyFS("rename", pause(gate), where=lambda p: p.endswith("step_5"))
+    # Hold step 5 just before its manifest (its data is written and the staging
+    # budget is free; commits are serialised, so not inside its rename), so step
+    # 10 commits first.
+    fs = FaultyFS(
+        "create", pause(gate), where=lambda p: ".asyncsave-tmp-5-" in p and "manifest" in p
+    )
     async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
         h5 = await ckpt.save(5, small_state(5))
         await anyio.to_thread.run_sync(fs.fired.wait, 10)
