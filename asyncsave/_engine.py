@@ -50,6 +50,7 @@ from ._errors import (
     InvalidStateError,
     InvalidStepError,
     ProtectedCheckpointError,
+    RootInUseError,
     SaveFailedError,
     WaitTimeoutError,
 )
@@ -263,9 +264,10 @@ class Checkpointer:
         self._limiter: anyio.CapacityLimiter | None = None
         self._dist: DistContext | None = None  # several ranks: see asyncsave._dist
         # Held inside worker threads by everything that renames or removes a final
-        # directory (commit, retention, update): a thread abandoned at a deadline
-        # keeps it until it finishes, so no later thread can race it.
-        self._final_lock = threading.Lock()
+        # directory (commit, retention, update, recovery at open): a thread abandoned
+        # at a deadline keeps it until it finishes, so no later thread can race it,
+        # not even one of a later checkpointer on the same root in this process.
+        self._final_lock = _final_lock_for(self.root)
 
     # -- lifecycle ---------------------------------------------------------------
     async def __aenter__(self) -> Checkpointer:
@@ -304,12 +306,25 @@ class Checkpointer:
         """Take the saver lock and recover the root: (committed steps, tracked step)."""
         self._lock_fd = await anyio.to_thread.run_sync(lock_root, self._fs, self.root)
         try:
-            recovered = await anyio.to_thread.run_sync(recover, self._fs, self.root, self.layout)
+            recovered = await anyio.to_thread.run_sync(self._recover)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._unlock()
             raise
         return list(recovered.committed), recovered.tracked
+
+    def _recover(self) -> Any:
+        if not self._final_lock.acquire(timeout=self.options.close_timeout_s):
+            raise RootInUseError(
+                f"a commit abandoned by an earlier Checkpointer on {self.root} in this "
+                f"process is still running after close_timeout_s="
+                f"{self.options.close_timeout_s}; try again once it finishes",
+                path=self.root,
+            )
+        try:
+            return recover(self._fs, self.root, self.layout)
+        finally:
+            self._final_lock.release()
 
     async def __aexit__(
         self,
@@ -1071,6 +1086,19 @@ def _in_worker(func: Any, *args: Any) -> Any:
         raise
     except BaseException as exc:
         raise WorkerDiedError(f"a worker thread died running {func!r}: {exc!r}") from exc
+
+
+_FINAL_LOCKS: dict[str, threading.Lock] = {}
+_FINAL_LOCKS_GUARD = threading.Lock()
+
+
+def _final_lock_for(root: Any) -> threading.Lock:
+    """One lock per root in this process (see ``Checkpointer._final_lock``)."""
+    key = str(root)
+    if "://" not in key:
+        key = os.path.realpath(key)
+    with _FINAL_LOCKS_GUARD:
+        return _FINAL_LOCKS.setdefault(key, threading.Lock())
 
 
 def _as_save_error(
