@@ -163,6 +163,14 @@ def _describe(node: Any, m: Manifest, indent: int, label: str, out: TextIO) -> N
     elif kind == "stateful":
         print(f"{pad}{label}: state_dict of {node['class']}", file=out)
         _describe(node["state"], m, indent + 1, "state", out)
+    elif kind == "dcp":
+        print(
+            f"{pad}{label}: written through torch.distributed.checkpoint: read it with "
+            "dcp.load and asyncsave.dcp.StorageReader",
+            file=out,
+        )
+    elif kind == "foreign":
+        print(f"{pad}{label}: files of {node.get('format')!r}, committed by asyncsave", file=out)
     elif kind == "tagged":
         print(f"{pad}{label}: kind {node['kind']!r}", file=out)
         _describe(node["value"], m, indent + 1, "value", out)

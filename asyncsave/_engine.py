@@ -30,6 +30,16 @@ import anyio.to_thread
 import torch
 
 from ._commit import commit_dir, discard, lock_root, make_temp_dir, recover
+from ._dist import (
+    DcpJob,
+    DistContext,
+    PlainJob,
+    contains_dtensor,
+    load_rank,
+    run_save,
+    stage_dtensor_state,
+    wants_distributed,
+)
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -40,6 +50,7 @@ from ._errors import (
     InvalidStateError,
     InvalidStepError,
     ProtectedCheckpointError,
+    RootInUseError,
     SaveFailedError,
     WaitTimeoutError,
 )
@@ -184,6 +195,8 @@ class SaveHandle:
         self._done.set()
 
     def _fail(self, error: BaseException) -> None:
+        if self._done.is_set():
+            return  # resolved already (committed before a late cancellation): it stands
         self._error = error
         if not self._staged.is_set():
             self._staged_error = error
@@ -241,6 +254,15 @@ class Checkpointer:
     ``wait()`` and close raise :class:`SaveFailedError`. A trainer never goes on
     believing it is checkpointing; open a new checkpointer to go on.
 
+    Several ranks (``torch.distributed`` initialised with a world size above 1, or
+    ``distributed=True``): entering creates asyncsave's own gloo group (every rank,
+    in the same order); only rank 0 locks and recovers the root; every rank calls
+    ``save()`` with the same steps in the same order; rank 0 commits once every
+    rank's files are durable and every rank's handle resolves after that; any
+    rank's failure raises :class:`RankFailedError` on all ranks. DTensor (FSDP2)
+    state goes through DCP's planner so that ``dcp.load`` reshards it. See
+    ``asyncsave._dist``, ``asyncsave.dcp`` and ``asyncsave.megatron``.
+
     :param root: directory holding the checkpoints and the tracker; or a URL
         (``s3://bucket/prefix``, any fsspec URL), where checkpoints are committed by
         a marker written last instead of a rename, and no lock guards the root (one
@@ -282,10 +304,12 @@ class Checkpointer:
         self._retention_lock = anyio.Lock()
         self._lazy: dict[int, SaveHandle] = {}  # lazy saves not yet staged
         self._loop_thread: int | None = None  # the thread running the event loop
+        self._dist: DistContext | None = None  # several ranks: see asyncsave._dist
         # Held inside worker threads by everything that renames or removes a final
-        # directory (commit, retention, update): a thread abandoned at a deadline
-        # keeps it until it finishes, so no later thread can race it.
-        self._final_lock = threading.Lock()
+        # directory (commit, retention, update, recovery at open): a thread abandoned
+        # at a deadline keeps it until it finishes, so no later thread can race it,
+        # not even one of a later checkpointer on the same root in this process.
+        self._final_lock = _final_lock_for(self.root)
 
     # -- lifecycle ---------------------------------------------------------------
     async def __aenter__(self) -> Checkpointer:
@@ -294,19 +318,25 @@ class Checkpointer:
         self._pool = StagingPool(self.options.budget_bytes)
         self._loop_thread = threading.get_ident()
         self._limiter = anyio.CapacityLimiter(self.options.writer_threads)
-        self._lock_fd = await anyio.to_thread.run_sync(lock_root, self._fs, self.root)
-        try:
-            recovered = await anyio.to_thread.run_sync(recover, self._fs, self.root, self.layout)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._unlock()
-            raise
-        self._committed = dict.fromkeys(recovered.committed)
+        if wants_distributed(self.options.distributed):
+            if not self._fs.atomic_rename:
+                raise CheckpointError(
+                    f"several ranks save into a shared POSIX file system root; {self.root} "
+                    f"is on {self._fs!r} (commit by marker), which asyncsave supports for "
+                    "one process only",
+                    path=self.root,
+                )
+            self._dist = await DistContext.create(self.options.dist_timeout_s)
+            # Rank 0 alone locks and recovers; the others wait for its result.
+            committed, tracked = await self._dist.open_root(self._open_root, self.root)
+        else:
+            committed, tracked = await self._open_root()
+        self._committed = dict.fromkeys(committed)
         # Forward only, even past a tracker that names a checkpoint that is gone:
         # saves below it commit but do not move it (resume then needs fallback=True).
-        steps = [s for s in (recovered.tracked, *recovered.committed) if s is not None]
+        steps = [s for s in (tracked, *committed) if s is not None]
         baseline = max(steps, default=None)
-        if self.layout.tracker_name is not None:
+        if self.layout.tracker_name is not None and (self._dist is None or self._dist.rank == 0):
             self._tracker = TrackerWriter(self._fs, self.root / self.layout.tracker_name, baseline)
         tg = anyio.create_task_group()
         await tg.__aenter__()
@@ -314,6 +344,30 @@ class Checkpointer:
         self._accepting = True
         self._state = "open"
         return self
+
+    async def _open_root(self) -> tuple[list[int], int | None]:
+        """Take the saver lock and recover the root: (committed steps, tracked step)."""
+        self._lock_fd = await anyio.to_thread.run_sync(lock_root, self._fs, self.root)
+        try:
+            recovered = await anyio.to_thread.run_sync(self._recover)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._unlock()
+            raise
+        return list(recovered.committed), recovered.tracked
+
+    def _recover(self) -> Any:
+        if not self._final_lock.acquire(timeout=self.options.close_timeout_s):
+            raise RootInUseError(
+                f"a commit abandoned by an earlier Checkpointer on {self.root} in this "
+                f"process is still running after close_timeout_s="
+                f"{self.options.close_timeout_s}; try again once it finishes",
+                path=self.root,
+            )
+        try:
+            return recover(self._fs, self.root, self.layout)
+        finally:
+            self._final_lock.release()
 
     async def __aexit__(
         self,
@@ -543,6 +597,10 @@ class Checkpointer:
                 step=step,
                 path=self.root / self.layout.dir_name(step),
             )
+        if self._dist is not None:
+            return await self._save_ranks(
+                self._dist, step, state, overwrite=overwrite, t0=t0, training_info=info_doc
+            )
 
         plan = make_plan(state, allow_pickle=self.options.allow_pickle)
         layouts = layout_files(plan.entries, rank=0, max_files=self.options.writer_threads)
@@ -683,6 +741,85 @@ class Checkpointer:
             del self._pending[step]
         return error
 
+    async def _save_ranks(
+        self,
+        ctx: DistContext,
+        step: int,
+        state: Any,
+        *,
+        overwrite: bool,
+        t0: float,
+        training_info: dict[str, Any],
+    ) -> SaveHandle:
+        """The body of :meth:`save` for one rank of several (see ``asyncsave._dist``).
+
+        DTensor state is staged by DCP's ``DefaultStager`` (CPU copies) and written
+        through DCP's planner; other state is staged into this rank's pool. A rank
+        whose snapshot fails still takes part in the save's collectives, so that
+        every rank raises naming it.
+        """
+        assert self._pool is not None and self._tg is not None
+        handle = SaveHandle(step)
+        self._pending[step] = handle
+        job: PlainJob | DcpJob | BaseException
+        lease: Lease | None = None
+        try:
+            if contains_dtensor(state):
+                job = await stage_dtensor_state(self, state)
+            else:
+                plan = make_plan(state, allow_pickle=self.options.allow_pickle)
+                layouts = layout_files(
+                    plan.entries, rank=ctx.rank, max_files=self.options.writer_threads
+                )
+                nbytes = staging_nbytes(layouts)
+                self._pool.check(nbytes)
+                lease = await self._pool.acquire(
+                    nbytes, pin=any(d.type == "cuda" for d in plan.devices)
+                )
+                self._check_usable()
+                await stage_entries(
+                    lease,
+                    plan.entries,
+                    poll_interval_s=self.options.poll_interval_s,
+                    timeout_s=self.options.save_timeout_s,
+                )
+                plan.release_sources()
+                job = PlainJob(plan, layouts, lease)
+                lease = None
+        except Exception as exc:
+            if lease is not None:
+                if lease.poisoned:
+                    self._set_failure(SaveFailedError(f"staging of step {step} was lost"))
+                lease.release()
+            job = exc
+        if not self._accepting:
+            if isinstance(job, PlainJob):
+                job.lease.release()
+            del self._pending[step]
+            raise CheckpointerClosedError(
+                f"the Checkpointer for {self.root} closed while step {step} was staging",
+                step=step,
+                path=self.root,
+            )
+        staged_s = time.perf_counter() - t0
+        self._tg.start_soon(
+            run_save,
+            self,
+            ctx,
+            ctx.take_ticket(),
+            handle,
+            job,
+            (t0, staged_s),
+            overwrite,
+            training_info,
+        )
+        if isinstance(job, BaseException):
+            # The pipeline reports it to the other ranks; this rank raises now.
+            await handle._done.wait()
+            raise job
+        handle._staged.set()
+        return handle
+
     async def _committed_info(self, step: int) -> CheckpointInfo:
         info = self._committed.get(step)
         if info is None:
@@ -695,9 +832,10 @@ class Checkpointer:
         """Blocking I/O in a worker thread; a thread stuck past the save's deadline
         is abandoned. Threads that rename or remove final directories (commit,
         retention, update) hold ``_final_lock`` while they do, so an abandoned one
-        finishes before any other can touch a final directory."""
+        finishes before any other can touch a final directory. A worker that dies
+        (see :func:`_in_worker`) becomes an ordinary save failure."""
         return await anyio.to_thread.run_sync(
-            func, *args, limiter=self._limiter, abandon_on_cancel=True
+            _in_worker, func, *args, limiter=self._limiter, abandon_on_cancel=True
         )
 
     async def _pipeline(
@@ -766,9 +904,6 @@ class Checkpointer:
                     committing = False
                     tmp = None  # committed: nothing to discard any more
                     await self._track(step)
-                # Outside the save's deadline: the save is committed and tracked, a
-                # slow delete must not fail it (retention has its own bound).
-                await self._retain(step)
                 info = CheckpointInfo(
                     step=step,
                     path=final,
@@ -781,7 +916,12 @@ class Checkpointer:
                     training_info=job.training_info,
                 )
                 self._committed[step] = info
-                handle._commit(info)
+                try:
+                    # Outside the save's deadline: the save is committed and tracked,
+                    # a slow delete must not fail it (retention has its own bound).
+                    await self._retain(step)
+                finally:
+                    handle._commit(info)  # committed, whatever became of retention
                 logger.info(
                     "saved step %d to %s: %d bytes, blocked %.3f s, written %.3f s, committed %.3f s",
                     step,
@@ -823,7 +963,9 @@ class Checkpointer:
         if tmp is None:
             return
         with anyio.CancelScope(shield=True), anyio.move_on_after(30):
-            await anyio.to_thread.run_sync(discard, self._fs, tmp, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(
+                _in_worker, discard, self._fs, tmp, abandon_on_cancel=True
+            )
 
     async def _write_files(
         self, tmp: Path, plan: Plan, layouts: list[FileLayout], lease: Lease
@@ -1008,7 +1150,9 @@ class Checkpointer:
             return steps
 
         removed: list[int] = []
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self.options.save_timeout_s):
+        # Not shielded: close_timeout_s may abandon a slow pass (its thread holds the
+        # final-directory lock until it finishes, so nothing races it).
+        with anyio.move_on_after(self.options.save_timeout_s):
             try:
                 removed = await self._run(
                     self._under_final_lock,
@@ -1074,11 +1218,13 @@ class Checkpointer:
             return None
         while True:
             path = info.path
+            reader: Any = functools.partial(load, path)
+            if self._dist is not None:  # this rank's part only
+                reader = functools.partial(load_rank, path, self._dist.rank, self._dist.world_size)
             try:
                 state = await anyio.to_thread.run_sync(
                     functools.partial(
-                        load,
-                        path,
+                        reader,
                         device=device,
                         allow_pickle=self.options.allow_pickle,
                         filesystem=self._fs,
@@ -1126,6 +1272,39 @@ class Checkpointer:
     def staging_pool(self) -> StagingPool | None:
         """The staging pool (for inspection: capacity, allocations)."""
         return self._pool
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker thread ended with a ``BaseException`` that is not an ``Exception``
+    (``SystemExit`` from a library, a thread-killing ``BaseException``); the
+    original is ``__cause__``."""
+
+
+def _in_worker(func: Any, *args: Any) -> Any:
+    """Run ``func`` in a worker thread so that however the worker dies, the save
+    fails with an ``Exception`` (S4: a dead writer becomes an error). A
+    ``BaseException`` raised in a worker thread would otherwise cross into the
+    event loop as if raised there, crash the checkpointer's task group and cancel
+    the caller's task instead of failing the save."""
+    try:
+        return func(*args)
+    except Exception:
+        raise
+    except BaseException as exc:
+        raise WorkerDiedError(f"a worker thread died running {func!r}: {exc!r}") from exc
+
+
+_FINAL_LOCKS: dict[str, threading.Lock] = {}
+_FINAL_LOCKS_GUARD = threading.Lock()
+
+
+def _final_lock_for(root: Any) -> threading.Lock:
+    """One lock per root in this process (see ``Checkpointer._final_lock``)."""
+    key = str(root)
+    if "://" not in key:
+        key = os.path.realpath(key)
+    with _FINAL_LOCKS_GUARD:
+        return _FINAL_LOCKS.setdefault(key, threading.Lock())
 
 
 def _as_save_error(

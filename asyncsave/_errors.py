@@ -17,7 +17,9 @@ know asyncsave::
     │                                        thread while a lazy save is staging
     ├── SaveFailedError                      "it broke": a background save failed;
     │   │                                    the original error is ``__cause__``
-    │   └── CheckpointTimeoutError(TimeoutError)  a save or close ran past its bound
+    │   ├── CheckpointTimeoutError(TimeoutError)  a save or close ran past its bound
+    │   └── RankFailedError                  a multi-rank save failed on some rank(s);
+    │                                        ``ranks`` maps each to its cause
     ├── WaitTimeoutError(TimeoutError)       a wait with a timeout ran out; the save
     │                                        goes on (not a failure)
     ├── CheckpointerClosedError(RuntimeError)    "you closed it": used after close
@@ -60,6 +62,7 @@ __all__ = [
     "KindMismatchError",
     "MissingItemError",
     "ProtectedCheckpointError",
+    "RankFailedError",
     "RootInUseError",
     "SaveFailedError",
     "StagingBudgetError",
@@ -190,6 +193,29 @@ class SaveFailedError(CheckpointError):
 
 class CheckpointTimeoutError(SaveFailedError, TimeoutError):
     """A save, a flush at close or a wait ran past its documented bound."""
+
+
+class RankFailedError(SaveFailedError):
+    """A save of several ranks failed on one or more ranks, so no rank committed it.
+
+    Raised on *every* rank (by ``await handle``, the next ``save()`` and close).
+    ``ranks`` maps each failing rank to its cause as text; ``None`` for a rank that
+    could not be heard from (killed, hung past ``dist_timeout_s``) when the
+    collective itself broke. ``rank`` is the lowest failing rank when known.
+    """
+
+    def __init__(self, message: str, *, ranks: dict[int, str] | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.ranks: dict[int, str] = dict(ranks or {})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_rank_failed, (self.message, self.step, self.path, self.rank, self.ranks))
+
+
+def _rebuild_rank_failed(
+    message: str, step: int | None, path: str | None, rank: int | None, ranks: dict[int, str]
+) -> RankFailedError:
+    return RankFailedError(message, step=step, path=path, rank=rank, ranks=ranks)
 
 
 class WaitTimeoutError(CheckpointError, TimeoutError):

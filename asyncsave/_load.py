@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import os
 import pickle
 import struct
@@ -29,7 +30,9 @@ from ._errors import (
     KindMismatchError,
     MissingItemError,
     UnsafeLoadError,
+    UnsupportedFormatError,
 )
+from ._format import SAFETENSORS_DTYPES
 from ._fs import LocalFileSystem
 from ._fsspec import FsspecFileSystem, open_root
 from ._manifest import CHECKSUM, Manifest, parse_manifest, torch_dtype
@@ -51,9 +54,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_READ_CHUNK = 8 << 20
-
 _MAX_MANIFEST_BYTES = 1 << 30
+_ST_ITEMSIZE = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items()}
+_READ_CHUNK = 8 << 20
 
 
 def read_checkpoint(fs: LocalFileSystem, path: Path, *, expect_step: int | None = None) -> Manifest:
@@ -137,7 +140,16 @@ def info_of(path: Path, manifest: Manifest) -> CheckpointInfo:
 
 
 def _check_header(fpath: Path, f: Any, manifest: Manifest, file_index: int) -> None:
-    """The safetensors header must agree with the manifest on every entry."""
+    """The safetensors header must be well formed and agree with the manifest.
+
+    Every entry of the header (other than ``__metadata__``, a map of strings) is a
+    tensor with a known safetensors dtype and a shape that fills its byte range
+    exactly; every manifest entry of this file is there with the manifest's byte
+    range. Entries the manifest no longer names are allowed (``update()`` hard-links
+    files whose replaced item stays in them, unreferenced). Other tools read the
+    file through this header, so a damaged one is refused even though asyncsave
+    itself reads through the manifest.
+    """
     prefix = f.read(8)
     if len(prefix) != 8:
         raise CorruptCheckpointError(f"{fpath} has no safetensors header", path=fpath)
@@ -150,17 +162,44 @@ def _check_header(fpath: Path, f: Any, manifest: Manifest, file_index: int) -> N
         raise CorruptCheckpointError(f"{fpath} header is not JSON", path=fpath) from exc
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{fpath} header is not an object", path=fpath)
+    meta = header.get("__metadata__")
+    if meta is not None and not (
+        isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())
+    ):
+        raise CorruptCheckpointError(f"{fpath}: safetensors __metadata__ is damaged", path=fpath)
+    for name, h in header.items():
+        if name != "__metadata__" and not _well_formed(h):
+            raise CorruptCheckpointError(
+                f"{fpath}: safetensors header entry {name!r} is damaged", path=fpath, key=name
+            )
     for e in manifest.entries:
         if e["file"] != file_index:
             continue
         h = header.get(e["name"])
-        offsets = h.get("data_offsets") if isinstance(h, dict) else None
-        if offsets != [e["offset"] - 8 - n, e["offset"] - 8 - n + e["nbytes"]]:
+        start = e["offset"] - 8 - n
+        if not isinstance(h, dict) or h["data_offsets"] != [start, start + e["nbytes"]]:
             raise CorruptCheckpointError(
                 f"{fpath}: safetensors header and manifest disagree on {e['name']!r}",
                 path=fpath,
                 key=e["name"],
             )
+
+
+def _well_formed(h: Any) -> bool:
+    """A safetensors tensor entry: known dtype, shape and byte range that agree."""
+    if not isinstance(h, dict) or set(h) != {"dtype", "shape", "data_offsets"}:
+        return False
+    dtype, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
+    itemsize = _ST_ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
+    return (
+        itemsize is not None
+        and isinstance(shape, list)
+        and all(type(d) is int and d >= 0 for d in shape)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(type(o) is int and o >= 0 for o in offsets)
+        and offsets[1] - offsets[0] == math.prod(shape) * itemsize
+    )
 
 
 def _read_entries(
@@ -370,6 +409,8 @@ class _Decoder:
             return self.node(node.get("state"), where)
         if kind == "tensordict":
             return self.tensordict(node, where)
+        if kind == "dcp" and not self.unpickle and not where:
+            return None  # verify(): a DCP checkpoint's entries are checked, no tree
         raise self.bad(where, f"unknown node type {kind!r}")
 
     def mapping(self, node: dict[str, Any], where: tuple[Any, ...]) -> Any:
@@ -589,6 +630,18 @@ def load(
     fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options)
     target = _device(device)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
+    if manifest.tree.get("type") == "dcp":
+        raise UnsupportedFormatError(
+            f"{p} was saved through torch.distributed.checkpoint (DTensor state): load "
+            "it with dcp.load(state, storage_reader=asyncsave.dcp.StorageReader(path))",
+            path=p,
+        )
+    if manifest.tree.get("type") == "foreign":
+        raise UnsupportedFormatError(
+            f"{p} holds files written by {manifest.tree.get('format')!r}, committed by "
+            "asyncsave: load it with that library (e.g. megatron.core.dist_checkpointing.load)",
+            path=p,
+        )
     raw = _read(fs, p, manifest, verify=verify, device=target)
     tensors = _build_tensors(manifest, raw, target)
     state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(
@@ -707,6 +760,8 @@ def verify(
     """
     fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
+    if manifest.tree.get("type") == "foreign":
+        return info_of(p, manifest)  # another library's files: their sizes are checked
     raw = _read(fs, p, manifest, verify=True, device=torch.device("cpu"))
     tensors = _build_tensors(manifest, raw, torch.device("cpu"))
     decoder = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=False, unpickle=False)

@@ -248,7 +248,7 @@ def _check_tensor(path: Path, i: int, t: Any, entries: list[dict[str, Any]]) -> 
     dtype = torch_dtype(t.get("dtype"))
     if dtype is None:
         raise _fail(path, f"{where}.dtype {t.get('dtype')!r} is not a torch dtype")
-    if t.get("kind") not in _KINDS:
+    if not isinstance(t.get("kind"), str) or t["kind"] not in _KINDS:
         raise _fail(path, f"{where}.kind {t.get('kind')!r} is unknown")
     shape = t.get("shape")
     if not isinstance(shape, list) or len(shape) > 64 or not all(_int(n) for n in shape):
@@ -261,7 +261,9 @@ def _check_tensor(path: Path, i: int, t: Any, entries: list[dict[str, Any]]) -> 
         raise _fail(path, f"{where} requires grad but has dtype {dtype}")
     itemsize = dtype.itemsize
     entry_nbytes = entries[t["entry"]]["nbytes"]
-    stride = t.get("stride")
+    if "stride" not in t:  # null for a contiguous tensor, never absent
+        raise _fail(path, f"{where} has no stride")
+    stride = t["stride"]
     numel = math.prod(shape)
     if stride is None:
         if t["offset"] != 0 or numel * itemsize != entry_nbytes:

@@ -67,6 +67,17 @@ class CheckpointOptions:
         ``secret``, ``client_kwargs``, ``default_block_size``...). Credentials may also
         come from the environment (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``...).
         ``ValueError`` with a local root.
+    :param distributed: save as one rank of many (see ``asyncsave._dist``): every
+        rank calls ``save()`` with the same steps in the same order, writes its own
+        files into one shared temporary directory, and rank 0 commits after every
+        rank's files are durable. ``None`` (default): on when ``torch.distributed``
+        is initialised with a world size above 1.
+    :param dist_timeout_s: seconds a rank waits at one collective on asyncsave's
+        own gloo group (creating it, the open, and each save's three collectives)
+        for the other ranks. It includes waiting for the slowest rank's writes, so
+        it must exceed the spread of write times between ranks. A rank that dies
+        makes the others' collective fail at once (gloo sees the connection close)
+        or, at the latest, after this timeout.
     """
 
     layout: str = "asyncsave"
@@ -81,6 +92,8 @@ class CheckpointOptions:
     direct_io: bool = True
     filesystem: LocalFileSystem | None = None
     storage_options: Mapping[str, Any] | None = None
+    distributed: bool | None = None
+    dist_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -102,7 +115,9 @@ class CheckpointOptions:
             raise ValueError(
                 f"storage_options={self.storage_options!r} must be a mapping of keyword arguments"
             )
-        for name in ("save_timeout_s", "close_timeout_s", "poll_interval_s"):
+        if self.distributed not in (None, True, False):
+            raise ValueError(f"distributed={self.distributed!r} must be None, True or False")
+        for name in ("save_timeout_s", "close_timeout_s", "poll_interval_s", "dist_timeout_s"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)

@@ -75,9 +75,12 @@ async def test_write_runs_in_background_and_nothing_is_final_before_commit(tmp_p
 
 async def test_tracker_never_moves_backwards_when_saves_finish_out_of_order(tmp_path: Path) -> None:
     gate = threading.Event()
-    # Hold step 5 just before its rename (after its data is written and the staging
-    # budget is free), so step 10 commits first.
-    fs = FaultyFS("rename", pause(gate), where=lambda p: p.endswith("step_5"))
+    # Hold step 5 just before its manifest (its data is written and the staging
+    # budget is free; commits are serialised, so not inside its rename), so step
+    # 10 commits first.
+    fs = FaultyFS(
+        "create", pause(gate), where=lambda p: ".asyncsave-tmp-5-" in p and "manifest" in p
+    )
     async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
         h5 = await ckpt.save(5, small_state(5))
         await anyio.to_thread.run_sync(fs.fired.wait, 10)
@@ -549,6 +552,27 @@ async def test_a_commit_abandoned_at_the_deadline_is_never_emptied(tmp_path: Pat
     assert asyncsave.verify(tmp_path / "step_1").step == 1
     async with asyncsave.Checkpointer(tmp_path) as ckpt:  # rolls the tracker forward
         assert ckpt.tracked_step == 1
+
+
+async def test_a_reopen_in_this_process_waits_for_an_abandoned_commit(tmp_path: Path) -> None:
+    """A commit thread abandoned at close must not race the recovery of a new
+    checkpointer on the same root in the same process: the reopen waits (bounded)
+    for it, and then sees its commit."""
+    gate = threading.Event()
+    fs = FaultyFS("rename", pause(gate), where=lambda p: p.endswith("step_1"))
+    with pytest.raises(asyncsave.CheckpointTimeoutError):
+        async with asyncsave.Checkpointer(tmp_path, filesystem=fs, close_timeout_s=0.3) as ckpt:
+            await ckpt.save(1, small_state(1))
+            await anyio.to_thread.run_sync(fs.fired.wait, 10)  # the rename is held
+    # the old checkpointer is closed, its commit thread still holds the rename
+    with pytest.raises(asyncsave.RootInUseError, match="abandoned"):
+        async with asyncsave.Checkpointer(tmp_path, close_timeout_s=0.3):
+            pass
+    assert not (tmp_path / "step_1").exists()
+    gate.set()  # the abandoned thread renames; a reopen now waits for it
+    async with asyncsave.Checkpointer(tmp_path, close_timeout_s=30) as ckpt:
+        assert ckpt.tracked_step == 1
+    assert asyncsave.verify(tmp_path / "step_1").step == 1
 
 
 async def test_a_wait_timeout_is_not_a_failed_save(tmp_path: Path) -> None:

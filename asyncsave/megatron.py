@@ -1,0 +1,330 @@
+"""Run megatron-core's ``dist_checkpointing`` async save requests on asyncsave.
+
+Megatron builds an ``AsyncRequest`` (``megatron.core.dist_checkpointing.strategies.
+async_utils``): a write function with its arguments, a *preload* function that
+copies the tensors to host memory, and *finalize* functions that must run on all
+ranks after every rank's write. Megatron's own caller runs them in a forked worker
+and finalizes at a later training step. :class:`MegatronSaver` runs the same request
+on an open, distributed :class:`~asyncsave.Checkpointer` instead::
+
+    saver = asyncsave.megatron.MegatronSaver(ckpt)          # ckpt: distributed
+    tmp = await saver.prepare(step)                         # every rank
+    request = dist_checkpointing.save(sharded_state_dict, tmp,
+                                      sharded_strategy, async_sharded_save=True)
+    handle = await saver.save(step, request)                # returns once staged
+    ...                                                     # training goes on
+    await handle                                            # committed, tracked
+
+The order, on every rank (each step finishes on every rank before the next):
+
+1. ``prepare``: rank 0 creates the shared temporary directory; its name is
+   broadcast on asyncsave's gloo group. Megatron writes ``common.pt`` there.
+2. ``save``: the request's tensors are staged into asyncsave's staging pool
+   (pinned host memory and a side stream for CUDA tensors, polled events) *in place
+   of* the request's ``preload_fn``; ``save`` returns when the snapshot is taken.
+3. background: the request's write function (Megatron's
+   ``write_preloaded_data_multiproc``: forked writers, every file fsynced) on the
+   staged buckets, from a worker thread; then an all-gather of every rank's write
+   results on asyncsave's group: any failure and no rank goes on.
+4. Megatron's finalize functions, in order: ``.metadata`` (DCP metadata of every
+   rank's write results, written by rank 0), ``metadata.json``, then any finalize
+   function the caller added; then an all-gather of their outcomes.
+5. asyncsave's commit (``manifest.json``, fsync, rename to the layout's final name,
+   e.g. ``iter_0000040`` with ``layout="megatron"``) and only then the tracker.
+   The tracker can never name a checkpoint whose finalize did not run on every rank
+   (the bug of the SkyRL and verl reports, where the tracker moved first).
+
+Where the CPU line is (megatron-core 0.16.1): building the request works on CPU
+with gloo. Three of its pieces call CUDA or the caller's process group, so the
+saver does not call them; it does their work itself:
+
+* ``preload_fn`` (``FileSystemWriterAsync.preload_tensors``) ends with
+  ``torch.cuda.synchronize()``: replaced by asyncsave's staging (step 2).
+* the strategy's finalize function (``save_state_dict_async_finalize``) puts its
+  failure flag in a tensor on ``torch.cuda.current_device()`` and broadcasts it on
+  the planning group (the caller's default group): replaced by the same steps
+  (``retrieve_write_results``, gather, ``FileSystemWriterAsync.finish`` on rank 0)
+  with the gather and the failure check on asyncsave's group (steps 3-4). It is
+  recognised by its qualified name; its writer and metadata come from its closure.
+* ``save()``'s ``metadata_finalize_fn`` ends with ``torch.distributed.barrier()``
+  on the default group, which in the background would race the trainer's own
+  collectives: replaced by ``save_config`` on rank 0 (step 4) under asyncsave's
+  collective.
+
+Finalize functions added by the caller (``request.add_finalize_fn``) run as they
+are, in order, from a worker thread: they must not use the trainer's process group.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from ._commit import make_temp_dir
+from ._dist import DistContext, ForeignJob, run_save
+from ._engine import Checkpointer, SaveHandle
+from ._errors import CheckpointError, RankFailedError
+from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION
+from ._plan import Entry
+from ._stage import Lease, _destination, stage_entries
+
+__all__ = ["MegatronSaver"]
+
+_ALIGN = 64
+_STRATEGY_FINALIZE = "_get_save_and_finalize_callbacks.<locals>.finalize_fn"
+_METADATA_FINALIZE = "save.<locals>.metadata_finalize_fn"
+
+
+class MegatronSaver:
+    """Runs megatron-core async save requests on a distributed ``Checkpointer``.
+
+    :param ckpt: an open :class:`~asyncsave.Checkpointer` with ranks coordinated
+        (``torch.distributed`` initialised with several ranks, or
+        ``distributed=True`` for one); pick ``layout="megatron"`` for Megatron's
+        ``iter_%07d`` directories and ``latest_checkpointed_iteration.txt``.
+    :raises CheckpointError: ``ckpt`` is not open or not distributed.
+    """
+
+    def __init__(self, ckpt: Checkpointer) -> None:
+        if ckpt._dist is None:
+            raise CheckpointError(
+                "MegatronSaver needs a distributed Checkpointer (init_process_group, "
+                "and distributed=True for a single rank)",
+                path=ckpt.root,
+            )
+        self.ckpt = ckpt
+        self._ctx: DistContext = ckpt._dist
+        self._prepared: tuple[int, int, str] | None = None
+
+    async def prepare(self, step: int) -> Path:
+        """Agree on the temporary directory of ``step`` (every rank, same order as
+        the checkpointer's other saves): pass it as ``checkpoint_dir`` to
+        ``dist_checkpointing.save(..., async_sharded_save=True)``.
+
+        The save's turn on asyncsave's group starts here; call :meth:`save` for the
+        same step next.
+
+        :raises RankFailedError: rank 0 could not create it, or a rank died.
+        """
+        ckpt, ctx = self.ckpt, self._ctx
+        ckpt._check_usable()
+        if self._prepared is not None:
+            raise CheckpointError(f"prepare({self._prepared[0]}) was never followed by save()")
+        ticket = ctx.take_ticket()
+        try:
+            await ctx.wait_turn(ticket)
+            name: str | None = None
+            if ctx.rank == 0:
+                try:
+                    name = (await ckpt._run(make_temp_dir, ckpt._fs, ckpt.root, step)).name
+                except Exception as exc:
+                    name = f"error: {exc!r}"
+            name = await ctx.broadcast("temp-dir", name, step)
+            assert isinstance(name, str)
+            if name.startswith("error: "):
+                raise RankFailedError(
+                    f"rank 0 could not create the temporary directory of step {step}: "
+                    f"{name.removeprefix('error: ')}",
+                    step=step,
+                    rank=0,
+                    ranks={0: name.removeprefix("error: ")},
+                )
+        except BaseException:
+            ctx.end_turn(ticket)
+            raise
+        self._prepared = (step, ticket, name)
+        return ckpt.root / name
+
+    async def save(self, step: int, request: Any) -> SaveHandle:
+        """Stage ``request``'s tensors and run it in the background (see the module
+        docstring for the order). Returns once the snapshot is taken; ``await`` the
+        handle for the commit.
+
+        :param request: a megatron-core ``AsyncRequest`` built for the directory
+            :meth:`prepare` returned.
+        :raises CheckpointError: no :meth:`prepare` of ``step`` came first.
+        :raises StagingBudgetError: the tensors exceed an explicit ``budget_bytes``.
+        """
+        ckpt, ctx = self.ckpt, self._ctx
+        if self._prepared is None or self._prepared[0] != step:
+            raise CheckpointError(f"save({step}) needs prepare({step}) first", step=step)
+        _, ticket, name = self._prepared
+        self._prepared = None
+        t0 = time.perf_counter()
+        handle = SaveHandle(step)
+        ckpt._pending[step] = handle
+        job: MegatronJob | BaseException
+        try:
+            job = await MegatronJob.stage(ckpt, request, ckpt.root / name)
+        except Exception as exc:
+            job = exc
+        assert ckpt._tg is not None
+        ckpt._tg.start_soon(
+            run_save,
+            ckpt,
+            ctx,
+            ticket,
+            handle,
+            job,
+            (t0, time.perf_counter() - t0),
+            False,
+            {},
+            name,
+        )
+        if isinstance(job, BaseException):
+            await handle._done.wait()
+            raise job
+        handle._staged.set()
+        return handle
+
+
+class MegatronJob(ForeignJob):
+    """One Megatron request, its tensors staged in asyncsave's pool."""
+
+    def __init__(self, request: Any, buckets: list[Any], lease: Lease | None, nbytes: int) -> None:
+        self.request = request
+        self.buckets = buckets
+        self.lease = lease
+        self.nbytes = nbytes
+        self.steps = _finalize_steps(request.finalize_fns)
+
+    @classmethod
+    async def stage(cls, ckpt: Checkpointer, request: Any, tmp: Path) -> MegatronJob:
+        """Copy every tensor of the request's write buckets into the staging pool
+        (the request's ``preload_fn`` is not called: it needs CUDA)."""
+        assert ckpt._pool is not None
+        args = list(request.async_fn_args)
+        buckets = args[1] if request.async_fn is not None else []
+        entries: list[Entry] = []
+        offset = 0
+        for bucket in buckets:
+            _, _, (_, tensor_data) = bucket
+            for _, t in tensor_data:
+                nbytes = t.numel() * t.element_size()
+                e = Entry(
+                    f"{len(entries)}", t, nbytes, t.element_size(), False, t.dtype, tuple(t.shape)
+                )
+                e.staging_offset = offset
+                offset += -(-nbytes // _ALIGN) * _ALIGN
+                entries.append(e)
+        if not entries:
+            return cls(request, buckets, None, 0)
+        ckpt._pool.check(offset)
+        lease = await ckpt._pool.acquire(
+            offset, pin=any(e.source.is_cuda for e in entries if e.source is not None)
+        )
+        try:
+            await stage_entries(
+                lease,
+                entries,
+                poll_interval_s=ckpt.options.poll_interval_s,
+                timeout_s=ckpt.options.save_timeout_s,
+            )
+        except BaseException:
+            lease.release()
+            raise
+        staged = []
+        it = iter(entries)
+        for file_name, storage_key, (bytes_data, tensor_data) in buckets:
+            staged_tensors = [
+                (item, _destination(lease.buffer, next(it))) for item, _ in tensor_data
+            ]
+            staged.append((file_name, storage_key, (bytes_data, staged_tensors)))
+        return cls(request, staged, lease, sum(e.nbytes for e in entries))
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+    async def write(self, ckpt: Checkpointer, ctx: DistContext, tmp: Path) -> dict[str, Any]:
+        req = self.request
+        if req.async_fn is not None:
+            args = list(req.async_fn_args)
+            args[1] = self.buckets
+            await anyio.to_thread.run_sync(
+                functools.partial(req.async_fn, *args, **req.async_fn_kwargs),
+                abandon_on_cancel=True,
+            )
+        self.release()
+        part: dict[str, Any] = {}
+        for kind, *rest in self.steps:
+            if kind == "strategy":
+                from torch.distributed.checkpoint.utils import _is_wrapped_exception
+
+                results = rest[0].retrieve_write_results()
+                if _is_wrapped_exception(results):
+                    raise CheckpointError(f"megatron writer failed: {results}")
+                part["write_results"] = results
+        return part
+
+    async def finalize(
+        self, ckpt: Checkpointer, ctx: DistContext, tmp: Path, parts: list[dict[str, Any]]
+    ) -> None:
+        for kind, *rest in self.steps:
+            if kind == "strategy":
+                writer, metadata = rest
+                if ctx.rank == 0:
+                    if metadata is None:
+                        raise CheckpointError("megatron's plan left no global metadata on rank 0")
+                    results = [p["write_results"] for p in parts]
+                    await anyio.to_thread.run_sync(writer.finish, metadata, results)
+            elif kind == "config":
+                strategy, checkpoint_dir = rest
+                if ctx.rank == 0:
+                    from megatron.core.dist_checkpointing.core import (
+                        CheckpointingConfig,
+                        save_config,
+                    )
+
+                    config = CheckpointingConfig(strategy.backend, strategy.version)
+                    await anyio.to_thread.run_sync(save_config, config, checkpoint_dir)
+            else:
+                await anyio.to_thread.run_sync(rest[0])
+
+    def manifest(self, tmp: Path, step: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        files: list[dict[str, Any]] = []
+        dot_files: list[dict[str, Any]] = []
+        for name in sorted(os.listdir(tmp)):
+            path = tmp / name
+            if not path.is_file():
+                continue
+            record = {"name": name, "nbytes": path.stat().st_size}
+            (dot_files if name.startswith(".") else files).append(record)
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "world_size": len(parts),
+            "checksum": CHECKSUM,
+            "created_unix_s": time.time(),
+            "files": files,
+            "dot_files": dot_files,
+            "entries": [],
+            "tensors": [],
+            "tree": {"type": "foreign", "format": "megatron-core dist_checkpointing"},
+        }
+
+
+def _finalize_steps(fns: list[Any]) -> list[tuple[Any, ...]]:
+    """Megatron's finalize functions as steps the saver runs (see the module
+    docstring): ``("strategy", writer, metadata)``, ``("config", strategy, dir)``
+    or ``("call", fn)``."""
+    steps: list[tuple[Any, ...]] = []
+    for fn in fns:
+        qualname = getattr(fn, "__qualname__", "")
+        if qualname.endswith(_STRATEGY_FINALIZE):
+            writer, metadata, _ = inspect.getclosurevars(fn).nonlocals["save_state_dict_ret"]
+            steps.append(("strategy", writer, metadata))
+        elif qualname.endswith(_METADATA_FINALIZE):
+            nonlocals = inspect.getclosurevars(fn).nonlocals
+            steps.append(("config", nonlocals["sharded_strategy"], nonlocals["checkpoint_dir"]))
+        else:
+            steps.append(("call", fn))
+    return steps

@@ -1,0 +1,187 @@
+"""2-rank CPU save cost: asyncsave against DCP's own ``async_save``.
+
+Two forked ranks (gloo) hold a sharded state (``--mib`` MiB of float32 in total,
+16 tensors ``Shard(0)`` over a 1-D CPU mesh: half per rank) and save it, in one
+run, with:
+
+- ``asyncsave DTensor``: ``Checkpointer.save`` of the DTensor state (DCP planner,
+  asyncsave writer, collective commit on asyncsave's gloo group);
+- ``asyncsave per-rank``: ``Checkpointer.save`` of each rank's local shards as
+  plain tensors (pool staging, collective commit);
+- ``dcp.async_save FileSystemWriter``: DCP's own async save and writer
+  (``future.result()`` = written; DCP's writer has no rename commit);
+- ``dcp.async_save asyncsave writer``: DCP's async save with
+  ``asyncsave.dcp.StorageWriter`` (committed, tracked in ``finish``).
+
+For each: the seconds ``save()`` / ``async_save()`` blocked the caller, and the
+seconds until durable (``await handle`` / ``future.result()``), the median of
+``--repeats`` rounds, the slower rank's figure each round. References on the same
+machine: a host memcpy of one rank's bytes, and a raw sequential write + fsync of
+them (per rank, both ranks at once). The 2 cores are shared with other work, so
+figures are noisy; compare within one run.
+
+usage: python bench/dist_save.py [--mib 256] [--repeats 3] [--dir DIR] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import asyncsave
+from asyncsave.dcp import StorageWriter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from distributed import run_ranks, values
+
+N_TENSORS = 16
+
+
+def _state(mib: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    numel = mib * (1 << 20) // 4 // N_TENSORS
+    rows = 1024
+    g = torch.Generator().manual_seed(0)
+    sharded = {
+        f"t{i}": distribute_tensor(torch.randn(rows, numel // rows, generator=g), mesh, [Shard(0)])
+        for i in range(N_TENSORS)
+    }
+    local = {k: v.to_local() for k, v in sharded.items()}
+    return sharded, local
+
+
+def _slowest(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _bench(rank: int, world: int, mib: int, repeats: int, base: str) -> dict[str, Any]:
+    sharded, local = _state(mib)
+    local_bytes = sum(t.numel() * t.element_size() for t in local.values())
+    results: dict[str, dict[str, list[float]]] = {}
+
+    def record(name: str, blocked: float, durable: float) -> None:
+        r = results.setdefault(name, {"blocked_s": [], "durable_s": []})
+        r["blocked_s"].append(_slowest(blocked))
+        r["durable_s"].append(_slowest(durable))
+
+    async def rounds() -> None:
+        # Methods interleaved round by round, so that the disk's mood on this shared
+        # machine spreads over all of them alike.
+        async with (
+            asyncsave.Checkpointer(f"{base}/as-dtensor", dist_timeout_s=600) as c_dt,
+            asyncsave.Checkpointer(f"{base}/as-plain", dist_timeout_s=600) as c_pl,
+        ):
+            for step in range(1, repeats + 1):
+                for name, ckpt, state in (
+                    ("asyncsave DTensor", c_dt, sharded),
+                    ("asyncsave per-rank", c_pl, local),
+                ):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    handle = await ckpt.save(step, state)
+                    blocked = time.perf_counter() - t0
+                    await handle
+                    record(name, blocked, time.perf_counter() - t0)
+                for name, writer in (
+                    ("dcp.async_save FileSystemWriter", dcp.FileSystemWriter(f"{base}/dcp-{step}")),
+                    ("dcp.async_save asyncsave writer", StorageWriter(f"{base}/dcp-as", step)),
+                ):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fut = dcp.async_save({"state": sharded}, storage_writer=writer)
+                    blocked = time.perf_counter() - t0
+                    fut.result()
+                    record(name, blocked, time.perf_counter() - t0)
+
+    anyio.run(rounds)
+
+    # References: one rank's bytes copied in host memory, and written + fsynced raw.
+    flat = torch.cat([t.reshape(-1) for t in local.values()]).view(torch.uint8)
+    dst = torch.empty_like(flat)
+    ref: dict[str, list[float]] = {"host_memcpy_s": [], "raw_write_fsync_s": []}
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dst.copy_(flat)
+        ref["host_memcpy_s"].append(_slowest(time.perf_counter() - t0))
+        dist.barrier()
+        path = Path(base) / f"raw-{rank}"
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        view = memoryview(flat.numpy())  # type: ignore[arg-type]
+        for pos in range(0, len(view), 8 << 20):
+            os.write(fd, view[pos : pos + (8 << 20)])
+        os.fsync(fd)
+        os.close(fd)
+        ref["raw_write_fsync_s"].append(_slowest(time.perf_counter() - t0))
+        path.unlink()
+    return {"local_bytes": local_bytes, "results": results, "reference": ref}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--out", default="bench/results/dist_save_cpu.json")
+    args = ap.parse_args()
+    base = Path(args.dir or tempfile.mkdtemp(prefix="asyncsave-dist-bench-"))
+    base.mkdir(parents=True, exist_ok=True)
+    try:
+        r0, _ = values(
+            run_ranks(_bench, 2, base, args.mib, args.repeats, str(base), timeout_s=1800)
+        )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    med = statistics.median
+    ref = {k: med(v) for k, v in r0["reference"].items()}
+    rows = {name: {k: med(v) for k, v in r.items()} for name, r in r0["results"].items()}
+    print(
+        f"2 ranks, {args.mib} MiB in total ({r0['local_bytes'] / 2**20:.0f} MiB per rank), "
+        f"median of {args.repeats}, slower rank"
+    )
+    print(
+        f"  reference: host memcpy {ref['host_memcpy_s']:.3f} s, "
+        f"raw write+fsync {ref['raw_write_fsync_s']:.3f} s (per rank, both at once)"
+    )
+    print(f"  {'':34s} {'blocked s':>10s} {'durable s':>10s} {'durable/raw':>12s}")
+    for name, r in rows.items():
+        print(
+            f"  {name:34s} {r['blocked_s']:10.3f} {r['durable_s']:10.3f} "
+            f"{r['durable_s'] / ref['raw_write_fsync_s']:12.2f}"
+        )
+    doc = {
+        "world_size": 2,
+        "mib_total": args.mib,
+        "repeats": args.repeats,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "reference_median_s": ref,
+        "median_s": rows,
+        "raw": r0,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

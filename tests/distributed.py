@@ -1,0 +1,101 @@
+"""Run a function on several ranks of a gloo process group, in forked children.
+
+The parent (pytest, torch already imported) forks one child per rank; a child
+joins a gloo group through a ``FileStore`` and runs the function. A rank's outcome
+comes back as ``("ok", value)``, ``("error", traceback text)`` or, for a child that
+died (SIGKILL), ``("exit", exitcode)``. Everything is bounded: children still alive
+at the deadline are killed and reported as ``("exit", None)``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store: str,
+    queue: Any,
+    args: tuple[Any, ...],
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"  # DCP's process executor reads it
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=60),
+        )
+        value = fn(rank, world_size, *args)
+        queue.put((rank, ("ok", value)))
+    except BaseException:
+        queue.put((rank, ("error", traceback.format_exc())))
+    finally:
+        # No destroy_process_group: a peer may be dead; the process exits now,
+        # once the result is through the pipe.
+        queue.close()
+        queue.join_thread()
+        os._exit(0)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp: Path,
+    *args: Any,
+    timeout_s: float = 120.0,
+) -> dict[int, tuple[str, Any]]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    store = str(tmp / f"store-{uuid.uuid4().hex}")
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, store, queue, args), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < world_size and time.monotonic() < deadline:
+        try:
+            rank, outcome = queue.get(timeout=0.2)
+            results[rank] = outcome
+        except Exception:  # queue.Empty
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+    for r, p in enumerate(procs):
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            p.join(5)
+            results.setdefault(r, ("exit", None))
+        else:
+            results.setdefault(r, ("exit", p.exitcode))
+    return results
+
+
+def values(results: dict[int, tuple[str, Any]]) -> list[Any]:
+    """Every rank's value; fails with the ranks' tracebacks if any rank did not
+    return."""
+    bad = {r: o for r, o in results.items() if o[0] != "ok"}
+    if bad:
+        text = "\n".join(f"--- rank {r}: {kind}\n{detail}" for r, (kind, detail) in bad.items())
+        raise AssertionError(f"ranks failed:\n{text}")
+    return [results[r][1] for r in sorted(results)]

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Plant known bugs in the engine, one at a time, and show that the reliability
+# suites catch each one (issue 4: "each suite demonstrably fails on a planted bug").
+#
+#   bash tests/planted_bugs.sh            # every bug
+#   bash tests/planted_bugs.sh 3 5        # only bugs 3 and 5
+#
+# Each bug is a literal text replacement in one engine file (checked to apply),
+# the named suite runs, and the file is restored with `git checkout` (also on
+# Ctrl-C). The suite must FAIL; the script exits non-zero if any bug went unseen.
+# Needs a clean `asyncsave/` (it refuses to run over uncommitted engine changes).
+# A missing fsync is invisible to SIGKILL (the page cache survives): bugs 1-3 and
+# 16 are for the power-loss suite, which is the one that sees them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ! git diff --quiet -- asyncsave; then
+    echo "asyncsave/ has uncommitted changes; commit or stash them first" >&2
+    exit 2
+fi
+trap 'git checkout -q -- asyncsave' EXIT INT TERM
+export ASYNCSAVE_CRASH_BACKENDS=asyncio ASYNCSAVE_CRASH_RUNS=200
+
+# id | file | text to find | replacement | pytest selection
+BUGS=(
+"1|asyncsave/_commit.py|    fs.fsync_dir(tmp)\n    if overwrite|    if overwrite|tests/test_power_loss.py"
+"2|asyncsave/_commit.py|        fs.rename(tmp, final)\n    fs.fsync_dir(final.parent)|        fs.rename(tmp, final)|tests/test_power_loss.py"
+"3|asyncsave/_write.py|            digests[i] = h.hexdigest()\n        fs.fsync(fd)|            digests[i] = h.hexdigest()|tests/test_power_loss.py"
+"4|asyncsave/_engine.py|                    committing = True\n|                    committing = True\n                    await self._track(step)\n|tests/test_crash_matrix.py -k every_call"
+"5|asyncsave/_commit.py|        if is_temp_name(name):|        if False:|tests/test_crash_matrix.py -k every_call"
+"6|asyncsave/_retention.py|        fs.rename(final, doomed)\n        fs.fsync_dir(root)\n        fs.remove_tree(doomed)|        fs.remove_tree(final)|tests/test_crash_matrix.py -k every_call"
+"7|asyncsave/_engine.py|        self._set_failure(error)\n        handle._fail(error)|        handle._fail(error)|tests/test_io_faults.py"
+"8|asyncsave/_commit.py|    try:\n        if fs.exists(tmp):\n            fs.remove_tree(tmp)|    try:\n        if False:\n            fs.remove_tree(tmp)|tests/test_io_faults.py"
+"9|asyncsave/_engine.py|    except BaseException as exc:\n        raise WorkerDiedError|    except ZeroDivisionError as exc:\n        raise WorkerDiedError|tests/test_hangs.py -k dies"
+"10|asyncsave/_engine.py|                with anyio.fail_after(self.options.save_timeout_s):|                with anyio.fail_after(None):|tests/test_hangs.py -k stuck"
+"11|asyncsave/_load.py|        if name != \"__metadata__\" and not _well_formed(h):|        if False:|tests/test_bad_inputs.py"
+"12|asyncsave/_manifest.py|        and \"/\" not in name\n|\n|tests/test_bad_inputs.py"
+"13|asyncsave/_track.py|    text = raw.decode(\"ascii\", errors=\"replace\").strip()|    text = raw.decode(\"ascii\", errors=\"replace\").strip().lstrip(\"+-\")|tests/test_fuzz_parsers.py"
+"14|asyncsave/_manifest.py|    if digest != xxhash.xxh3_64_hexdigest(_canonical(doc)):|    if False:|tests/test_fuzz_parsers.py"
+"15|asyncsave/_engine.py|                    committing = True\n|                    committing = True\n                    await self._track(step)\n|tests/test_crash_matrix.py -k randomized"
+"16|asyncsave/_retention.py|        fs.rename(final, doomed)\n        fs.fsync_dir(root)\n        fs.remove_tree(doomed)|        fs.remove_tree(final)|tests/test_power_loss.py -k retention"
+)
+
+wanted=" $* "
+unseen=0
+for bug in "${BUGS[@]}"; do
+    IFS='|' read -r id file find replace suite <<<"$bug"
+    if [[ $# -gt 0 && "$wanted" != *" $id "* ]]; then continue; fi
+    python3 - "$file" "$find" "$replace" <<'EOF' || { echo "bug $id: pattern not found in $2"; exit 2; }
+import sys
+path, find, replace = sys.argv[1], sys.argv[2].replace("\\n", "\n"), sys.argv[3].replace("\\n", "\n")
+text = open(path).read()
+if text.count(find) != 1:
+    sys.exit(1)
+open(path, "w").write(text.replace(find, replace))
+EOF
+    start=$(date +%s)
+    # shellcheck disable=SC2086
+    python -m pytest -q -x -p no:cacheprovider $suite >"/tmp/planted-bug-$id.log" 2>&1
+    rc=$?
+    secs=$(( $(date +%s) - start ))
+    first=$(grep -m1 -E '^(FAILED|ERROR)' "/tmp/planted-bug-$id.log" | cut -c1-150)
+    if [[ $rc -ne 0 ]]; then
+        echo "bug $id ($file): CAUGHT by $suite in ${secs}s: ${first}"
+    else
+        echo "bug $id ($file): NOT caught by $suite (${secs}s)"
+        unseen=$((unseen + 1))
+    fi
+    git checkout -q -- "$file"
+done
+exit $unseen

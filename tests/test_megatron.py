@@ -1,0 +1,140 @@
+"""asyncsave.megatron on CPU with megatron-core's real classes: a real
+``AsyncRequest`` built by ``dist_checkpointing.save(..., async_sharded_save=True)``
+(``TorchDistSaveShardedStrategy`` / ``FileSystemWriterAsync``) from real
+``ShardedTensor`` state dicts on 2 forked gloo ranks.
+
+megatron-core is imported once here, in the parent, so the forked ranks share it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+import asyncsave
+from asyncsave.megatron import MegatronSaver
+
+sys.path.insert(0, str(Path(__file__).parent))
+from distributed import run_ranks, values
+
+pytestmark = pytest.mark.slow
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def weights(rank: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    return {
+        "w": (torch.arange(8.0).reshape(2, 4) + 100 * rank).to(device),
+        "b": torch.full((3,), 7.0, device=device),
+    }
+
+
+def sharded(t: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, Any]:
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", t["w"], (0, rank, world)),
+        "b": ShardedTensor.from_rank_offsets("b", t["b"], replica_id=rank),
+    }
+
+
+def _megatron_save(rank: int, world: int, root: str, fail_rank: int, device: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {"finalize_saw": []}
+
+    def caller_finalize() -> None:
+        # Runs after every rank's write is durable, before commit and tracker.
+        final = Path(root) / "iter_0000010"
+        tracker = Path(root) / TRACKER
+        seen["finalize_saw"].append(
+            (final.exists(), tracker.read_text().strip() if tracker.exists() else None)
+        )
+        if rank == fail_rank:
+            raise RuntimeError("injected finalize failure")
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(
+            root, layout="megatron", distributed=True, dist_timeout_s=60, save_timeout_s=120
+        ) as ckpt:
+            saver = MegatronSaver(ckpt)
+            live = weights(rank, device)
+            tmp = await saver.prepare(10)
+            request = dist_checkpointing.save(
+                sharded(live, rank, world),
+                str(tmp),
+                TorchDistSaveShardedStrategy("torch_dist", 1),
+                async_sharded_save=True,
+            )
+            request.add_finalize_fn(caller_finalize)
+            handle = await saver.save(10, request)
+            for t in live.values():
+                t.add_(1000)  # after save() returns: must not reach the checkpoint
+            try:
+                info = await handle
+                seen["committed"] = (info.step, info.world_size)
+            except asyncsave.RankFailedError as exc:
+                seen["error"] = dict(exc.ranks)
+            seen["tracker"] = (
+                (Path(root) / TRACKER).read_text().strip()
+                if (Path(root) / TRACKER).exists()
+                else None
+            )
+
+    try:
+        anyio.run(main)
+    except asyncsave.RankFailedError:
+        seen["close"] = "RankFailedError"
+    return seen
+
+
+def test_megatron_request_runs_on_the_engine_finalize_before_commit_and_tracker(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    seen = values(run_ranks(_megatron_save, 2, tmp_path, str(root), -1, "cpu", timeout_s=240))
+    for s in seen:
+        assert s["committed"] == (10, 2)
+        assert s["tracker"] == "10"
+        # Megatron's finalize ran before the rename and before the tracker.
+        assert s["finalize_saw"] == [(False, None)]
+    final = root / "iter_0000010"
+    names = sorted(p.name for p in final.iterdir())
+    assert {".metadata", "common.pt", "metadata.json", "manifest.json"} <= set(names)
+    assert any(n.endswith(".distcp") for n in names)
+    assert asyncsave.verify(final).world_size == 2
+    with pytest.raises(asyncsave.UnsupportedFormatError, match="megatron"):
+        asyncsave.load(final)
+    # Megatron's torch_dist format is DCP's: read it back, resharded to one
+    # process, with the values at save() time (the later in-place add is absent).
+    out = {"w": torch.zeros(4, 4), "b": torch.zeros(3)}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(final)), no_dist=True)
+    assert torch.equal(out["w"], torch.cat([weights(0)["w"], weights(1)["w"]]))
+    assert torch.equal(out["b"], weights(0)["b"])
+
+
+def test_failed_megatron_finalize_on_one_rank_commits_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    seen = values(run_ranks(_megatron_save, 2, tmp_path, str(root), 1, "cpu", timeout_s=240))
+    for s in seen:
+        assert list(s["error"]) == [1] and "injected finalize failure" in s["error"][1]
+        assert s["tracker"] is None and s["close"] == "RankFailedError"
+    assert not (root / "iter_0000010").exists()
+    assert [p.name for p in root.iterdir() if p.name.startswith(".asyncsave-tmp")] == []
+
+
+@pytest.mark.cuda
+def test_megatron_request_of_cuda_tensors_one_rank(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    root = tmp_path / "run"
+    (s,) = values(run_ranks(_megatron_save, 1, tmp_path, str(root), -1, "cuda", timeout_s=240))
+    assert s["committed"] == (10, 1) and s["tracker"] == "10"
+    out = {"w": torch.zeros(2, 4), "b": torch.zeros(3)}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(root / "iter_0000010")), no_dist=True)
+    assert torch.equal(out["w"], weights(0)["w"]) and torch.equal(out["b"], weights(0)["b"])
