@@ -427,17 +427,8 @@ async def run_save(
                         repr(local_error) if local_error is not None else ("ok", part),
                         step,
                     )
-                failed = {r: o for r, o in enumerate(outcomes) if isinstance(o, str)}
-                if failed:
-                    error = RankFailedError(
-                        f"save of step {step} failed on rank(s) {sorted(failed)}; no rank "
-                        "committed it: "
-                        + "; ".join(f"rank {r}: {cause}" for r, cause in sorted(failed.items())),
-                        step=step,
-                        rank=min(failed),
-                        ranks=failed,
-                        path=tmp,
-                    )
+                error = _rank_failure("save of", step, outcomes, tmp)
+                if error is not None:
                     if local_error is not None:
                         error.__cause__ = local_error
                     raise error
@@ -453,17 +444,8 @@ async def run_save(
                     finalized = await ctx.all_gather(
                         "finalized", None if finalize_error is None else repr(finalize_error), step
                     )
-                    failed = {r: o for r, o in enumerate(finalized) if isinstance(o, str)}
-                    if failed:
-                        error = RankFailedError(
-                            f"finalizing step {step} failed on rank(s) {sorted(failed)}; no "
-                            "rank committed it: "
-                            + "; ".join(f"rank {r}: {c}" for r, c in sorted(failed.items())),
-                            step=step,
-                            rank=min(failed),
-                            ranks=failed,
-                            path=tmp,
-                        )
+                    error = _rank_failure("finalizing", step, finalized, tmp)
+                    if error is not None:
                         error.__cause__ = finalize_error
                         raise error
                 # C: rank 0 commits and moves the tracker; everyone hears the outcome.
@@ -761,3 +743,21 @@ def load_rank(
     raw = _read_entries(fs, path, sub, verify=True)
     built = _build_tensors(sub, raw, _device(device))
     return _Decoder(built, sub.tensors, path=path, allow_pickle=allow_pickle).node(tree)
+
+
+def _rank_failure(
+    what: str, step: int, outcomes: list[Any], tmp: Path | None
+) -> RankFailedError | None:
+    """The error naming every rank whose gathered outcome is a failure (a ``str``:
+    the ``repr`` of its exception), or ``None`` when every rank succeeded."""
+    failed = {r: o for r, o in enumerate(outcomes) if isinstance(o, str)}
+    if not failed:
+        return None
+    return RankFailedError(
+        f"{what} step {step} failed on rank(s) {sorted(failed)}; no rank committed it: "
+        + "; ".join(f"rank {r}: {cause}" for r, cause in sorted(failed.items())),
+        step=step,
+        rank=min(failed),
+        ranks=failed,
+        path=tmp,
+    )

@@ -16,7 +16,8 @@ process, ``no_dist=True``), DCP ``async_save`` (default; and with a reused
 ``DefaultStager`` staging in the background, its fastest CPU configuration),
 ``safetensors.torch.save_file`` + fsync, TensorDict ``memmap`` + fsync. Each is
 measured for the time the caller is blocked, the time until the bytes are durable,
-GB/s to durable, peak RSS growth and the time of a cold load.
+GB/s to durable, peak RSS growth and the time of a cold load (in the last round
+only: the first save after a load is slower, which would bias the save samples).
 
 Limits, in the same run: host memcpy bandwidth into a reused buffer (and pinned
 device-to-host bandwidth on a GPU), raw sequential write + fsync of the same bytes,
@@ -579,7 +580,8 @@ async def bench_workload(
             else contextlib.nullcontext(None)
         )
         async with ctx as ckpt:
-            for r in range(repeats + (1 if uses_asyncsave else 0)):
+            rounds = repeats + (1 if uses_asyncsave else 0)
+            for r in range(rounds):
                 # The warm-up round: asyncsave's first save allocates its staging
                 # arena (reported apart); the peers were warmed up on a small state.
                 warm = uses_asyncsave and r == 0
@@ -630,7 +632,11 @@ async def bench_workload(
                         row = await anyio.to_thread.run_sync(save_fn, state, path)
                         held = 0
                     row["peak_rss_extra_bytes"] = max(0, peak_rss() - base) + held
-                    if loads and not warm:
+                    # Loads run in the last round only: a load maps ~the state's
+                    # size of page cache, and the first save after one blocks longer
+                    # (measured: 57 ms heartbeat gap, 1.5x blocked, once), which
+                    # would otherwise bias every save sample after the first.
+                    if loads and not warm and r == rounds - 1:
                         await anyio.to_thread.run_sync(drop_cache, path)
                         gc.collect()
                         t0 = time.perf_counter()
@@ -667,7 +673,8 @@ async def bench_workload(
         "peers": {},
     }
     for peer, rows in samples.items():
-        fig = {k: median([row[k] for row in rows if k in row]) for k in rows[0]} if rows else {}
+        keys = {k: None for row in rows for k in row}  # load_s: the last round only
+        fig = {k: median([row[k] for row in rows if k in row]) for k in keys} if rows else {}
         if fig:
             fig["gbps"] = nbytes / fig["durable_s"] / 1e9
             fig["samples"] = len(rows)
