@@ -116,6 +116,17 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
     fs.fsync_dir(final.parent)
 
 
+def move_aside(fs: LocalFileSystem, root: Path, path: Path, step: int) -> None:
+    """Move a damaged checkpoint out of every resolver's way, keeping its bytes
+    (``.asyncsave-damaged-<step>-<id>``), so its step can be saved again."""
+    if not fs.exists(path):
+        return
+    aside = root / aside_dir_name("damaged", step)
+    logger.warning("moving damaged checkpoint %s aside to %s", path, aside.name)
+    fs.rename(path, aside)
+    fs.fsync_dir(root)
+
+
 def discard(fs: LocalFileSystem, tmp: Path) -> None:
     """Remove a failed save's temporary directory; a failure here is logged (the
     next :func:`recover` removes it), never raised over the save's own error."""

@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import math
+import operator
 import os
 import threading
 import time
@@ -29,7 +30,7 @@ import anyio.abc
 import anyio.to_thread
 import torch
 
-from ._commit import commit_dir, discard, lock_root, make_temp_dir, recover
+from ._commit import commit_dir, discard, lock_root, make_temp_dir, move_aside, recover
 from ._dist import (
     DcpJob,
     DistContext,
@@ -520,10 +521,11 @@ class Checkpointer:
             (:attr:`CheckpointInfo.training_info`), ranked by :class:`KeepBest`,
             and written as ``training_info.json`` (with ``"step"``) by the
             ``nemo-rl`` layout.
-        :raises InvalidStepError: ``step`` is not a non-negative int.
+        :param lazy: return before the snapshot is complete (see above).
+        :raises InvalidStepError: ``step`` is not a non-negative integer (NumPy and
+            0-dim torch integers are accepted).
         :raises InvalidStateError: (or a subclass) naming the key that cannot be
             stored; nothing is written.
-        :param lazy: return before the snapshot is complete (see above).
         :raises StagingBudgetError: a non-contiguous CPU tensor (gathered whole) does
             not fit its data file's share of an explicit ``budget_bytes``.
         :raises ProtectedCheckpointError: overwrite of the resumed-from checkpoint.
@@ -560,8 +562,21 @@ class Checkpointer:
         thread (the synchronous facade records them before crossing threads)."""
         t0 = time.perf_counter()
         self._check_usable()
+        if type(step) is not int and not isinstance(step, bool):
+            try:  # NumPy and 0-dim torch integers (anything with __index__)
+                step = operator.index(step)
+            except TypeError:
+                pass
         if type(step) is not int or not 0 <= step <= _MAX_STEP:
             raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
+        if self.tracked_step is not None and step < self.tracked_step:
+            logger.warning(
+                "saving step %d below the tracked step %d: the tracker stays at %d and "
+                "resume loads that (did the run skip load_latest()?)",
+                step,
+                self.tracked_step,
+                self.tracked_step,
+            )
         info_doc = check_training_info(training_info)
         if info_doc.get("step", step) != step:
             raise InvalidStateError(
@@ -933,6 +948,17 @@ class Checkpointer:
                 )
             except Exception as exc:
                 error = _as_save_error(exc, step, tmp, self.options.save_timeout_s)
+                if tmp is None and error is not exc:
+                    # Renamed already: the directory is whole and the next open
+                    # takes it as committed; only what follows (the tracker) failed.
+                    error = SaveFailedError(
+                        f"step {step} was committed (its directory is final and "
+                        f"complete) but updating the tracker failed: {exc!r}; the next "
+                        "open moves the tracker to it",
+                        step=step,
+                        path=self.root / self.layout.dir_name(step),
+                    )
+                    error.__cause__ = exc
                 self._fail(handle, error)
                 if not committing:
                     await self._discard(tmp)
@@ -957,7 +983,7 @@ class Checkpointer:
     def _fail(self, handle: SaveHandle, error: SaveFailedError) -> None:
         self._set_failure(error)
         handle._fail(error)
-        logger.error("save of step %d failed: %s", handle.step, error, exc_info=error.__cause__)
+        logger.error("%s", error, exc_info=error.__cause__)
 
     async def _discard(self, tmp: Path | None) -> None:
         if tmp is None:
@@ -1071,6 +1097,10 @@ class Checkpointer:
             await pending._done.wait()
             self._check_usable()
         old = self._committed.get(step)
+        if old is None and not await anyio.to_thread.run_sync(self._fs.exists, path):
+            raise CheckpointNotFoundError(
+                f"there is no checkpoint of step {step} to update ({path})", step=step, path=path
+            )
         if old is None or old.committed_s is None:
             raise ProtectedCheckpointError(
                 f"step {step} was not saved by this checkpointer; update() rewrites only "
@@ -1238,6 +1268,13 @@ class Checkpointer:
                     "cannot load %s (%s); falling back to an older checkpoint", path, exc
                 )
                 step = info.step
+                # Not a checkpoint any more: a later save() of this step must write
+                # it again, not find it "committed" (and never over damaged bytes).
+                self._committed.pop(step, None)
+                if self._dist is None and self._fs.atomic_rename:
+                    await anyio.to_thread.run_sync(
+                        self._under_final_lock, move_aside, self._fs, self.root, path, step
+                    )
                 older = await anyio.to_thread.run_sync(
                     older_committed, self._fs, self.root, self.layout, step
                 )

@@ -26,6 +26,7 @@ from ._errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    InvalidKeyError,
     InvalidStateError,
     KindMismatchError,
     MissingItemError,
@@ -694,6 +695,18 @@ def load_tensors(
         if not hit:
             raise MissingItemError(f"checkpoint {p} has no tensor at {k!r}", path=p, key=k)
         chosen |= hit
+    seen: dict[str, int] = {}
+    for ri in sorted(chosen):
+        key = str(manifest.tensors[ri]["key"])
+        if key in seen:
+            # {"a/b": x, "a": {"b": y}} flatten to the same path: never guess.
+            raise InvalidKeyError(
+                f"key path {key!r} names two tensors of {p} (a key holding '/' and a "
+                "nested key); load() the whole tree to tell them apart",
+                path=p,
+                key=key,
+            )
+        seen[key] = ri
     entries = {manifest.tensors[ri]["entry"] for ri in chosen}
     raw = _read(fs, p, manifest, verify=verify, device=target, only=entries)
     tensors = _build_tensors(manifest, raw, target, only=chosen)
@@ -819,7 +832,7 @@ def resolve(
                 raise CheckpointNotFoundError(
                     f"the tracker in {root} names step {tracked}, but {path} is not a "
                     f"loadable checkpoint ({exc}); pass fallback=True to resume from "
-                    "the newest committed checkpoint instead",
+                    f"the newest committed checkpoint instead{_layout_hint(fs, root, layout)}",
                     path=path,
                     step=tracked,
                 ) from exc
@@ -839,11 +852,31 @@ def resolve(
         raise CheckpointNotFoundError(
             f"the tracker in {root} names step {tracked} but no checkpoint there is "
             "loadable (damaged ones are moved aside to .asyncsave-damaged-*); not "
-            "starting from scratch",
+            f"starting from scratch{_layout_hint(fs, root, layout)}",
             path=root,
             step=tracked,
         )
+    hint = _layout_hint(fs, root, layout)
+    if hint:
+        # Another preset's checkpoints are here: None would restart a trained run.
+        raise CheckpointNotFoundError(
+            f"no {layout.name!r}-layout checkpoint in {root}{hint}", path=root
+        )
     return None
+
+
+def _layout_hint(fs: LocalFileSystem, root: Path, layout: Layout) -> str:
+    """A hint naming the other layout presets whose directories ``root`` holds
+    (a root written with ``layout="verl"`` opened with the default), or ``""``."""
+    others = [
+        other.name
+        for other in LAYOUTS.values()
+        if other.dir_format != layout.dir_format and scan_steps(fs, root, other)
+    ]
+    if not others:
+        return ""
+    names = " or ".join(repr(n) for n in others)
+    return f"; it holds checkpoints of the {names} layout: pass layout={others[0]!r}"
 
 
 def older_committed(

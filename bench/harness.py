@@ -1252,9 +1252,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip-gpt2", action="store_true")
     p.add_argument("--skip-s14", action="store_true")
     p.add_argument("--dir", type=Path, default=Path("/tmp/asyncsave-harness"))
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results folder (default: bench/results, or bench/results/quick with --quick, "
+        "so a quick run never replaces the full run the README shows)",
+    )
     p.add_argument("--render-readme", action="store_true", help="only rewrite the README table")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = RESULTS / "quick" if args.quick and not args.render_readme else RESULTS
+    args.out.mkdir(parents=True, exist_ok=True)
     # The peers' deprecation chatter (DCP, TensorDict) is not a result.
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)

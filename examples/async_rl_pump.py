@@ -23,8 +23,8 @@ What this example demonstrates (S7, S16 of the scenarios):
 
 Usage::
 
-    python examples/async_rl_pump.py --root runs/rl --steps 200      # kill -TERM it
-    python examples/async_rl_pump.py --root runs/rl --steps 200      # resumes
+    python examples/async_rl_pump.py --root runs/rl --steps 200 --step-sleep 0.05  # kill -TERM it
+    python examples/async_rl_pump.py --root runs/rl --steps 200                    # resumes
 
 After a SIGTERM the process saves, prints a summary and exits 0; the rerun resumes
 from that step. ``summary.json`` holds the run's steps, saves and resume point.

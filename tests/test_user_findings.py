@@ -1,0 +1,96 @@
+"""Regressions from a fresh user's trial of the README (each failed before its fix)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from faults import FaultyFS, raise_errno
+
+import asyncsave
+
+pytestmark = pytest.mark.anyio
+
+
+def _flip_a_data_bit(step_dir: Path) -> None:
+    f = next(step_dir.glob("data-*.safetensors"))
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 1
+    f.write_bytes(bytes(raw))
+
+
+async def test_a_step_skipped_by_fallback_is_written_again_when_saved(tmp_path: Path) -> None:
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2, 3):
+            await ckpt.save(step, {"w": torch.full((64,), float(step))})
+    _flip_a_data_bit(tmp_path / "step_3")
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        restored = await ckpt.load_latest(fallback=True)
+        assert restored is not None and restored.info.step == 2
+        info = await (await ckpt.save(3, {"w": torch.full((64,), 33.0)}))
+        assert info is not None and info.committed_s is not None  # really written
+    assert asyncsave.verify(tmp_path / "step_3").step == 3
+    assert torch.equal(asyncsave.load(tmp_path / "step_3")["w"], torch.full((64,), 33.0))
+    assert list(tmp_path.glob(".asyncsave-damaged-3-*"))  # the bad bytes kept aside
+
+
+@pytest.mark.parametrize("written_as", ["skyrl", "verl", "megatron"])
+async def test_opening_a_root_with_the_wrong_layout_never_starts_from_scratch(
+    tmp_path: Path, written_as: str
+) -> None:
+    async with asyncsave.Checkpointer(tmp_path, layout=written_as) as ckpt:
+        await ckpt.save(7, {"w": torch.ones(2)})
+    with pytest.raises(asyncsave.CheckpointNotFoundError, match=f"layout='{written_as}'|layout"):
+        asyncsave.latest(tmp_path)
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(asyncsave.CheckpointNotFoundError, match=written_as):
+            await ckpt.load_latest()
+    assert asyncsave.latest(tmp_path, layout=written_as).step == 7  # type: ignore[union-attr]
+
+
+def test_load_tensors_refuses_an_ambiguous_key_path(tmp_path: Path) -> None:
+    import anyio
+
+    async def save() -> None:
+        async with asyncsave.Checkpointer(tmp_path) as ckpt:
+            await ckpt.save(1, {"a/b": torch.ones(1), "a": {"b": torch.zeros(1)}})
+
+    anyio.run(save)
+    with pytest.raises(asyncsave.InvalidKeyError, match="a/b"):
+        asyncsave.load_tensors(tmp_path / "step_1", ["a/b"])
+    state = asyncsave.load(tmp_path / "step_1")
+    assert state["a/b"].item() == 1 and state["a"]["b"].item() == 0
+
+
+async def test_a_tracker_failure_after_the_rename_says_the_step_is_committed(
+    tmp_path: Path,
+) -> None:
+    fs = FaultyFS("replace", raise_errno(errno.ENOSPC))
+    with pytest.raises(asyncsave.SaveFailedError):
+        async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+            with pytest.raises(asyncsave.SaveFailedError, match="was committed") as info:
+                await (await ckpt.save(4, {"w": torch.ones(2)}))
+            assert isinstance(info.value.__cause__, OSError)
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.tracked_step == 4  # as the message says
+
+
+async def test_integer_like_steps_and_a_warning_below_the_tracked_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(np.int64(4), {"w": torch.ones(2)}))  # type: ignore[arg-type]
+        await (await ckpt.save(torch.tensor(6), {"w": torch.ones(2)}))  # type: ignore[arg-type]
+        with caplog.at_level(logging.WARNING, logger="asyncsave"):
+            await (await ckpt.save(5, {"w": torch.ones(2)}))
+        assert "below the tracked step 6" in caplog.text
+        for bad in (True, 2.0, np.float32(3)):
+            with pytest.raises(asyncsave.InvalidStepError):
+                await ckpt.save(bad, {})  # type: ignore[arg-type]
+        with pytest.raises(asyncsave.CheckpointNotFoundError, match="no checkpoint of step 99"):
+            await ckpt.update(99, "w", torch.zeros(2))
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_4", "step_5", "step_6"]
