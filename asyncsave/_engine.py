@@ -951,7 +951,7 @@ class Checkpointer:
                 if tmp is None and error is not exc:
                     # Renamed already: the directory is whole and the next open
                     # takes it as committed; only what follows (the tracker) failed.
-                    error = SaveFailedError(
+                    error = type(error)(  # a timeout stays a CheckpointTimeoutError
                         f"step {step} was committed (its directory is final and "
                         f"complete) but updating the tracker failed: {exc!r}; the next "
                         "open moves the tracker to it",
