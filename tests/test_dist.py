@@ -11,7 +11,6 @@ import errno
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -143,12 +142,10 @@ def _save_with_faulty_rank(
             async with ckpt:
                 await (await ckpt.save(1, state_of(rank, 1)))
                 h2 = await ckpt.save(2, state_of(rank, 2))
-                t0 = time.monotonic()
                 try:
                     await h2
                 except RankFailedError as exc:
                     seen["error"] = (type(exc).__name__, dict(exc.ranks), str(exc))
-                    seen["waited_s"] = time.monotonic() - t0
                 seen["step2_exists"] = (Path(root) / "step_2").exists()
                 seen["tracker"] = (Path(root) / TRACKER).read_text().strip()
         except RankFailedError as exc:  # close re-raises the failure
@@ -195,8 +192,9 @@ def test_killed_rank_makes_the_other_raise_and_step_1_still_loads(
     (survivor,) = values({1 - victim: results[1 - victim]})
     name, ranks, text = survivor["error"]
     # A dead peer cannot report a cause: the collective's own error says what broke.
+    # Raised by the collective's own timeout (dist_timeout_s=20): a survivor that
+    # hung would have been killed at the harness deadline and returned no result.
     assert name == "RankFailedError" and "gloo" in text and ranks == {}
-    assert survivor["waited_s"] < 20 + 10  # raised by the collective, not the harness
     assert survivor["step2_exists"] is False and survivor["tracker"] == "1"
     # The last committed checkpoint loads at world size 1 ...
     assert asyncsave.latest(root).step == 1  # type: ignore[union-attr]
