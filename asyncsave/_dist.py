@@ -297,7 +297,7 @@ async def stage_dtensor_state(ckpt: Checkpointer, state: Any) -> DcpJob:
     from torch.distributed.tensor import DTensor
 
     from ._plan import Entry
-    from ._stage import _destination, stage_entries
+    from ._stage import _destination, lease_and_stage
 
     assert ckpt._pool is not None
     tree = _stateful_to_state_dict(state) if isinstance(state, dict) else state
@@ -326,17 +326,14 @@ async def stage_dtensor_state(ckpt: Checkpointer, state: Any) -> DcpJob:
         return x
 
     _walk(tree, collect)
-    ckpt._pool.check(offset)
-    lease = await ckpt._pool.acquire(
-        offset, pin=any(e.source is not None and e.source.is_cuda for e in entries)
+    lease = await lease_and_stage(
+        ckpt._pool,
+        offset,
+        entries,
+        poll_interval_s=ckpt.options.poll_interval_s,
+        timeout_s=ckpt.options.save_timeout_s,
     )
     try:
-        await stage_entries(
-            lease,
-            entries,
-            poll_interval_s=ckpt.options.poll_interval_s,
-            timeout_s=ckpt.options.save_timeout_s,
-        )
         views = iter([_destination(lease.buffer, e) for e in entries])
 
         def rebuild(x: Any) -> Any:

@@ -71,7 +71,14 @@ from ._options import CheckpointOptions
 from ._paths import LAYOUTS, MANIFEST_NAME
 from ._plan import Entry, Plan, make_plan
 from ._retention import apply_retention
-from ._stage import Lease, StagingPool, producer_events, snapshot_eager_entries, stage_entries
+from ._stage import (
+    Lease,
+    StagingPool,
+    lease_and_stage,
+    producer_events,
+    snapshot_eager_entries,
+    stage_entries,
+)
 from ._stream import Piece, StreamWriter, piece_entries, plan_rounds
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
@@ -1115,11 +1122,9 @@ class Checkpointer:
         self._pending[step] = handle
         pool = StagingPool(None)
         try:
-            lease = await pool.acquire(
-                staging_nbytes(layouts), pin=any(d.type == "cuda" for d in plan.devices)
-            )
-            await stage_entries(
-                lease,
+            lease = await lease_and_stage(
+                pool,
+                staging_nbytes(layouts),
                 plan.entries,
                 poll_interval_s=self.options.poll_interval_s,
                 timeout_s=self.options.save_timeout_s,

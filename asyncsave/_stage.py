@@ -328,6 +328,29 @@ async def _wait_events(events: list[Any], poll_interval_s: float, deadline: floa
     return False
 
 
+async def lease_and_stage(
+    pool: StagingPool,
+    nbytes: int,
+    entries: list[Entry],
+    *,
+    poll_interval_s: float,
+    timeout_s: float,
+) -> Lease:
+    """Lease ``nbytes`` of ``pool`` (pinned if any source is a CUDA tensor) and
+    stage ``entries`` into it; the lease is released if staging fails.
+
+    :raises StagingBudgetError: ``nbytes`` exceeds the pool's budget.
+    """
+    pin = any(e.source is not None and e.source.is_cuda for e in entries)
+    lease = await pool.acquire(nbytes, pin=pin)
+    try:
+        await stage_entries(lease, entries, poll_interval_s=poll_interval_s, timeout_s=timeout_s)
+    except BaseException:
+        lease.release()
+        raise
+    return lease
+
+
 async def stage_entries(
     lease: Lease,
     entries: list[Entry],

@@ -73,7 +73,7 @@ from ._engine import Checkpointer, SaveHandle
 from ._errors import CheckpointError, RankFailedError
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION
 from ._plan import Entry
-from ._stage import Lease, _destination, stage_entries
+from ._stage import Lease, _destination, lease_and_stage
 
 __all__ = ["MegatronSaver"]
 
@@ -216,20 +216,13 @@ class MegatronJob(ForeignJob):
                 entries.append(e)
         if not entries:
             return cls(request, buckets, None, 0)
-        ckpt._pool.check(offset)
-        lease = await ckpt._pool.acquire(
-            offset, pin=any(e.source.is_cuda for e in entries if e.source is not None)
+        lease = await lease_and_stage(
+            ckpt._pool,
+            offset,
+            entries,
+            poll_interval_s=ckpt.options.poll_interval_s,
+            timeout_s=ckpt.options.save_timeout_s,
         )
-        try:
-            await stage_entries(
-                lease,
-                entries,
-                poll_interval_s=ckpt.options.poll_interval_s,
-                timeout_s=ckpt.options.save_timeout_s,
-            )
-        except BaseException:
-            lease.release()
-            raise
         staged = []
         it = iter(entries)
         for file_name, storage_key, (bytes_data, tensor_data) in buckets:
