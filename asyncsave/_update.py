@@ -15,23 +15,38 @@ until the checkpoint is saved again with ``overwrite=True``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
+
 from ._commit import commit_dir, discard, make_temp_dir
-from ._errors import MissingItemError
-from ._format import FileLayout
+from ._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InvalidKeyError,
+    MissingItemError,
+    ProtectedCheckpointError,
+    SaveFailedError,
+)
+from ._format import FileLayout, layout_files, staging_nbytes
 from ._fs import LocalFileSystem
+from ._handle import SaveHandle
 from ._load import read_checkpoint
 from ._manifest import CHECKSUM, SELF_CHECKSUM, encode_manifest
 from ._paths import MANIFEST_NAME
-from ._plan import Plan
+from ._pipeline import Saver, as_save_error
+from ._plan import Plan, make_plan
+from ._stage import StagingPool, lease_and_stage
+from ._types import CheckpointInfo
 from ._write import write_bytes, write_data_file
 
-__all__ = ["rewrite_item"]
+__all__ = ["rewrite_item", "update"]
 
 
 def _remap_leaves(node: Any, index: Callable[[int], int]) -> Any:
@@ -147,3 +162,82 @@ def rewrite_item(
         discard(fs, tmp)
         raise
     return sum(e["nbytes"] for e in doc["entries"]), len(doc["tensors"])
+
+
+async def update(saver: Saver, step: int, key: str, value: Any) -> CheckpointInfo:
+    """The body of :meth:`asyncsave.Checkpointer.update` (see there)."""
+    saver.check_usable()
+    path = saver.root / saver.layout.dir_name(step)
+    if not saver.fs.atomic_rename:
+        raise CheckpointError(
+            f"update() swaps directories atomically, which {saver.fs!r} cannot; "
+            "save the step under a new number instead",
+            step=step,
+            path=path,
+        )
+    if type(key) is not str:
+        raise InvalidKeyError(f"update() needs a str key, got {key!r}", key=repr(key))
+    if step == saver.resumed_step:
+        raise ProtectedCheckpointError(
+            f"step {step} is the checkpoint this run resumed from; it is never rewritten",
+            step=step,
+            path=path,
+        )
+    while (pending := saver.pending.get(step)) is not None:
+        await pending._done.wait()
+        saver.check_usable()
+    old = saver.committed.get(step)
+    if old is None and not await anyio.to_thread.run_sync(saver.fs.exists, path):
+        raise CheckpointNotFoundError(
+            f"there is no checkpoint of step {step} to update ({path})", step=step, path=path
+        )
+    if old is None or old.committed_s is None:
+        raise ProtectedCheckpointError(
+            f"step {step} was not saved by this checkpointer; update() rewrites only "
+            "checkpoints this run wrote",
+            step=step,
+            path=path,
+        )
+    plan = make_plan({key: value}, allow_pickle=saver.options.allow_pickle)
+    layouts = layout_files(plan.entries, rank=0, max_files=1)
+    handle = SaveHandle(step)
+    handle._staged.set()
+    saver.pending[step] = handle
+    pool = StagingPool(None)
+    try:
+        lease = await lease_and_stage(
+            pool,
+            staging_nbytes(layouts),
+            plan.entries,
+            poll_interval_s=saver.options.poll_interval_s,
+            timeout_s=saver.options.save_timeout_s,
+        )
+        plan.release_sources()
+        with anyio.CancelScope(shield=True), anyio.fail_after(saver.options.save_timeout_s):
+            nbytes, num_tensors = await saver.run(
+                saver.under_final_lock,
+                rewrite_item,
+                saver.fs,
+                saver.root,
+                path,
+                key,
+                plan,
+                layouts,
+                lease.buffer,
+            )
+        info = dataclasses.replace(old, nbytes=nbytes, num_tensors=num_tensors)
+        saver.committed[step] = info
+        handle._commit(info)
+        return info
+    except (CheckpointError, anyio.get_cancelled_exc_class()) as exc:
+        handle._fail(SaveFailedError(f"update of step {step} did not happen: {exc!r}"))
+        raise
+    except Exception as exc:
+        error = as_save_error(exc, step, path, saver.options.save_timeout_s)
+        saver.fail(handle, error)
+        raise error from exc
+    finally:
+        if saver.pending.get(step) is handle:
+            del saver.pending[step]
+        with anyio.CancelScope(shield=True):
+            await pool.aclose()

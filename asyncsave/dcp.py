@@ -52,6 +52,7 @@ loads on M ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -83,18 +84,20 @@ from ._errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    SaveFailedError,
 )
 from ._format import SAFETENSORS_DTYPES, layout_files, staging_nbytes
 from ._fs import LocalFileSystem
+from ._jobs import Job, Services
 from ._load import latest, read_checkpoint
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest, torch_dtype
 from ._paths import LAYOUTS, MANIFEST_NAME
 from ._plan import Entry
-from ._stage import _copy_cpu
+from ._stage import Lease, _copy_cpu, _destination, lease_and_stage
 from ._track import TrackerWriter, read_tracker
 from ._write import write_bytes, write_data_file
 
-__all__ = ["DCP_METADATA_NAME", "ItemLocation", "StorageReader", "StorageWriter"]
+__all__ = ["DCP_METADATA_NAME", "DTensorJob", "ItemLocation", "StorageReader", "StorageWriter"]
 
 DCP_METADATA_NAME = ".metadata"
 _BLOB_ALIGN = 16
@@ -509,3 +512,139 @@ def _from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch
     if not raw:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _walk(x: Any, fn: Any, depth: int = 0) -> Any:
+    """``x`` rebuilt with ``fn`` applied to every leaf, dicts/lists/tuples kept."""
+    if depth > 1000:
+        raise CheckpointError("state nested over 1000 levels deep")
+    if isinstance(x, dict):
+        return type(x)((k, _walk(v, fn, depth + 1)) for k, v in x.items())
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_walk(v, fn, depth + 1) for v in x)
+    return fn(x)
+
+
+class DTensorJob(Job):
+    """The job of DTensor state saved by :meth:`asyncsave.Checkpointer.save` on
+    several ranks: each DTensor's local shard (and every plain tensor) is staged
+    in the rank's pool, then written through DCP's planner on asyncsave's group
+    into the save's temporary directory, so that ``dcp.load`` reshards it. The
+    core names this class by string (``asyncsave._jobs.DTENSOR_JOB``).
+
+    A non-contiguous CUDA shard is made contiguous on its device first (FSDP2's
+    shards are contiguous).
+    """
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.staged: Any = None
+        self.lease: Lease | None = None
+        self.step = -1
+
+    async def stage(
+        self, saver: Services, step: int, ready: dict[torch.device, Any] | None, make_tmp: Any
+    ) -> None:
+        import copy
+
+        from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+        from torch.distributed.tensor import DTensor
+
+        assert saver.pool is not None
+        self.step = step
+        state = self.state
+        tree = _stateful_to_state_dict(state) if isinstance(state, dict) else state
+        entries: list[Entry] = []
+        offset = 0
+
+        def collect(x: Any) -> Any:
+            nonlocal offset
+            if isinstance(x, torch.Tensor):
+                local = (x.to_local() if isinstance(x, DTensor) else x).detach()
+                if not local.is_contiguous():
+                    local = local.contiguous()
+                nbytes = local.numel() * local.element_size()
+                e = Entry(
+                    str(len(entries)),
+                    local,
+                    nbytes,
+                    local.element_size(),
+                    False,
+                    local.dtype,
+                    tuple(local.shape),
+                )
+                e.staging_offset = offset
+                offset += -(-nbytes // 64) * 64
+                entries.append(e)
+            return x
+
+        _walk(tree, collect)
+        self.lease = lease = await lease_and_stage(
+            saver.pool,
+            offset,
+            entries,
+            poll_interval_s=saver.options.poll_interval_s,
+            timeout_s=saver.options.save_timeout_s,
+        )
+        views = iter([_destination(lease.buffer, e) for e in entries])
+
+        def rebuild(x: Any) -> Any:
+            if isinstance(x, DTensor):
+                return DTensor(next(views), x._spec, requires_grad=False)
+            if isinstance(x, torch.Tensor):
+                return next(views)
+            return copy.deepcopy(x)
+
+        self.staged = _walk(tree, rebuild)
+        for e in entries:
+            e.source = None
+        self.state = None
+        self.nbytes = sum(e.nbytes for e in entries)
+
+    async def write(self, saver: Services, coord: Any, tmp: Path) -> dict[str, Any]:
+        import anyio.to_thread
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        step = self.step
+        writer = StorageWriter(
+            str(saver.root),
+            step,
+            layout=saver.options.layout,
+            filesystem=saver.fs,
+            _tmp=tmp.name,
+            _commit=False,
+        )
+        # DCP's own collectives (plans, write results) run here, on asyncsave's
+        # group, inside this save's turn; a rank's write error comes back from DCP
+        # on every rank.
+        try:
+            await anyio.to_thread.run_sync(
+                functools.partial(
+                    dcp.save, self.staged, storage_writer=writer, process_group=coord.group
+                ),
+                abandon_on_cancel=True,
+            )
+        except CheckpointException as exc:
+            # DCP's error derives from BaseException: translated here, at the boundary.
+            causes = {
+                r: repr(f[0]) if isinstance(f, tuple) else repr(f) for r, f in exc.failures.items()
+            }
+            raise SaveFailedError(
+                f"DCP's save of step {step} failed on rank(s) {sorted(causes)}: "
+                + "; ".join(f"rank {r}: {c}" for r, c in sorted(causes.items())),
+                step=step,
+                path=tmp,
+            ) from exc
+        self.release()  # written and fsynced: the pool is free for the next save
+        if coord.rank == 0:
+            assert writer.manifest_doc is not None
+            return {"dcp": writer.manifest_doc}
+        return {"dcp": None}
+
+    def manifest(self, tmp: Path, step: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        return dict(parts[0]["dcp"])
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()

@@ -67,10 +67,11 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from ._commit import make_temp_dir
-from ._dist import DistContext, ForeignJob, run_save
-from ._engine import Checkpointer, SaveHandle
+from ._coord import GlooGroup
+from ._engine import Checkpointer
 from ._errors import CheckpointError, RankFailedError
+from ._handle import SaveHandle
+from ._jobs import Job, Services
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION
 from ._plan import Entry
 from ._stage import Lease, _destination, lease_and_stage
@@ -100,7 +101,7 @@ class MegatronSaver:
                 path=ckpt.root,
             )
         self.ckpt = ckpt
-        self._ctx: DistContext = ckpt._dist
+        self._ctx: GlooGroup = ckpt._dist
         self._prepared: tuple[int, int, str] | None = None
 
     async def prepare(self, step: int) -> Path:
@@ -114,7 +115,7 @@ class MegatronSaver:
         :raises RankFailedError: rank 0 could not create it, or a rank died.
         """
         ckpt, ctx = self.ckpt, self._ctx
-        ckpt._check_usable()
+        ckpt._saver.check_usable()
         if self._prepared is not None:
             raise CheckpointError(f"prepare({self._prepared[0]}) was never followed by save()")
         ticket = ctx.take_ticket()
@@ -123,7 +124,7 @@ class MegatronSaver:
             name: str | None = None
             if ctx.rank == 0:
                 try:
-                    name = (await ckpt._run(make_temp_dir, ckpt._fs, ckpt.root, step)).name
+                    name = (await ckpt._saver.make_tmp(step)).name
                 except Exception as exc:
                     name = f"error: {exc!r}"
             name = await ctx.broadcast("temp-dir", name, step)
@@ -152,54 +153,36 @@ class MegatronSaver:
         :raises CheckpointError: no :meth:`prepare` of ``step`` came first.
         :raises StagingBudgetError: the tensors exceed an explicit ``budget_bytes``.
         """
-        ckpt, ctx = self.ckpt, self._ctx
+        ckpt = self.ckpt
         if self._prepared is None or self._prepared[0] != step:
             raise CheckpointError(f"save({step}) needs prepare({step}) first", step=step)
         _, ticket, name = self._prepared
         self._prepared = None
         t0 = time.perf_counter()
-        handle = SaveHandle(step)
-        ckpt._pending[step] = handle
         job: MegatronJob | BaseException
         try:
-            job = await MegatronJob.stage(ckpt, request, ckpt.root / name)
+            job = MegatronJob(request)
         except Exception as exc:
             job = exc
-        assert ckpt._tg is not None
-        ckpt._tg.start_soon(
-            run_save,
-            ckpt,
-            ctx,
-            ticket,
-            handle,
-            job,
-            (t0, time.perf_counter() - t0),
-            False,
-            {},
-            name,
-        )
-        if isinstance(job, BaseException):
-            await handle._done.wait()
-            raise job
-        handle._staged.set()
-        return handle
+        return await ckpt._saver.dispatch(step, job, t0=t0, ticket=ticket, tmp=ckpt.root / name)
 
 
-class MegatronJob(ForeignJob):
+class MegatronJob(Job):
     """One Megatron request, its tensors staged in asyncsave's pool."""
 
-    def __init__(self, request: Any, buckets: list[Any], lease: Lease | None, nbytes: int) -> None:
+    def __init__(self, request: Any) -> None:
         self.request = request
-        self.buckets = buckets
-        self.lease = lease
-        self.nbytes = nbytes
+        self.buckets: list[Any] = []
+        self.lease: Lease | None = None
         self.steps = _finalize_steps(request.finalize_fns)
 
-    @classmethod
-    async def stage(cls, ckpt: Checkpointer, request: Any, tmp: Path) -> MegatronJob:
+    async def stage(
+        self, saver: Services, step: int, ready: dict[Any, Any] | None, make_tmp: Any
+    ) -> None:
         """Copy every tensor of the request's write buckets into the staging pool
         (the request's ``preload_fn`` is not called: it needs CUDA)."""
-        assert ckpt._pool is not None
+        assert saver.pool is not None
+        request = self.request
         args = list(request.async_fn_args)
         buckets = args[1] if request.async_fn is not None else []
         entries: list[Entry] = []
@@ -214,14 +197,15 @@ class MegatronJob(ForeignJob):
                 e.staging_offset = offset
                 offset += -(-nbytes // _ALIGN) * _ALIGN
                 entries.append(e)
+        self.buckets = buckets
         if not entries:
-            return cls(request, buckets, None, 0)
-        lease = await lease_and_stage(
-            ckpt._pool,
+            return
+        self.lease = lease = await lease_and_stage(
+            saver.pool,
             offset,
             entries,
-            poll_interval_s=ckpt.options.poll_interval_s,
-            timeout_s=ckpt.options.save_timeout_s,
+            poll_interval_s=saver.options.poll_interval_s,
+            timeout_s=saver.options.save_timeout_s,
         )
         staged = []
         it = iter(entries)
@@ -230,13 +214,14 @@ class MegatronJob(ForeignJob):
                 (item, _destination(lease.buffer, next(it))) for item, _ in tensor_data
             ]
             staged.append((file_name, storage_key, (bytes_data, staged_tensors)))
-        return cls(request, staged, lease, sum(e.nbytes for e in entries))
+        self.buckets = staged
+        self.nbytes = sum(e.nbytes for e in entries)
 
     def release(self) -> None:
         if self.lease is not None:
             self.lease.release()
 
-    async def write(self, ckpt: Checkpointer, ctx: DistContext, tmp: Path) -> dict[str, Any]:
+    async def write(self, saver: Services, coord: Any, tmp: Path) -> dict[str, Any]:
         req = self.request
         if req.async_fn is not None:
             args = list(req.async_fn_args)
@@ -258,19 +243,19 @@ class MegatronJob(ForeignJob):
         return part
 
     async def finalize(
-        self, ckpt: Checkpointer, ctx: DistContext, tmp: Path, parts: list[dict[str, Any]]
+        self, saver: Services, coord: Any, tmp: Path, parts: list[dict[str, Any]]
     ) -> None:
         for kind, *rest in self.steps:
             if kind == "strategy":
                 writer, metadata = rest
-                if ctx.rank == 0:
+                if coord.rank == 0:
                     if metadata is None:
                         raise CheckpointError("megatron's plan left no global metadata on rank 0")
                     results = [p["write_results"] for p in parts]
                     await anyio.to_thread.run_sync(writer.finish, metadata, results)
             elif kind == "config":
                 strategy, checkpoint_dir = rest
-                if ctx.rank == 0:
+                if coord.rank == 0:
                     from megatron.core.dist_checkpointing.core import (
                         CheckpointingConfig,
                         save_config,

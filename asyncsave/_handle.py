@@ -1,0 +1,139 @@
+"""The handle of one save: an awaitable that resolves to the committed
+:class:`~asyncsave.CheckpointInfo` or raises the save's :class:`SaveFailedError`.
+
+Shared by the checkpointer (which admits saves) and the pipeline (which resolves
+them); it knows nothing of either.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator
+from typing import Any
+
+import anyio
+
+from ._errors import WaitTimeoutError
+from ._types import CheckpointInfo
+
+__all__ = ["SaveHandle"]
+
+
+class SaveHandle:
+    """An awaitable for one save. ``await handle`` returns the committed
+    :class:`CheckpointInfo` once the checkpoint is committed and the tracker names
+    it or a newer one durably, or raises :class:`SaveFailedError` (the original
+    error as ``__cause__``).
+
+    A skipped save (step 0 without ``save_step_zero``) resolves to ``None`` at once;
+    ``skipped`` tells it apart. Awaiting a handle again returns (or raises) the same
+    result. Awaiting is bounded by the save's ``save_timeout_s``.
+    """
+
+    def __init__(self, step: int, *, skipped: bool = False) -> None:
+        self.step = step
+        self.skipped = skipped
+        self._staged = anyio.Event()
+        # The same moment, for threads that are not the event loop's (the
+        # optimizer pre-hook of a synchronous training thread waits on it).
+        self._staged_thread = threading.Event()
+        self._done = anyio.Event()
+        self._info: CheckpointInfo | None = None
+        self._error: BaseException | None = None
+        self._staged_error: BaseException | None = None  # failed before the snapshot
+
+    @classmethod
+    def resolved(
+        cls, step: int, info: CheckpointInfo | None, *, skipped: bool = False
+    ) -> SaveHandle:
+        handle = cls(step, skipped=skipped)
+        handle._info = info
+        handle._mark_staged()
+        handle._done.set()
+        return handle
+
+    def __repr__(self) -> str:
+        state = (
+            "skipped"
+            if self.skipped
+            else "failed"
+            if self._error
+            else "committed"
+            if self.done()
+            else "pending"
+        )
+        return f"<SaveHandle step={self.step} {state}>"
+
+    def __await__(self) -> Generator[Any, None, CheckpointInfo | None]:
+        return self.wait().__await__()
+
+    def done(self) -> bool:
+        """Whether the save has committed, failed or been skipped."""
+        return self._done.is_set()
+
+    async def staged(self) -> None:
+        """Return once the snapshot is in host memory: the caller may mutate the
+        tensors it saved. In eager mode ``save()`` already returned after this; in
+        lazy mode (``save(..., lazy=True)``) await it before mutating them.
+
+        :raises SaveFailedError: the save ended before its snapshot was complete
+            (the tensors were not captured; the caller may mutate them anyway).
+        """
+        await self._staged.wait()
+        if self._staged_error is not None:
+            raise self._staged_error
+
+    def is_staged(self) -> bool:
+        """Whether the snapshot is complete (or the save ended without one)."""
+        return self._staged.is_set()
+
+    def _mark_staged(self) -> None:
+        self._staged.set()
+        self._staged_thread.set()
+
+    async def wait(self, timeout_s: float | None = None) -> CheckpointInfo | None:
+        """Wait for the commit.
+
+        :param timeout_s: an extra bound in seconds (the save's own
+            ``save_timeout_s`` always applies).
+        :raises SaveFailedError: the save failed; ``__cause__`` is the original.
+        :raises WaitTimeoutError: ``timeout_s`` passed first (the save goes on; this is
+            not a failure of the save).
+        """
+        if timeout_s is None:
+            await self._done.wait()
+        else:
+            with anyio.move_on_after(timeout_s):
+                await self._done.wait()
+            if not self._done.is_set():
+                raise WaitTimeoutError(
+                    f"step {self.step} did not commit within {timeout_s} s (the save goes on)",
+                    step=self.step,
+                )
+        return self.result()
+
+    def result(self) -> CheckpointInfo | None:
+        """The committed info, without waiting.
+
+        :raises RuntimeError: the save is still in flight.
+        :raises SaveFailedError: the save failed.
+        """
+        if not self._done.is_set():
+            raise RuntimeError(f"the save of step {self.step} is still in flight")
+        if self._error is not None:
+            raise self._error
+        return self._info
+
+    def _commit(self, info: CheckpointInfo) -> None:
+        self._info = info
+        self._mark_staged()
+        self._done.set()
+
+    def _fail(self, error: BaseException) -> None:
+        if self._done.is_set():
+            return  # resolved already (committed before a late cancellation): it stands
+        self._error = error
+        if not self._staged.is_set():
+            self._staged_error = error
+        self._mark_staged()
+        self._done.set()

@@ -1,0 +1,363 @@
+"""The job role of the save pipeline: what one rank snapshots and writes.
+
+A job is staged by ``save()`` (or an integration's own entry point) and then
+driven by the one pipeline (``asyncsave._pipeline``) through four hooks, on
+every rank:
+
+- ``write(saver, coord, tmp)``: this rank's files, durable, under ``tmp``;
+  returns this rank's part of the manifest (gathered by the coordinator);
+- ``finalize(saver, coord, tmp, parts)``: after every rank's files are durable,
+  before the commit (an integration's own finishing steps);
+- ``manifest(tmp, step, parts)``: on the leader, asyncsave's manifest of the
+  finished directory (blocking; runs in a worker thread);
+- ``release()``: give staging memory back (idempotent).
+
+:class:`PlainJob` is a state tree planned by ``_plan``, staged into the pool
+whole or in streamed rounds (S15). Integrations plug in with their own jobs:
+DTensor state through DCP's planner (``asyncsave.dcp.DTensorJob``, which the
+core names by string and imports only when a DTensor is saved, as anyio names
+its backends) and Megatron's async requests (``asyncsave.megatron``). The core
+never imports an integration module statically (``tests/test_structure.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import torch
+import torch.distributed as dist
+
+from ._errors import CheckpointTimeoutError
+from ._format import FileLayout
+from ._fs import LocalFileSystem
+from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION
+from ._options import CheckpointOptions
+from ._paths import Layout
+from ._plan import Entry, Plan, is_stateful
+from ._stage import Lease, StagingPool, stage_entries
+from ._stream import Piece, StreamWriter, piece_entries
+from ._write import write_data_file
+
+__all__ = [
+    "Job",
+    "PlainJob",
+    "Services",
+    "contains_dtensor",
+    "dtensor_job_class",
+    "manifest_doc",
+    "merge_parts",
+]
+
+# The integration that saves DTensor state (named, imported lazily: the core
+# does not depend on it, it depends on the core).
+DTENSOR_JOB = "asyncsave.dcp:DTensorJob"
+
+
+class Services(Protocol):
+    """What a job may use of its checkpointer (see ``asyncsave._pipeline.Saver``)."""
+
+    fs: LocalFileSystem
+    root: Path
+    layout: Layout
+    options: CheckpointOptions
+    pool: StagingPool | None
+
+    async def run(self, func: Any, *args: Any) -> Any: ...
+
+    def check_usable(self) -> None: ...
+
+
+class Job:
+    """The job contract (see the module docstring)."""
+
+    nbytes: int = 0
+    num_tensors: int = 0
+
+    async def stage(
+        self, saver: Services, step: int, ready: dict[torch.device, Any] | None, make_tmp: Any
+    ) -> None:
+        """Snapshot into staging memory: eager, before ``save()`` returns; lazy, in
+        the background. ``make_tmp()`` makes the temporary directory early."""
+
+    async def write(self, saver: Services, coord: Any, tmp: Path) -> dict[str, Any] | None:
+        """This rank's files, durable, under ``tmp``; returns its part."""
+        raise NotImplementedError
+
+    async def finalize(
+        self, saver: Services, coord: Any, tmp: Path, parts: list[dict[str, Any]]
+    ) -> None:
+        """After every rank's files are durable, before the commit (every rank)."""
+
+    def manifest(self, tmp: Path, step: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """The leader's manifest of the finished directory (blocking)."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Give back staging memory; idempotent."""
+
+
+ForeignJob = Job  # the name asyncsave.megatron used first
+
+
+class PlainJob(Job):
+    """A state tree, planned (``_plan``) and laid out in files (``_format``).
+
+    :param rounds: the streamed rounds when the state is larger than an explicit
+        ``budget_bytes`` (``_stream.plan_rounds``), else ``None``.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        layouts: list[FileLayout],
+        nbytes: int,
+        rounds: list[list[Piece]] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.layouts = layouts
+        self.staging_bytes = nbytes
+        self.rounds = rounds
+        self.lease: Lease | None = None
+        self.stream: StreamWriter | None = None
+        self.nbytes = plan.nbytes
+        self.num_tensors = len(plan.leaves)
+
+    async def stage(
+        self,
+        saver: Services,
+        step: int,
+        ready: dict[torch.device, Any] | None,
+        make_tmp: Any,
+    ) -> None:
+        """Lease the arena and copy the snapshot into it; a streamed save writes
+        every round but the last (not fsynced) into ``make_tmp()``'s directory.
+        Raises what went wrong; ``release()`` and ``abandon()`` clean up."""
+        assert saver.pool is not None
+        pin = any(d.type == "cuda" for d in self.plan.devices)
+        budget = saver.options.budget_bytes
+        size = self.staging_bytes if self.rounds is None else budget
+        assert size is not None
+        self.lease = lease = await saver.pool.acquire(size, pin=pin)
+        saver.check_usable()  # an earlier save may have failed while we waited
+        timeout_s = saver.options.save_timeout_s
+        deadline = anyio.current_time() + timeout_s
+
+        async def stage(entries: list[Entry]) -> None:
+            await stage_entries(
+                lease,
+                entries,
+                poll_interval_s=saver.options.poll_interval_s,
+                timeout_s=max(0.0, deadline - anyio.current_time()),
+                ready=ready,
+            )
+
+        if self.rounds is None:
+            await stage(self.plan.entries)
+        else:
+            tmp = await make_tmp()
+            self.stream = stream = StreamWriter(saver.fs, tmp, self.layouts, self.plan.entries)
+            for pieces in self.rounds[:-1]:
+                await stage(piece_entries(self.plan.entries, pieces))
+                # Shielded (the arena is reused next round), bounded by the
+                # save's deadline: a writer stuck past it is abandoned, and then
+                # may still read the arena and use its descriptors, so the arena
+                # is never reused (poisoned) and the descriptors never closed.
+                with anyio.CancelScope(shield=True, deadline=deadline) as scope:
+                    await write_round(saver, stream, pieces, lease, finish=False)
+                if scope.cancelled_caught:
+                    lease.poison()
+                    stream.fds = [None] * len(stream.fds)
+                    raise CheckpointTimeoutError(
+                        f"writing a streamed round of step {step} outlasted "
+                        f"save_timeout_s={timeout_s}",
+                        step=step,
+                        path=stream.directory,
+                    )
+            await stage(piece_entries(self.plan.entries, self.rounds[-1]))
+        self.plan.release_sources()
+
+    def abandon(self) -> None:
+        """After a failure before the pipeline: close a stream's open files."""
+        if self.stream is not None:
+            self.stream.close_quietly()
+
+    async def write(self, saver: Services, coord: Any, tmp: Path) -> dict[str, Any]:
+        assert self.lease is not None
+        if self.stream is None:
+            await write_files(saver, tmp, self.plan, self.layouts, self.lease)
+        else:
+            assert self.rounds is not None
+            try:
+                await write_round(saver, self.stream, self.rounds[-1], self.lease, finish=True)
+            except Exception:
+                # Not on cancellation: an abandoned writer thread may still use
+                # its descriptor.
+                self.stream.close_quietly()
+                raise
+            for i, digest in self.stream.digests().items():
+                self.plan.entries[i].digest = digest
+        self.release()  # written and fsynced: the pool is free for the next save
+        doc = manifest_doc(0, self.plan, self.layouts)
+        return {k: doc[k] for k in ("files", "entries", "tensors", "tree")}
+
+    def manifest(self, tmp: Path, step: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        doc = manifest_doc(step, self.plan, self.layouts)
+        if len(parts) > 1:
+            doc.update(merge_parts(parts))
+        return doc
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+
+async def write_files(
+    saver: Services, tmp: Path, plan: Plan, layouts: list[FileLayout], lease: Lease
+) -> None:
+    """Write and fsync every data file from the arena, one worker thread each."""
+    errors: list[BaseException] = []
+
+    async def write_one(fl: FileLayout) -> None:
+        try:
+            digests = await saver.run(
+                functools.partial(write_data_file, direct=saver.options.direct_io),
+                saver.fs,
+                tmp,
+                fl,
+                plan.entries,
+                lease.buffer,
+            )
+        except Exception as exc:  # collected, raised below as the first failure
+            errors.append(exc)
+            return
+        for i, digest in digests.items():
+            plan.entries[i].digest = digest
+
+    async with anyio.create_task_group() as tg:
+        for fl in layouts:
+            tg.start_soon(write_one, fl)
+    if errors:
+        raise errors[0]
+
+
+async def write_round(
+    saver: Services, stream: StreamWriter, pieces: list[Piece], lease: Lease, *, finish: bool
+) -> None:
+    """Write one streamed round from the arena, one worker thread per data file
+    (and fsync and close the files after the last round)."""
+    errors: list[BaseException] = []
+
+    def one(f: int) -> None:
+        stream.write_file_round(f, pieces, lease.buffer)
+        if finish:
+            stream.finish_file(f)
+
+    async def run_one(f: int) -> None:
+        try:
+            await saver.run(one, f)
+        except Exception as exc:  # collected, raised below as the first failure
+            errors.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for f in range(len(stream.layouts)):
+            tg.start_soon(run_one, f)
+    if errors:
+        raise errors[0]
+
+
+def manifest_doc(
+    step: int,
+    plan: Plan,
+    layouts: list[FileLayout],
+    costs: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """The manifest of a plain state tree saved by one rank (pure)."""
+    entries = [
+        {"name": e.name, "file": e.file, "offset": e.offset, "nbytes": e.nbytes, CHECKSUM: e.digest}
+        for e in plan.entries
+    ]
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": 1,
+        "checksum": CHECKSUM,
+        "created_unix_s": time.time(),
+        "files": [{"name": fl.name, "nbytes": fl.nbytes} for fl in layouts],
+        "entries": entries,
+        "tensors": plan.records,
+        "tree": plan.tree,
+        "costs": {k: v for k, v in (costs or {}).items() if math.isfinite(v)},
+    }
+
+
+def _shift(node: Any, offset: int) -> Any:
+    """A copy of a manifest tree whose tensor indices are moved by ``offset``."""
+    if isinstance(node, list):
+        return [_shift(x, offset) for x in node]
+    if isinstance(node, dict):
+        out = {k: _shift(v, offset) for k, v in node.items()}
+        if node.get("type") in ("tensor", "pickle") and type(node.get("index")) is int:
+            out["index"] = node["index"] + offset
+        return out
+    return node
+
+
+def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest fields of a save of ``len(parts)`` ranks from each rank's
+    ``files``, ``entries``, ``tensors`` and ``tree``: concatenated, indices moved;
+    the tree keyed by rank; ``ranks`` holds each rank's ranges and own tree.
+    Pure: no I/O."""
+    files: list[Any] = []
+    entries: list[Any] = []
+    tensors: list[Any] = []
+    items: list[Any] = []
+    ranks: list[Any] = []
+    for r, part in enumerate(parts):
+        f0, e0, t0 = len(files), len(entries), len(tensors)
+        files.extend(part["files"])
+        entries.extend(dict(e, file=e["file"] + f0) for e in part["entries"])
+        tensors.extend(dict(t, entry=t["entry"] + e0) for t in part["tensors"])
+        items.append([["i", r], _shift(part["tree"], t0)])
+        ranks.append(
+            {"entries": [e0, len(entries)], "tensors": [t0, len(tensors)], "tree": part["tree"]}
+        )
+    return {
+        "world_size": len(parts),
+        "files": files,
+        "entries": entries,
+        "tensors": tensors,
+        "tree": {"type": "dict", "items": items},
+        "ranks": ranks,
+    }
+
+
+def contains_dtensor(state: Any, _depth: int = 0) -> bool:
+    """Whether ``state`` (dicts, lists, tuples, ``Stateful`` objects) holds a
+    ``DTensor`` leaf: such state is saved through DCP's planner, so that
+    ``dcp.load`` can reshard it."""
+    if not (dist.is_available() and dist.is_initialized()) or _depth > 100:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return True
+    if isinstance(state, dict):
+        return any(contains_dtensor(v, _depth + 1) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(contains_dtensor(v, _depth + 1) for v in state)
+    if is_stateful(state) and not isinstance(state, torch.Tensor):
+        return contains_dtensor(state.state_dict(), _depth + 1)
+    return False
+
+
+def dtensor_job_class() -> Any:
+    """The job class of DTensor state (``DTENSOR_JOB``), imported on first use."""
+    module, _, name = DTENSOR_JOB.partition(":")
+    return getattr(importlib.import_module(module), name)
