@@ -20,6 +20,8 @@ import datetime
 import functools
 import logging
 import math
+import threading
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ import torch.distributed as dist
 
 from ._errors import CheckpointError, RankFailedError
 
-__all__ = ["Coordinator", "GlooGroup", "Solo", "wants_distributed"]
+__all__ = ["Coordinator", "GlooGroup", "Liveness", "Solo", "wants_distributed"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,106 @@ class Solo(Coordinator):
     turns (without collectives nothing needs ordering, so saves overlap)."""
 
 
+async def _in_daemon(func: Callable[..., Any], *args: Any) -> Any:
+    """``func(*args)`` in a daemon thread of its own, awaited by polling: a call
+    abandoned at a deadline (a collective whose peer died, a store whose host is
+    gone) never holds the interpreter's exit, as a worker thread would."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target() -> None:
+        try:
+            box["value"] = func(*args)
+        except BaseException as exc:  # raised below, in the caller's task
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="asyncsave-collective", daemon=True).start()
+    delay = 0.001
+    while not done.is_set():
+        await anyio.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+class Liveness:
+    """Each rank's heartbeat through the process group's store, so that a rank
+    that died is *named* on the survivors, and they raise within
+    ``dist_timeout_s`` instead of waiting for gloo's own timeout.
+
+    A daemon thread adds 1 to ``asyncsave/<token>/hb/<rank>`` every ``interval``
+    seconds; a rank whose counter has not moved for ``window`` seconds (half of
+    ``dist_timeout_s``, at most 10 s) is dead; a rank that closed its checkpointer
+    sets ``closed/<rank>`` and is named as gone, not dead. ``token`` is agreed by
+    rank 0 when the group is created.
+    """
+
+    def __init__(self, store: Any, token: str, rank: int, world_size: int, timeout_s: float):
+        self.store = store
+        self.prefix = f"asyncsave/{token}/"
+        self.rank = rank
+        self.world_size = world_size
+        self.window = min(timeout_s / 2, 10.0)
+        self.interval = self.window / 10
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="asyncsave-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        key = f"{self.prefix}hb/{self.rank}"
+        while not self._stop.is_set():
+            try:
+                self.store.add(key, 1)
+            except Exception:  # the store's host is gone: the peers will see it
+                logger.debug("heartbeat to the store failed", exc_info=True)
+            self._stop.wait(self.interval)
+        try:
+            self.store.set(f"{self.prefix}closed/{self.rank}", "1")
+        except Exception:
+            logger.debug("could not mark rank %d closed in the store", self.rank, exc_info=True)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _read(self) -> dict[int, tuple[int, bool]]:
+        out = {}
+        for r in range(self.world_size):
+            if r != self.rank:
+                beats = int(self.store.add(f"{self.prefix}hb/{r}", 0))
+                closed = bool(self.store.add(f"{self.prefix}closed/{r}", 0))
+                out[r] = (beats, closed)
+        return out
+
+    async def watch(self) -> dict[int, str]:
+        """Return once a peer stopped beating for ``window`` s, or closed: its
+        rank mapped to what became of it. Runs until then (or cancelled)."""
+        seen: dict[int, tuple[int, bool]] = {}
+        since: dict[int, float] = {}
+        while True:
+            try:
+                with anyio.fail_after(self.window):
+                    counts = await _in_daemon(self._read)
+            except Exception:  # store unreachable: nothing can be told from it
+                counts = {}
+            now = anyio.current_time()
+            for r, value in counts.items():
+                if seen.get(r) != value:
+                    seen[r], since[r] = value, now
+            gone = {
+                r: f"rank {r} closed its Checkpointer (left asyncsave's group)"
+                if value[1]
+                else f"rank {r} died: no heartbeat through the store for {self.window:g} s"
+                for r, value in seen.items()
+                if value[1] or now - since[r] >= self.window
+            }
+            if gone:
+                return gone
+            await anyio.sleep(self.interval)
+
+
 class GlooGroup(Coordinator):
     """asyncsave's gloo group on this rank, and the ordering of save collectives.
 
@@ -113,6 +215,7 @@ class GlooGroup(Coordinator):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout_s = timeout_s
+        self.liveness: Liveness | None = None
         self._tickets = 0
         self._serving = 0
         self._ended: set[int] = set()  # turns ended before theirs came
@@ -130,7 +233,19 @@ class GlooGroup(Coordinator):
             ),
             abandon_on_cancel=True,
         )
-        return cls(group, timeout_s)
+        self = cls(group, timeout_s)
+        token = await self.broadcast("liveness", uuid.uuid4().hex[:16])
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # no store to beat through: gloo's own errors only
+            logger.warning("no process-group store: dead ranks are not named", exc_info=True)
+        else:
+            self.liveness = Liveness(store, token, self.rank, self.world_size, timeout_s)
+        return self
+
+    def close(self) -> None:
+        if self.liveness is not None:
+            self.liveness.close()
 
     # -- collectives (worker threads) ------------------------------------------
     def _broadcast(self, obj: Any) -> Any:
@@ -146,21 +261,60 @@ class GlooGroup(Coordinator):
     async def _collective(
         self, what: str, func: Callable[[Any], Any], obj: Any, step: int | None
     ) -> Any:
-        try:
-            return await anyio.to_thread.run_sync(func, obj, abandon_on_cancel=True)
-        except Exception as exc:  # gloo: connection closed by a dead peer, timeout
-            raise self._translate(what, step, exc) from exc
+        """Run one collective in a daemon thread while the peers' heartbeats are
+        watched: a peer that dies ends the wait (the thread is abandoned)."""
+        out: dict[str, Any] = {}
+        liveness = self.liveness
+        async with anyio.create_task_group() as tg:
 
-    def _translate(self, what: str, step: int | None, exc: BaseException) -> RankFailedError:
+            async def run() -> None:
+                try:
+                    out["value"] = await _in_daemon(func, obj)
+                except Exception as exc:  # gloo: connection closed, timeout
+                    out["error"] = exc
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:
+                assert liveness is not None
+                out["gone"] = await liveness.watch()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run)
+            if liveness is not None:
+                tg.start_soon(watch)
+        if "value" in out:
+            return out["value"]
+        gone: dict[int, str] = out.get("gone", {})
+        if not gone and liveness is not None:
+            # gloo saw it first (a closed connection): tell the dead from the slow.
+            with anyio.move_on_after(liveness.window + 2 * liveness.interval):
+                gone = await liveness.watch()
+        raise self._translate(what, step, out.get("error"), gone)
+
+    def _translate(
+        self, what: str, step: int | None, exc: BaseException | None, gone: dict[int, str]
+    ) -> RankFailedError:
         """The one place a collective's foreign error becomes asyncsave's."""
         at = f" of step {step}" if step is not None else ""
-        return RankFailedError(
-            f"rank {self.rank}: the {what} collective{at} on asyncsave's gloo group "
-            f"failed: another rank died or did not reach it within "
-            f"dist_timeout_s={self.timeout_s} ({exc})",
-            step=step,
-            rank=None,
-        )
+        cause = f" ({exc})" if exc is not None else ""
+        if gone:
+            error = RankFailedError(
+                f"rank {self.rank}: the {what} collective{at} on asyncsave's gloo group "
+                f"failed: " + "; ".join(gone[r] for r in sorted(gone)) + cause,
+                step=step,
+                rank=min(gone),
+                ranks=gone,
+            )
+        else:
+            error = RankFailedError(
+                f"rank {self.rank}: the {what} collective{at} on asyncsave's gloo group "
+                f"failed: another rank died or did not reach it within "
+                f"dist_timeout_s={self.timeout_s}{cause}",
+                step=step,
+                rank=None,
+            )
+        error.__cause__ = exc
+        return error
 
     async def broadcast(self, what: str, obj: Any, step: int | None = None) -> Any:
         return await self._collective(what, self._broadcast, obj, step)

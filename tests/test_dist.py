@@ -191,10 +191,11 @@ def test_killed_rank_makes_the_other_raise_and_step_1_still_loads(
     assert results[victim] == ("exit", -signal.SIGKILL)
     (survivor,) = values({1 - victim: results[1 - victim]})
     name, ranks, text = survivor["error"]
-    # A dead peer cannot report a cause: the collective's own error says what broke.
-    # Raised by the collective's own timeout (dist_timeout_s=20): a survivor that
-    # hung would have been killed at the harness deadline and returned no result.
-    assert name == "RankFailedError" and "gloo" in text and ranks == {}
+    # The dead rank is named (issue 11): its heartbeat through the store stopped.
+    # dist_timeout_s=20 and the harness deadline is 90 s: a survivor that hung
+    # would have been killed there and returned no result.
+    assert name == "RankFailedError" and "gloo" in text
+    assert list(ranks) == [victim] and "died" in ranks[victim]
     assert survivor["step2_exists"] is False and survivor["tracker"] == "1"
     # The last committed checkpoint loads at world size 1 ...
     assert asyncsave.latest(root).step == 1  # type: ignore[union-attr]
