@@ -44,7 +44,14 @@ from ._fsspec import FsspecFileSystem
 from ._lazy import stage_before_step
 from ._load import latest, load, load_tensors, verify
 from ._options import CheckpointOptions
-from ._policy import SaveAtStep, SaveBeforeDeadline, SaveEvery, SaveOnSignal, SavePolicy
+from ._policy import (
+    AgreedPolicy,
+    SaveAtStep,
+    SaveBeforeDeadline,
+    SaveEvery,
+    SaveOnSignal,
+    SavePolicy,
+)
 from ._retention import KeepBest, KeepEvery, KeepLast, Retention
 from ._rng import RNGState
 from ._sync import SyncCheckpointer, SyncSaveHandle
@@ -53,6 +60,7 @@ from ._types import CheckpointInfo, Restored, Tagged
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgreedPolicy",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointNotFoundError",

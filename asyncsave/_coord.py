@@ -94,6 +94,11 @@ class Coordinator:
         (committed steps, tracked step)."""
         return await open_fn()
 
+    def vote(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (a few ints), by rank, from the calling thread
+        (blocking): the exchange of agreed save policies (here: ``[values]``)."""
+        return [list(values)]
+
     def close(self) -> None:
         """This rank leaves (its checkpointer closed)."""
 
@@ -216,6 +221,7 @@ class GlooGroup(Coordinator):
         self.world_size = dist.get_world_size(group)
         self.timeout_s = timeout_s
         self.liveness: Liveness | None = None
+        self.policy_group: Any = None  # agreed save policies: a group of their own
         self._tickets = 0
         self._serving = 0
         self._ended: set[int] = set()  # turns ended before theirs came
@@ -234,6 +240,18 @@ class GlooGroup(Coordinator):
             abandon_on_cancel=True,
         )
         self = cls(group, timeout_s)
+        # Save policies exchange their answers from the training thread at every
+        # step: on a group of their own, so they never interleave with the save
+        # collectives (worker threads) on ``group``.
+        self.policy_group = await anyio.to_thread.run_sync(
+            functools.partial(
+                dist.new_group,
+                backend="gloo",
+                timeout=datetime.timedelta(seconds=timeout_s),
+                group_desc="asyncsave-policy",
+            ),
+            abandon_on_cancel=True,
+        )
         token = await self.broadcast("liveness", uuid.uuid4().hex[:16])
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -344,6 +362,17 @@ class GlooGroup(Coordinator):
             )
         committed, tracked = payload
         return list(committed), tracked
+
+    def vote(self, values: list[int]) -> list[list[int]]:
+        import torch
+
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(out, mine, group=self.policy_group)
+        except Exception as exc:  # gloo: a rank died or never came
+            raise self._translate("save-policy", values[-1], exc, {}) from exc
+        return [t.tolist() for t in out]
 
     # -- ordering of saves ----------------------------------------------------------
     def take_ticket(self) -> int:

@@ -52,6 +52,7 @@ from ._options import CheckpointOptions
 from ._paths import LAYOUTS
 from ._pipeline import Saver, WorkerDiedError, as_save_error
 from ._plan import make_plan
+from ._policy import AgreedPolicy, SavePolicy
 from ._stage import StagingPool, producer_events
 from ._stream import plan_rounds
 from ._track import TrackerWriter
@@ -168,13 +169,6 @@ class Checkpointer:
         self._loop_thread = threading.get_ident()
         saver.limiter = anyio.CapacityLimiter(self.options.writer_threads)
         if wants_distributed(self.options.distributed):
-            if not saver.fs.atomic_rename:
-                raise CheckpointError(
-                    f"several ranks save into a shared POSIX file system root; {self.root} "
-                    f"is on {saver.fs!r} (commit by marker), which asyncsave supports for "
-                    "one process only",
-                    path=self.root,
-                )
             saver.coord = await GlooGroup.create(self.options.dist_timeout_s)
         # Rank 0 alone locks and recovers; the others wait for its result.
         committed, tracked = await saver.coord.open_root(self._open_root, self.root)
@@ -453,9 +447,9 @@ class Checkpointer:
             job = self._job_of(state)
         except Exception as exc:  # with several ranks, the others hear of it
             job = exc
-        if isinstance(job, PlainJob):
-            cuda_devices = {d for d in job.plan.devices if d.type == "cuda"}
-            if lazy and ready is None and cuda_devices:
+        if isinstance(job, Job) and lazy and ready is None:
+            cuda_devices = {d for d in job.devices() if d.type == "cuda"}
+            if cuda_devices:
                 # The copies run later: they must see only what was queued before now.
                 ready = producer_events(cuda_devices)
         return await saver.dispatch(
@@ -474,6 +468,14 @@ class Checkpointer:
         is a plain tree, streamed through a smaller explicit budget (S15)."""
         coord = self._saver.coord
         if coord.world_size > 1 and contains_dtensor(state):
+            if not self._saver.fs.atomic_rename:
+                raise CheckpointError(
+                    f"DTensor state goes through DCP's planner and asyncsave.dcp's writer, "
+                    f"which write into a temporary directory renamed at the commit; "
+                    f"{self.root} is on {self._saver.fs!r} (commit by marker): save it to "
+                    "a shared POSIX file system root",
+                    path=self.root,
+                )
             job: Job = dtensor_job_class()(state)
             return job
         plan = make_plan(state, allow_pickle=self.options.allow_pickle)
@@ -482,15 +484,31 @@ class Checkpointer:
         budget = self.options.budget_bytes
         rounds = None
         if budget and nbytes > budget:
-            if coord.world_size > 1:
+            if coord.world_size > 1 and not self._saver.fs.atomic_rename:
                 raise StagingBudgetError(
                     f"rank {coord.rank}'s state needs {nbytes} bytes of staging, over "
-                    f"budget_bytes={budget}; streaming through a smaller budget is not "
-                    "done on several ranks yet",
+                    f"budget_bytes={budget}: on several ranks a state larger than the "
+                    f"budget streams through a directory of the rank's own, moved into "
+                    f"the save's by rename, which {self._saver.fs!r} cannot do (it would "
+                    "upload every byte twice); give each rank a budget its state fits",
                 )
             # The rounds are planned (and a tensor that cannot be cut refused) up front.
             rounds = plan_rounds(plan.entries, layouts, budget)
         return PlainJob(plan, layouts, nbytes, rounds)
+
+    def agree(self, policy: SavePolicy) -> AgreedPolicy:
+        """``policy`` with answers every rank agrees on: each ``should_save(step)``
+        exchanges every rank's answer (save, stop) through this checkpointer's
+        coordinator, so every rank saves the same step and stops after it when
+        any rank's policy says so (a SIGTERM that reached one node, one rank's
+        deadline estimate). With one process it answers as ``policy`` does.
+        Call it inside ``async with``; see :class:`AgreedPolicy`.
+
+        :raises CheckpointerClosedError: the checkpointer is not open.
+        """
+        if self._state != "open":
+            raise CheckpointerClosedError("agree() needs an open Checkpointer", path=self.root)
+        return AgreedPolicy(policy, self._saver.coord.vote)
 
     async def _committed_info(self, step: int) -> CheckpointInfo:
         info = self._committed.get(step)

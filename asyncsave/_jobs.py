@@ -33,14 +33,14 @@ import anyio
 import torch
 import torch.distributed as dist
 
-from ._errors import CheckpointTimeoutError
+from ._errors import CheckpointError, CheckpointTimeoutError
 from ._format import FileLayout
 from ._fs import LocalFileSystem
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION
 from ._options import CheckpointOptions
 from ._paths import Layout
 from ._plan import Entry, Plan, is_stateful
-from ._stage import Lease, StagingPool, stage_entries
+from ._stage import Lease, StagingPool, snapshot_eager_entries, stage_entries
 from ._stream import Piece, StreamWriter, piece_entries
 from ._write import write_data_file
 
@@ -78,6 +78,15 @@ class Job:
 
     nbytes: int = 0
     num_tensors: int = 0
+
+    def snapshot_eager(self, ready: dict[torch.device, Any] | None) -> None:
+        """Lazy mode, before ``save()`` returns: copy now what forward may change
+        (see ``_stage.snapshot_eager_entries``)."""
+
+    def devices(self) -> set[torch.device]:
+        """The devices of the tensors to stage (CUDA producer events are recorded
+        on the caller's thread for them)."""
+        return set()
 
     async def stage(
         self, saver: Services, step: int, ready: dict[torch.device, Any] | None, make_tmp: Any
@@ -125,6 +134,7 @@ class PlainJob(Job):
         self.rounds = rounds
         self.lease: Lease | None = None
         self.stream: StreamWriter | None = None
+        self.fs: LocalFileSystem | None = None
         self.nbytes = plan.nbytes
         self.num_tensors = len(plan.leaves)
 
@@ -182,6 +192,12 @@ class PlainJob(Job):
             await stage(piece_entries(self.plan.entries, self.rounds[-1]))
         self.plan.release_sources()
 
+    def snapshot_eager(self, ready: dict[torch.device, Any] | None) -> None:
+        snapshot_eager_entries(self.plan, ready)
+
+    def devices(self) -> set[torch.device]:
+        return set(self.plan.devices)
+
     def abandon(self) -> None:
         """After a failure before the pipeline: close a stream's open files."""
         if self.stream is not None:
@@ -189,6 +205,7 @@ class PlainJob(Job):
 
     async def write(self, saver: Services, coord: Any, tmp: Path) -> dict[str, Any]:
         assert self.lease is not None
+        self.fs = saver.fs
         if self.stream is None:
             await write_files(saver, tmp, self.plan, self.layouts, self.lease)
         else:
@@ -202,6 +219,9 @@ class PlainJob(Job):
                 raise
             for i, digest in self.stream.digests().items():
                 self.plan.entries[i].digest = digest
+            if self.stream.directory != tmp:  # a rank's own directory (several ranks)
+                names = [fl.name for fl in self.layouts]
+                await saver.run(_move_files, saver.fs, self.stream.directory, tmp, names)
         self.release()  # written and fsynced: the pool is free for the next save
         doc = manifest_doc(0, self.plan, self.layouts)
         return {k: doc[k] for k in ("files", "entries", "tensors", "tree")}
@@ -210,6 +230,8 @@ class PlainJob(Job):
         doc = manifest_doc(step, self.plan, self.layouts)
         if len(parts) > 1:
             doc.update(merge_parts(parts))
+            assert self.fs is not None
+            check_visible(self.fs, tmp, parts)
         return doc
 
     def release(self) -> None:
@@ -269,6 +291,37 @@ async def write_round(
             tg.start_soon(run_one, f)
     if errors:
         raise errors[0]
+
+
+def check_visible(fs: LocalFileSystem, tmp: Path, parts: list[dict[str, Any]]) -> None:
+    """On the leader, before the commit: every rank's files are there, whole.
+
+    :raises CheckpointError: a rank's file is missing or short under the leader's
+        view of the root: the ranks do not share the storage (a node-local disk, a
+        per-process ``memory://``), and a commit would name bytes nobody can read.
+    """
+    for r, part in enumerate(parts):
+        for f in part["files"]:
+            path = tmp / f["name"]
+            size = fs.size(path) if fs.exists(path) else None
+            if size != f["nbytes"]:
+                raise CheckpointError(
+                    f"rank {r}'s file {f['name']} ({f['nbytes']} bytes) is "
+                    f"{'missing' if size is None else f'{size} bytes'} under {tmp} as rank 0 "
+                    "sees it: every rank must save into storage all ranks share (not a "
+                    "node-local disk or a per-process memory:// root)",
+                    path=path,
+                    rank=r,
+                )
+
+
+def _move_files(fs: LocalFileSystem, src: Path, dst: Path, names: list[str]) -> None:
+    """Move a rank's streamed files into the save's shared temporary directory
+    (same file system: renames), make the entries durable, drop ``src``."""
+    for name in names:
+        fs.rename(src / name, dst / name)
+    fs.fsync_dir(dst)
+    fs.remove_tree(src)
 
 
 def manifest_doc(

@@ -57,10 +57,11 @@ from ._fs import LocalFileSystem
 from ._handle import SaveHandle
 from ._jobs import Job, PlainJob
 from ._manifest import encode_manifest
+from ._marker import is_committed
 from ._options import CheckpointOptions
 from ._paths import MANIFEST_NAME, Layout, temp_dir_name
 from ._retention import apply_retention
-from ._stage import StagingPool, snapshot_eager_entries
+from ._stage import StagingPool
 from ._track import TrackerWriter
 from ._types import CheckpointInfo
 from ._write import write_bytes
@@ -83,6 +84,7 @@ class _Save:
     lazy: bool
     training_info: dict[str, Any]
     tmp: Path | None = None  # the temporary directory, if made before the turn
+    private: Path | None = None  # this rank's own directory for streamed rounds
     blocked_s: float | None = None  # lazy: how long save() held the caller
 
 
@@ -249,8 +251,7 @@ class Saver:
             return handle
         assert self.tg is not None
         try:
-            if isinstance(job, PlainJob):
-                snapshot_eager_entries(job.plan, ready)
+            job.snapshot_eager(ready)
         except BaseException as exc:
             self._snapshot_failed(save, exc)
             raise
@@ -297,6 +298,7 @@ class Saver:
                 error = self._snapshot_failed(save, exc)
                 if save.tmp is not None and self.coord.leader:
                     await self.discard(save.tmp)
+                await self.discard(save.private)
                 if isinstance(exc, OSError):  # a streamed round's write: an I/O failure
                     raise error from exc
                 raise
@@ -306,17 +308,29 @@ class Saver:
                 if lease is not None and lease.poisoned:
                     self.set_failure(SaveFailedError(f"staging of step {step} was lost"))
                 job.release()
+            if isinstance(job, PlainJob):
+                job.abandon()
+            await self.discard(save.private)
             save.job = exc
             self.tg.start_soon(self._pipeline, save, time.perf_counter() - save.t0)
             await handle._done.wait()
+            if isinstance(exc, OSError):  # a streamed round's write: an I/O failure
+                raise as_save_error(exc, step, save.private, self.options.save_timeout_s) from exc
             raise
         self.tg.start_soon(self._pipeline, save, time.perf_counter() - save.t0)
         handle._mark_staged()
 
     async def _early_tmp(self, save: _Save) -> Path:
-        """The temporary directory, made before the save's turn (streamed rounds)."""
-        save.tmp = await self.make_tmp(save.handle.step)
-        return save.tmp
+        """Where streamed rounds go before the save's turn. One process: the save's
+        temporary directory itself. A rank of several: a temporary directory of its
+        own (the shared one is agreed in the turn, phase A), whose files the job
+        moves into the shared one at phase B; removed by this rank on failure, or
+        by the next open after a crash."""
+        if self.coord.world_size == 1:
+            save.tmp = await self.make_tmp(save.handle.step)
+            return save.tmp
+        save.private = await self.make_tmp(save.handle.step)
+        return save.private
 
     def _snapshot_failed(self, save: _Save, exc: BaseException) -> SaveFailedError:
         # Whoever shares this handle (a duplicate save() of the same step, or a
@@ -464,7 +478,7 @@ class Saver:
                             if not coord.leader and await self._committed_on_disk(final, save):
                                 committed = True
                             raise
-                    if commit_error is not None:
+                    if commit_error is not None and (coord.world_size == 1 or committed):
                         raise commit_error
                     if outcome is not None:
                         if outcome[0] == "committed":
@@ -472,12 +486,14 @@ class Saver:
                             kind = CheckpointTimeoutError if outcome[2] else SaveFailedError
                             raise kind(f"rank 0: {outcome[1]}", step=step, rank=0)
                         # Not committed: the leader's error, named on every rank.
-                        raise RankFailedError(
+                        failed = RankFailedError(
                             f"rank 0 could not commit step {step}: {outcome[1]}",
                             step=step,
                             rank=0,
                             ranks={0: outcome[1]},
                         )
+                        failed.__cause__ = commit_error
+                        raise failed
                     committed, tmp = True, None
                 info = CheckpointInfo(
                     step=step,
@@ -554,6 +570,8 @@ class Saver:
                 coord.end_turn(save.ticket)
                 if isinstance(job, Job):
                     job.release()
+                if save.private is not None:  # moved into tmp, or failed: gone either way
+                    await self.discard(save.private)
                 if self.pending.get(step) is handle:
                     del self.pending[step]
                 self.scopes.pop(step, None)
@@ -567,12 +585,16 @@ class Saver:
             with anyio.move_on_after(5):
                 return bool(
                     await anyio.to_thread.run_sync(
-                        self.fs.exists, final / MANIFEST_NAME, abandon_on_cancel=True
+                        _is_committed, self.fs, final, abandon_on_cancel=True
                     )
                 )
         except OSError:
             return False
         return False
+
+
+def _is_committed(fs: LocalFileSystem, final: Path) -> bool:
+    return fs.exists(final / MANIFEST_NAME) and is_committed(fs, final)
 
 
 def _same_step(fs: LocalFileSystem, name: str, step: int, final: Path) -> bool:

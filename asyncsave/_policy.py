@@ -31,7 +31,14 @@ from collections.abc import Callable, Iterable
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = ["SaveAtStep", "SaveBeforeDeadline", "SaveEvery", "SaveOnSignal", "SavePolicy"]
+__all__ = [
+    "AgreedPolicy",
+    "SaveAtStep",
+    "SaveBeforeDeadline",
+    "SaveEvery",
+    "SaveOnSignal",
+    "SavePolicy",
+]
 
 logger = logging.getLogger("asyncsave")
 
@@ -301,3 +308,64 @@ class SaveOnSignal(SavePolicy):
 
     def __repr__(self) -> str:
         return f"SaveOnSignal({', '.join(signal.Signals(s).name for s in self.signals)})"
+
+
+class AgreedPolicy(SavePolicy):
+    """A policy whose answers every rank agrees on, at every step (issue 11).
+
+    Made by :meth:`Checkpointer.agree` (``policy = ckpt.agree(SaveEvery(100) |
+    SaveOnSignal())``). Each call of :meth:`should_save` asks the wrapped policy
+    on this rank, then exchanges ``(save, stop, step)`` with every rank (an
+    ``all_gather`` of three integers on a gloo group of asyncsave's own, as
+    Megatron's signal handler does every iteration): every rank saves when any
+    rank's policy says so, and every rank stops after it when any rank's policy
+    asks to stop. So a SIGTERM that reached one node, or one rank's deadline
+    estimate, makes every rank save the same step and stop. With one process the
+    exchange is the identity.
+
+    The exchange blocks the calling thread (a few hundred microseconds when the
+    ranks arrive together), bounded by ``dist_timeout_s``; every rank must call
+    :meth:`should_save` once per step, at the same step.
+
+    :raises CheckpointError: (from :meth:`should_save`) the ranks passed
+        different steps.
+    :raises RankFailedError: (from :meth:`should_save`) a rank did not take part
+        within ``dist_timeout_s``.
+    """
+
+    def __init__(self, policy: SavePolicy, vote: Callable[[list[int]], list[list[int]]]) -> None:
+        self.policy = policy
+        self._vote = vote
+        self._stop = False
+
+    def should_save(self, step: int) -> bool:
+        from ._errors import CheckpointError
+
+        _check_step(step)
+        save = self.policy.should_save(step)
+        votes = self._vote([int(save), int(self.policy.stop_requested), step])
+        steps = sorted({v[2] for v in votes})
+        if len(steps) > 1:
+            raise CheckpointError(
+                f"the ranks asked their save policy about different steps ({steps}): "
+                "every rank must call should_save() once per step, at the same step",
+                step=step,
+            )
+        agreed = any(v[0] for v in votes)
+        self._stop = self._stop or any(v[1] for v in votes)
+        if agreed and not save:
+            logger.info("saving step %d: another rank's policy asked for it", step)
+        return agreed and step > 0
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop
+
+    def install(self) -> None:
+        self.policy.install()
+
+    def close(self) -> None:
+        self.policy.close()
+
+    def __repr__(self) -> str:
+        return f"AgreedPolicy({self.policy!r})"

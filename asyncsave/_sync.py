@@ -23,6 +23,7 @@ import torch
 from ._engine import Checkpointer, SaveHandle
 from ._errors import CheckpointerClosedError, WaitTimeoutError
 from ._options import CheckpointOptions
+from ._policy import AgreedPolicy, SavePolicy
 from ._stage import producer_events
 from ._types import CheckpointInfo, Restored
 
@@ -195,6 +196,11 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
     def wait(self) -> None:
         """Block until every pending save has committed or failed."""
         self._call(self._ckpt.wait)
+
+    def agree(self, policy: SavePolicy) -> AgreedPolicy:
+        """See :meth:`Checkpointer.agree`; its ``should_save`` runs on the calling
+        (training) thread."""
+        return self._ckpt.agree(policy)
 
     def staged(self) -> None:
         """Block until every lazy save is staged; see :meth:`Checkpointer.staged`."""

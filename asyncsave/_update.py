@@ -168,6 +168,15 @@ async def update(saver: Saver, step: int, key: str, value: Any) -> CheckpointInf
     """The body of :meth:`asyncsave.Checkpointer.update` (see there)."""
     saver.check_usable()
     path = saver.root / saver.layout.dir_name(step)
+    if saver.coord.world_size > 1:
+        raise CheckpointError(
+            f"update() on several ranks is refused: the checkpoint's items are per rank "
+            f"(its tree is keyed by rank), so replacing one would need every rank's new "
+            f"value and a collective rewrite, which asyncsave does not do; save step "
+            f"{step} again with overwrite=True instead",
+            step=step,
+            path=path,
+        )
     if not saver.fs.atomic_rename:
         raise CheckpointError(
             f"update() swaps directories atomically, which {saver.fs!r} cannot; "

@@ -51,6 +51,7 @@ loads on M ranks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import io
@@ -93,7 +94,7 @@ from ._load import latest, read_checkpoint
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest, torch_dtype
 from ._paths import LAYOUTS, MANIFEST_NAME
 from ._plan import Entry
-from ._stage import Lease, _copy_cpu, _destination, lease_and_stage
+from ._stage import Lease, _copy_cpu, _destination
 from ._track import TrackerWriter, read_tracker
 from ._write import write_bytes, write_data_file
 
@@ -537,24 +538,17 @@ class DTensorJob(Job):
     """
 
     def __init__(self, state: Any) -> None:
-        self.state = state
-        self.staged: Any = None
-        self.lease: Lease | None = None
-        self.step = -1
-
-    async def stage(
-        self, saver: Services, step: int, ready: dict[torch.device, Any] | None, make_tmp: Any
-    ) -> None:
-        import copy
-
         from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
         from torch.distributed.tensor import DTensor
 
-        assert saver.pool is not None
-        self.step = step
-        state = self.state
+        # At save() time: the state_dict() of Stateful objects is taken now, and
+        # the containers and plain leaves are copied (tensors are staged later).
         tree = _stateful_to_state_dict(state) if isinstance(state, dict) else state
-        entries: list[Entry] = []
+        self.tree = _walk(tree, lambda x: x if isinstance(x, torch.Tensor) else copy.deepcopy(x))
+        self.staged: Any = None
+        self.lease: Lease | None = None
+        self.step = -1
+        self.entries: list[Entry] = []
         offset = 0
 
         def collect(x: Any) -> Any:
@@ -565,7 +559,7 @@ class DTensorJob(Job):
                     local = local.contiguous()
                 nbytes = local.numel() * local.element_size()
                 e = Entry(
-                    str(len(entries)),
+                    str(len(self.entries)),
                     local,
                     nbytes,
                     local.element_size(),
@@ -575,16 +569,44 @@ class DTensorJob(Job):
                 )
                 e.staging_offset = offset
                 offset += -(-nbytes // 64) * 64
-                entries.append(e)
+                self.entries.append(e)
             return x
 
-        _walk(tree, collect)
-        self.lease = lease = await lease_and_stage(
-            saver.pool,
-            offset,
+        _walk(self.tree, collect)
+        self.staging_bytes = offset
+
+    def devices(self) -> set[torch.device]:
+        return {e.source.device for e in self.entries if e.source is not None}
+
+    def snapshot_eager(self, ready: dict[torch.device, Any] | None) -> None:
+        """Lazy mode: tensors of at most 64 KiB (norm statistics, counters) are
+        cloned now, as for a plain tree."""
+        from ._stage import LAZY_EAGER_MAX_BYTES
+
+        for e in self.entries:
+            if e.source is not None and e.nbytes <= LAZY_EAGER_MAX_BYTES:
+                if e.source.is_cuda and ready and e.source.device in ready:
+                    torch.cuda.current_stream(e.source.device).wait_event(ready[e.source.device])
+                e.source = e.source.clone()
+
+    async def stage(
+        self, saver: Services, step: int, ready: dict[torch.device, Any] | None, make_tmp: Any
+    ) -> None:
+        from torch.distributed.tensor import DTensor
+
+        from ._stage import stage_entries
+
+        assert saver.pool is not None
+        self.step = step
+        entries = self.entries
+        pin = any(e.source is not None and e.source.is_cuda for e in entries)
+        self.lease = lease = await saver.pool.acquire(self.staging_bytes, pin=pin)
+        await stage_entries(
+            lease,
             entries,
             poll_interval_s=saver.options.poll_interval_s,
             timeout_s=saver.options.save_timeout_s,
+            ready=ready,
         )
         views = iter([_destination(lease.buffer, e) for e in entries])
 
@@ -593,12 +615,12 @@ class DTensorJob(Job):
                 return DTensor(next(views), x._spec, requires_grad=False)
             if isinstance(x, torch.Tensor):
                 return next(views)
-            return copy.deepcopy(x)
+            return x
 
-        self.staged = _walk(tree, rebuild)
+        self.staged = _walk(self.tree, rebuild)
         for e in entries:
             e.source = None
-        self.state = None
+        self.tree = None
         self.nbytes = sum(e.nbytes for e in entries)
 
     async def write(self, saver: Services, coord: Any, tmp: Path) -> dict[str, Any]:

@@ -100,6 +100,13 @@ class MegatronSaver:
                 "and distributed=True for a single rank)",
                 path=ckpt.root,
             )
+        if not ckpt._saver.fs.atomic_rename:
+            raise CheckpointError(
+                "megatron-core's writers do local file I/O into the directory prepare() "
+                f"returns; {ckpt.root} is on {ckpt._saver.fs!r} (commit by marker): use a "
+                "shared POSIX file system root",
+                path=ckpt.root,
+            )
         self.ckpt = ckpt
         self._ctx: GlooGroup = ckpt._dist
         self._prepared: tuple[int, int, str] | None = None

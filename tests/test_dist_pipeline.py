@@ -235,3 +235,378 @@ def test_a_dead_rank_is_named_on_the_survivor_before_dist_timeout(
     assert values(run_ranks(_resume, 2, tmp_path, str(root))) == [expected, expected]
     assert asyncsave.latest(root).step == expected  # type: ignore[union-attr]
     assert _temp_dirs(str(root), 2) == []
+
+
+# -- item 2: everything a single process has, on N ranks ------------------------------
+
+
+def _lazy_saves(rank: int, world: int, root: str, backend: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(root, dist_timeout_s=60) as ckpt:
+            state = state_of(rank, 1)
+            before = state["w"].clone()
+            handle = await ckpt.save(1, state, lazy=True)
+            # Lazy: save() returned before the snapshot (nothing yielded since).
+            seen["staged_at_return"] = handle.is_staged()
+            await ckpt.staged()
+            state["w"].add_(1000)  # after staged(): not in step 1
+            info = await handle
+            seen["world"] = info.world_size if info else None
+            restored = await ckpt.load_latest()
+            assert restored is not None
+            seen["saved_before"] = torch.equal(restored.state["w"], before)
+
+    anyio.run(main, backend=backend)
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_lazy_saves_on_two_ranks(tmp_path: Path, backend: str) -> None:
+    root = tmp_path / "run"
+    for s in values(run_ranks(_lazy_saves, 2, tmp_path, str(root), backend)):
+        assert s == {"staged_at_return": False, "world": 2, "saved_before": True}
+
+
+def _stage_before_step(rank: int, world: int, root: str) -> dict[str, Any]:
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    seen: dict[str, Any] = {}
+    with asyncsave.SyncCheckpointer(root, dist_timeout_s=60) as ckpt:
+        hook = asyncsave.stage_before_step(opt, ckpt)
+        try:
+            model(torch.randn(8, 64)).square().sum().backward()
+            before = model.weight.detach().clone()
+            handle = ckpt.save(1, {"model": model.state_dict()}, lazy=True)
+            opt.step()  # the hook waits until the save is staged, then steps
+            assert not torch.equal(model.weight, before)
+            handle.result()
+        finally:
+            hook.remove()
+        restored = ckpt.load_latest()
+        assert restored is not None
+        seen["saved_before_step"] = torch.equal(restored.state["model"]["weight"], before)
+    return seen
+
+
+def test_stage_before_step_on_two_ranks(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    assert (
+        values(run_ranks(_stage_before_step, 2, tmp_path, str(root)))
+        == [{"saved_before_step": True}] * 2
+    )
+
+
+def _lazy_dtensor(rank: int, world: int, root: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from asyncsave.dcp import StorageReader
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(256.0 * 64).reshape(256, 64)
+    state = {"w": distribute_tensor(full, mesh, [Shard(0)]), "step": 3}
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(root, dist_timeout_s=60) as ckpt:
+            handle = await ckpt.save(3, state, lazy=True)
+            seen["staged_at_return"] = handle.is_staged()
+            await handle.staged()
+            state["w"].to_local().add_(1000)
+            state["step"] = 99
+            await handle
+
+    anyio.run(main)
+    out = {"w": distribute_tensor(torch.zeros(256, 64), mesh, [Shard(0)]), "step": 0}
+    dcp.load(out, storage_reader=StorageReader(root))
+    seen["loaded"] = torch.equal(out["w"].full_tensor(), full) and out["step"] == 3
+    return seen
+
+
+def test_lazy_dtensor_save_on_two_ranks(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    for s in values(run_ranks(_lazy_dtensor, 2, tmp_path, str(root))):
+        assert s == {"staged_at_return": False, "loaded": True}
+
+
+class _RoundFails(LocalFileSystem):
+    """ENOSPC on the third data write of step 2 (a streamed round of save())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, fd: int, data: memoryview) -> int:
+        if "-tmp-2-" in os.readlink(f"/proc/self/fd/{fd}"):
+            self.writes += 1
+            if self.writes == 3:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        return super().write(fd, data)
+
+
+def big_state(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return {
+        "big": torch.randn(300_000, generator=g),  # 1.2 MB: several rounds
+        "half": torch.randn(1000, generator=g).half(),
+        "trainer": {"step": step},
+    }
+
+
+def _streamed(rank: int, world: int, root: str, fail_rank: int) -> dict[str, Any]:
+    fs: LocalFileSystem = _RoundFails() if rank == fail_rank else LocalFileSystem()
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        try:
+            async with asyncsave.Checkpointer(
+                root, filesystem=fs, budget_bytes=256 << 10, dist_timeout_s=60
+            ) as ckpt:
+                s1 = big_state(rank, 1)
+                h1 = await ckpt.save(1, s1)
+                s1["big"].zero_()  # after save() returned: not in step 1 (S11)
+                await h1
+                seen["arena"] = ckpt.staging_pool.capacity  # type: ignore[union-attr]
+                try:
+                    await (await ckpt.save(2, big_state(rank, 2)))
+                except asyncsave.SaveFailedError as exc:
+                    seen["error"] = (type(exc).__name__, dict(getattr(exc, "ranks", {})))
+        except asyncsave.SaveFailedError:
+            pass
+        async with asyncsave.Checkpointer(root, dist_timeout_s=60) as ckpt:
+            restored = await ckpt.load_latest()
+            assert restored is not None
+            seen["resumed"] = restored.info.step
+            want = big_state(rank, 1)
+            seen["exact"] = all(torch.equal(restored.state[k], want[k]) for k in ("big", "half"))
+
+    anyio.run(main)
+    return seen
+
+
+def test_a_state_larger_than_the_budget_streams_on_two_ranks(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    r0, r1 = values(run_ranks(_streamed, 2, tmp_path, str(root), 1))
+    for s in (r0, r1):
+        assert s["arena"] == 256 << 10 and s["resumed"] == 1 and s["exact"]
+    # Rank 1's round failed inside its save(): it raises its own error, rank 0
+    # names it; nothing of step 2 is left, not even rank 1's own directory.
+    assert r1["error"][0] == "SaveFailedError"
+    assert r0["error"] == ("RankFailedError", {1: r0["error"][1][1]})
+    assert "No space left" in r0["error"][1][1]
+    assert not (root / "step_2").exists() and _temp_dirs(str(root), 2) == []
+    assert asyncsave.verify(root / "step_1").world_size == 2
+
+
+def _marker_fs(kill: str | None = None) -> Any:
+    """fsspec's local file system behind asyncsave's object-store layer: commit by
+    marker (no rename), on a directory the forked ranks share. ``kill``: SIGKILL
+    this rank when it creates a file of step 3 whose name contains it."""
+    import fsspec
+
+    from asyncsave import FsspecFileSystem
+
+    class Killing(FsspecFileSystem):
+        def create(self, path: Path) -> int:
+            if kill is not None and "/step_3/" in str(path) and kill in str(path):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().create(path)
+
+    return Killing(fsspec.filesystem("file", auto_mkdir=True))
+
+
+def _object_store(rank: int, world: int, root: str, victim: int, kill: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        fs = _marker_fs(kill if rank == victim else None)
+        try:
+            async with asyncsave.Checkpointer(root, filesystem=fs, dist_timeout_s=600) as ckpt:
+                for step in (1, 2):
+                    info = await (await ckpt.save(step, state_of(rank, step)))
+                    assert info is not None and info.world_size == 2
+                seen["marker"] = (Path(root) / "step_2" / "commit_success.txt").exists()
+                try:
+                    await (await ckpt.save(3, state_of(rank, 3)))
+                except asyncsave.SaveFailedError as exc:
+                    seen["error"] = (type(exc).__name__, sorted(getattr(exc, "ranks", {})))
+        except asyncsave.SaveFailedError:
+            pass
+
+    anyio.run(main)
+    return seen
+
+
+def _resume_marker(rank: int, world: int, root: str) -> int:
+    async def main() -> int:
+        async with asyncsave.Checkpointer(root, filesystem=_marker_fs()) as ckpt:
+            restored = await ckpt.load_latest()
+            assert restored is not None
+            assert torch.equal(restored.state["w"], state_of(rank, restored.info.step)["w"])
+            return restored.info.step
+
+    return anyio.run(main)
+
+
+@pytest.mark.parametrize(
+    ("victim", "kill"),
+    [(1, "data-r00001"), (0, "data-r00000"), (0, "manifest.json"), (0, "commit_success")],
+)
+def test_object_store_root_on_two_ranks(tmp_path: Path, victim: int, kill: str) -> None:
+    """Every rank uploads its files under the final prefix; rank 0 writes the
+    manifest, then the commit marker last. Whatever rank dies before the marker,
+    the prefix is not a checkpoint: the survivor names the dead rank, and a fresh
+    run on 2 ranks (and a reader) resumes from step 2."""
+    root = tmp_path / "run"
+    results = run_ranks(_object_store, 2, tmp_path, str(root), victim, kill, timeout_s=90)
+    assert results[victim] == ("exit", -signal.SIGKILL)
+    (survivor,) = values({1 - victim: results[1 - victim]})
+    assert survivor["marker"] and survivor["error"] == ("RankFailedError", [victim])
+    assert not (root / "step_3" / "commit_success.txt").exists()
+    # A reader on the object-store layer does not take the prefix for a checkpoint.
+    assert asyncsave.latest(root, filesystem=_marker_fs()).step == 2  # type: ignore[union-attr]
+    assert values(run_ranks(_resume_marker, 2, tmp_path, str(root))) == [2, 2]
+    assert not (root / "step_3").exists()  # the next open removed the uncommitted prefix
+    whole = asyncsave.load(root / "step_2")
+    assert torch.equal(whole[1]["w"], state_of(1, 2)["w"])
+
+
+def _update_and_more(rank: int, world: int, root: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(
+            root, layout="nemo-rl", retention=asyncsave.KeepLast(2), dist_timeout_s=60
+        ) as ckpt:
+            for step in (1, 2, 3):
+                info = await (
+                    await ckpt.save(step, state_of(rank, step), training_info={"loss": 1.0 / step})
+                )
+                assert info is not None and info.training_info == {"loss": 1.0 / step}
+            # overwrite: every rank's new files swapped in at once by rank 0
+            new = state_of(rank, 30)
+            await (await ckpt.save(3, new, overwrite=True, training_info={"loss": 0.25}))
+            try:
+                await ckpt.update(3, "trainer", {"step": -1})
+            except asyncsave.CheckpointError as exc:
+                seen["update"] = (type(exc).__name__, "several ranks" in str(exc))
+        async with asyncsave.Checkpointer(root, layout="nemo-rl") as ckpt:
+            restored = await ckpt.load_latest()
+            assert restored is not None
+            seen["resumed"] = restored.info.step
+            seen["overwritten"] = torch.equal(restored.state["w"], new["w"])
+            seen["info"] = restored.info.training_info
+
+    anyio.run(main)
+    return seen
+
+
+def test_update_is_refused_and_overwrite_retention_training_info_work_on_two_ranks(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    for s in values(run_ranks(_update_and_more, 2, tmp_path, str(root))):
+        assert s == {
+            "update": ("CheckpointError", True),
+            "resumed": 3,
+            "overwritten": True,
+            "info": {"loss": 0.25},
+        }
+    # nemo-rl: no tracker file; retention kept the last 2 (run by rank 0 only).
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
+        "step_2",
+        "step_3",
+    ]
+    assert json_of(root / "step_3" / "training_info.json") == {"loss": 0.25, "step": 3}
+
+
+def json_of(path: Path) -> Any:
+    import json
+
+    return json.loads(path.read_text())
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _agreed_policies(rank: int, world: int, root: str, trigger: str) -> dict[str, Any]:
+    seen: dict[str, Any] = {"saved": [], "stopped_at": None}
+    clock = _Clock()
+    inner: asyncsave.SavePolicy = asyncsave.SaveEvery(4) | asyncsave.SaveOnSignal(signal.SIGUSR1)
+    if trigger == "deadline" and rank == 0:
+        # Only rank 0 estimates that step 5 is the last one to fit before its deadline.
+        inner = inner | asyncsave.SaveBeforeDeadline(60.0, expected_step_s=10.0, clock=clock)
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(root, dist_timeout_s=60) as ckpt:
+            with ckpt.agree(inner) as policy:
+                for step in range(1, 20):
+                    clock.now += 10.0  # one step of training
+                    if trigger == "signal" and rank == 1 and step == 6:
+                        os.kill(os.getpid(), signal.SIGUSR1)  # reached one node only
+                    if policy.should_save(step):
+                        await ckpt.save(step, state_of(rank, step))
+                        seen["saved"].append(step)
+                    if policy.stop_requested:
+                        seen["stopped_at"] = step
+                        break
+            await ckpt.wait()
+
+    anyio.run(main)
+    return seen
+
+
+@pytest.mark.parametrize(("trigger", "last"), [("signal", 6), ("deadline", 5)])
+def test_one_ranks_signal_or_deadline_makes_every_rank_save_the_same_step(
+    tmp_path: Path, trigger: str, last: int
+) -> None:
+    root = tmp_path / "run"
+    for s in values(run_ranks(_agreed_policies, 2, tmp_path, str(root), trigger)):
+        assert s == {"saved": [4, last], "stopped_at": last}
+    assert asyncsave.latest(root).step == last  # type: ignore[union-attr]
+    assert asyncsave.verify(root / f"step_{last}").world_size == 2
+
+
+def _different_steps_policy(rank: int, world: int, root: str) -> str:
+    async def main() -> str:
+        async with asyncsave.Checkpointer(root, dist_timeout_s=60) as ckpt:
+            policy = ckpt.agree(asyncsave.SaveEvery(2))
+            try:
+                policy.should_save(3 + rank)
+            except asyncsave.CheckpointError as exc:
+                return str(exc)
+            return "agreed"
+
+    return anyio.run(main)
+
+
+def test_ranks_asking_about_different_steps_get_a_typed_error(tmp_path: Path) -> None:
+    for text in values(run_ranks(_different_steps_policy, 2, tmp_path, str(tmp_path / "r"))):
+        assert "different steps ([3, 4])" in text
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_agreed_policy_of_one_process_answers_as_its_policy(
+    tmp_path: Path, backend: str
+) -> None:
+    async def main() -> list[tuple[bool, bool]]:
+        async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
+            on_signal = asyncsave.SaveOnSignal(signal.SIGUSR1)
+            policy = ckpt.agree(asyncsave.SaveEvery(2) | on_signal)
+            out = []
+            for step in (1, 2, 3):
+                if step == 3:
+                    on_signal.trigger(signal.SIGUSR1)
+                out.append((policy.should_save(step), policy.stop_requested))
+            return out
+
+    assert anyio.run(main, backend=backend) == [(False, False), (True, False), (True, True)]

@@ -152,6 +152,7 @@ def test_the_checks_see_a_cycle_and_a_core_importing_an_integration(tmp_path: Pa
 
 
 PUBLIC = [
+    "AgreedPolicy",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointNotFoundError",
@@ -217,6 +218,7 @@ def test_public_surface_is_pinned() -> None:
             asyncsave.Checkpointer,
             [
                 "aclose",
+                "agree",
                 "load_latest",
                 "pending_steps",
                 "resumed_step",
