@@ -38,6 +38,11 @@ BUGS=(
 "14|asyncsave/_manifest.py|    if digest != xxhash.xxh3_64_hexdigest(_canonical(doc)):|    if False:|tests/test_fuzz_parsers.py"
 "15|asyncsave/_pipeline.py|                            committing = True\n|                            committing = True\n                            await self.track(step)\n|tests/test_crash_matrix.py -k randomized"
 "16|asyncsave/_retention.py|        fs.rename(final, doomed)\n        fs.fsync_dir(root)\n        fs.remove_tree(doomed)|        fs.remove_tree(final)|tests/test_power_loss.py -k retention"
+# The same bugs of the one pipeline, caught on 2 ranks (issue 11).
+"4r|asyncsave/_pipeline.py|                            committing = True\n|                            committing = True\n                            await self.track(step)\n|tests/test_crash_ranks.py"
+"5r|asyncsave/_commit.py|        if is_temp_name(name):|        if False:|tests/test_crash_ranks.py"
+"7r|asyncsave/_pipeline.py|    def fail(self, handle: SaveHandle, error: SaveFailedError) -> None:\n        self.set_failure(error)|    def fail(self, handle: SaveHandle, error: SaveFailedError) -> None:\n        pass|tests/test_dist.py -k failing_rank"
+"8r|asyncsave/_commit.py|    try:\n        if fs.exists(tmp):\n            fs.remove_tree(tmp)|    try:\n        if False:\n            fs.remove_tree(tmp)|tests/test_dist.py -k failing_rank"
 )
 
 wanted=" $* "
