@@ -85,6 +85,7 @@ class _Save:
     training_info: dict[str, Any]
     tmp: Path | None = None  # the temporary directory, if made before the turn
     private: Path | None = None  # this rank's own directory for streamed rounds
+    stage_seq: int = 0  # staging runs one save at a time, in save() order
     blocked_s: float | None = None  # lazy: how long save() held the caller
 
 
@@ -120,6 +121,14 @@ class Saver:
         # at a deadline keeps it until it finishes, so no later thread can race it,
         # not even one of a later checkpointer on the same root in this process.
         self.final_lock = _final_lock_for(root)
+        # Staging order: saves stage (and lease the one arena) in the order of
+        # their save() calls. A lazy save stages in the background, so a later
+        # eager save could otherwise lease the arena first, and then wait for its
+        # collective turn behind the lazy one, which waits for the arena.
+        self._stage_next = 0
+        self._stage_serving = 0
+        self._stage_ended: set[int] = set()
+        self._stage_changed = anyio.Event()
 
     # -- bookkeeping ----------------------------------------------------------------
     def check_usable(self) -> None:
@@ -246,6 +255,7 @@ class Saver:
         if ticket is None:
             ticket = self.coord.take_ticket()
         save = _Save(handle, job, ticket, t0, ready, overwrite, lazy, training_info or {}, tmp)
+        save.stage_seq, self._stage_next = self._stage_next, self._stage_next + 1
         if not lazy or isinstance(job, BaseException):
             await self._snapshot(save)
             return handle
@@ -279,9 +289,14 @@ class Saver:
         assert self.tg is not None
         job, step, handle = save.job, save.handle.step, save.handle
         try:
-            if isinstance(job, BaseException):
-                raise job
-            await job.stage(self, step, save.ready, functools.partial(self._early_tmp, save))
+            try:
+                while self._stage_serving != save.stage_seq:
+                    await self._stage_changed.wait()
+                if isinstance(job, BaseException):
+                    raise job
+                await job.stage(self, step, save.ready, functools.partial(self._early_tmp, save))
+            finally:
+                self._end_stage_turn(save.stage_seq)
             if not self.accepting:
                 raise CheckpointerClosedError(
                     f"the Checkpointer for {self.root} closed while step {step} was staging",
@@ -332,6 +347,17 @@ class Saver:
         save.private = await self.make_tmp(save.handle.step)
         return save.private
 
+    def _end_stage_turn(self, seq: int) -> None:
+        if seq < self._stage_serving:
+            return
+        self._stage_ended.add(seq)
+        if self._stage_serving in self._stage_ended:
+            while self._stage_serving in self._stage_ended:
+                self._stage_ended.remove(self._stage_serving)
+                self._stage_serving += 1
+            event, self._stage_changed = self._stage_changed, anyio.Event()
+            event.set()
+
     def _snapshot_failed(self, save: _Save, exc: BaseException) -> SaveFailedError:
         # Whoever shares this handle (a duplicate save() of the same step, or a
         # close waiting for it) must hear of it: nothing else will resolve it.
@@ -354,6 +380,7 @@ class Saver:
                 job.abandon()
             job.release()
         self.coord.end_turn(save.ticket)
+        self._end_stage_turn(save.stage_seq)
         if self.pending.get(step) is handle:
             del self.pending[step]
         return error

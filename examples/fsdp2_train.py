@@ -8,10 +8,14 @@ What happens:
 1. 2 processes (gloo) build a small transformer, shard every block and the root
    with ``torch.distributed.fsdp.fully_shard`` and train ``SAVE_STEP`` steps;
 2. the DTensor state of ``get_state_dict(model, optim)`` goes straight to
-   ``Checkpointer.save``: asyncsave stages it (DCP's stager) and writes it through
-   DCP's planner and ``asyncsave.dcp.StorageWriter`` in the background, committed
-   once both ranks' files are durable (collective on asyncsave's own gloo group);
-   the same state also goes through ``dcp.async_save`` with asyncsave's writer;
+   ``Checkpointer.save(..., lazy=True)``: ``save()`` returns at once, asyncsave
+   stages every shard in the background while the next step's forward and
+   backward run, and ``asyncsave.stage_before_step`` holds ``optimizer.step()``
+   until the snapshot is complete (the training step runs in a worker thread, so
+   the hook may wait there); it is written through DCP's planner and
+   ``asyncsave.dcp.StorageWriter``, committed once both ranks' files are durable
+   (collective on asyncsave's own gloo group); the same state also goes through
+   ``dcp.async_save`` with asyncsave's writer;
 3. training goes on to ``TOTAL_STEPS``, recording the losses;
 4. 2 fresh processes load the checkpoint (``dcp.load`` + ``asyncsave.dcp.
    StorageReader``), and so does 1 process with an unsharded model: DCP
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -98,19 +103,24 @@ def train_and_save(rank: int, world_size: int, root: str) -> list[float]:
     async def main() -> list[float]:
         losses = []
         async with asyncsave.Checkpointer(root, dist_timeout_s=60) as ckpt:
+            hook = asyncsave.stage_before_step(opt, ckpt)  # optimizer.step() waits
             for step in range(1, TOTAL_STEPS + 1):
-                loss = train_step(model, opt, step)
+                # In a worker thread: the pre-step hook may block there, never on
+                # the event loop that stages the lazy save.
+                loss = await anyio.to_thread.run_sync(train_step, model, opt, step)
                 if step > SAVE_STEP:
                     losses.append(loss)
                 if step == SAVE_STEP:
                     msd, osd = get_state_dict(model, opt)
-                    handle = await ckpt.save(step, {"model": msd, "optim": osd})
-                    # The same state through DCP's own async_save and our writer.
+                    # The same state through DCP's own async_save and our writer
+                    # (DCP stages it before returning).
                     fut = dcp.async_save(
                         {"model": msd, "optim": osd},
                         storage_writer=StorageWriter(root + "-dcp", step),
                     )
                     fut.result()
+                    handle = await ckpt.save(step, {"model": msd, "optim": osd}, lazy=True)
+            hook.remove()
             await handle  # committed by both ranks, tracker moved
         return losses
 

@@ -610,3 +610,51 @@ def test_an_agreed_policy_of_one_process_answers_as_its_policy(
             return out
 
     assert anyio.run(main, backend=backend) == [(False, False), (True, False), (True, True)]
+
+
+def _four_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    fs = LocalFileSystem()
+    seen: dict[str, Any] = {}
+
+    class Enospc(LocalFileSystem):
+        def create(self, path: Path) -> int:
+            if "-tmp-3-" in str(path) and path.suffix == ".safetensors":
+                raise OSError(errno.ENOSPC, "No space left on device (injected)", str(path))
+            return super().create(path)
+
+    if rank == 2:
+        fs = Enospc()
+
+    async def main() -> None:
+        try:
+            async with asyncsave.Checkpointer(
+                root, filesystem=fs, budget_bytes=512, dist_timeout_s=60
+            ) as ckpt:
+                h1 = await ckpt.save(1, state_of(rank, 1), lazy=True)  # lazy and streamed
+                h2 = await ckpt.save(2, state_of(rank, 2))
+                seen["infos"] = [(i.step, i.world_size) for i in (await h1, await h2) if i]
+                try:
+                    await (await ckpt.save(3, state_of(rank, 3)))
+                except asyncsave.SaveFailedError as exc:
+                    seen["failed"] = (type(exc).__name__, sorted(getattr(exc, "ranks", {})))
+        except asyncsave.SaveFailedError:
+            pass
+        async with asyncsave.Checkpointer(root, dist_timeout_s=60) as ckpt:
+            restored = await ckpt.load_latest()
+            assert restored is not None
+            seen["resumed"] = restored.info.step
+            seen["own"] = torch.equal(restored.state["w"], state_of(rank, 2)["w"])
+
+    anyio.run(main)
+    return seen
+
+
+def test_four_ranks(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    for rank, s in enumerate(values(run_ranks(_four_ranks, 4, tmp_path, str(root), timeout_s=180))):
+        # Rank 2's streamed round failed inside its save(): its own error there;
+        # every other rank names it.
+        failed = ("SaveFailedError", []) if rank == 2 else ("RankFailedError", [2])
+        assert s == {"infos": [(1, 4), (2, 4)], "failed": failed, "resumed": 2, "own": True}
+    assert asyncsave.verify(root / "step_2").world_size == 4
+    assert _temp_dirs(str(root), 3) == []
