@@ -99,6 +99,15 @@ class Coordinator:
         (blocking): the exchange of agreed save policies (here: ``[values]``)."""
         return [list(values)]
 
+    async def watched(self, what: str, func: Callable[[], Any], step: int | None) -> Any:
+        """``func()`` (another library's collectives on ``group``: DCP's save) in a
+        thread; its result, or its own exception (whatever its type). Several
+        ranks: a peer that dies meanwhile is named (:class:`RankFailedError`)."""
+        box = await _boxed(func)
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
     def close(self) -> None:
         """This rank leaves (its checkpointer closed)."""
 
@@ -108,17 +117,16 @@ class Solo(Coordinator):
     turns (without collectives nothing needs ordering, so saves overlap)."""
 
 
-async def _in_daemon(func: Callable[..., Any], *args: Any) -> Any:
-    """``func(*args)`` in a daemon thread of its own, awaited by polling: a call
-    abandoned at a deadline (a collective whose peer died, a store whose host is
-    gone) never holds the interpreter's exit, as a worker thread would."""
+async def _boxed(func: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    """``func(*args)`` in a daemon thread: ``{"value": ...}`` or ``{"error": exc}``
+    (any ``BaseException`` it raised, DCP's ``CheckpointException`` included)."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
     def target() -> None:
         try:
             box["value"] = func(*args)
-        except BaseException as exc:  # raised below, in the caller's task
+        except BaseException as exc:  # handed to the caller's task
             box["error"] = exc
         finally:
             done.set()
@@ -128,6 +136,14 @@ async def _in_daemon(func: Callable[..., Any], *args: Any) -> Any:
     while not done.is_set():
         await anyio.sleep(delay)
         delay = min(delay * 2, 0.05)
+    return box
+
+
+async def _in_daemon(func: Callable[..., Any], *args: Any) -> Any:
+    """``func(*args)`` in a daemon thread of its own, awaited by polling: a call
+    abandoned at a deadline (a collective whose peer died, a store whose host is
+    gone) never holds the interpreter's exit, as a worker thread would."""
+    box = await _boxed(func, *args)
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -308,6 +324,34 @@ class GlooGroup(Coordinator):
             with anyio.move_on_after(liveness.window + 2 * liveness.interval):
                 gone = await liveness.watch()
         raise self._translate(what, step, out.get("error"), gone)
+
+    async def watched(self, what: str, func: Callable[[], Any], step: int | None) -> Any:
+        out: dict[str, Any] = {}
+        liveness = self.liveness
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                out["box"] = await _boxed(func)
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:
+                assert liveness is not None
+                out["gone"] = await liveness.watch()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run)
+            if liveness is not None:
+                tg.start_soon(watch)
+        box: dict[str, Any] = out.get("box", {})
+        if "value" in box:
+            return box["value"]
+        gone: dict[int, str] = out.get("gone", {})
+        if not gone and liveness is not None:
+            with anyio.move_on_after(liveness.window + 2 * liveness.interval):
+                gone = await liveness.watch()
+        if gone:
+            raise self._translate(what, step, box.get("error"), gone)
+        raise box["error"]
 
     def _translate(
         self, what: str, step: int | None, exc: BaseException | None, gone: dict[int, str]

@@ -624,7 +624,6 @@ class DTensorJob(Job):
         self.nbytes = sum(e.nbytes for e in entries)
 
     async def write(self, saver: Services, coord: Any, tmp: Path) -> dict[str, Any]:
-        import anyio.to_thread
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -641,11 +640,13 @@ class DTensorJob(Job):
         # group, inside this save's turn; a rank's write error comes back from DCP
         # on every rank.
         try:
-            await anyio.to_thread.run_sync(
+            # Watched: a rank that dies inside DCP's collectives is named.
+            await coord.watched(
+                "DCP save",
                 functools.partial(
                     dcp.save, self.staged, storage_writer=writer, process_group=coord.group
                 ),
-                abandon_on_cancel=True,
+                step,
             )
         except CheckpointException as exc:
             # DCP's error derives from BaseException: translated here, at the boundary.

@@ -1,13 +1,15 @@
-"""2-rank CPU save cost: asyncsave against DCP's own ``async_save``.
+"""N-rank CPU save cost: asyncsave against DCP's own ``async_save``.
 
-Two forked ranks (gloo) hold a sharded state (``--mib`` MiB of float32 in total,
-16 tensors ``Shard(0)`` over a 1-D CPU mesh: half per rank) and save it, in one
-run, with:
+``--world`` forked ranks (gloo; 2 by default) hold a sharded state (``--mib`` MiB
+of float32 in total, 16 tensors ``Shard(0)`` over a 1-D CPU mesh) and save it, in
+one run, with:
 
 - ``asyncsave DTensor``: ``Checkpointer.save`` of the DTensor state (DCP planner,
   asyncsave writer, collective commit on asyncsave's gloo group);
 - ``asyncsave per-rank``: ``Checkpointer.save`` of each rank's local shards as
   plain tensors (pool staging, collective commit);
+- ``asyncsave per-rank lazy``: the same with ``lazy=True`` (``save()`` returns
+  before the snapshot; issue 11: the same pipeline as one process);
 - ``dcp.async_save FileSystemWriter``: DCP's own async save and writer
   (``future.result()`` = written; DCP's writer has no rename commit);
 - ``dcp.async_save asyncsave writer``: DCP's async save with
@@ -20,7 +22,7 @@ machine: a host memcpy of one rank's bytes, and a raw sequential write + fsync o
 them (per rank, both ranks at once). The 2 cores are shared with other work, so
 figures are noisy; compare within one run.
 
-usage: python bench/dist_save.py [--mib 256] [--repeats 3] [--dir DIR] [--out FILE]
+usage: python bench/dist_save.py [--world 2] [--mib 256] [--repeats 3] [--dir DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -90,13 +92,14 @@ def _bench(rank: int, world: int, mib: int, repeats: int, base: str) -> dict[str
             asyncsave.Checkpointer(f"{base}/as-plain", dist_timeout_s=600) as c_pl,
         ):
             for step in range(1, repeats + 1):
-                for name, ckpt, state in (
-                    ("asyncsave DTensor", c_dt, sharded),
-                    ("asyncsave per-rank", c_pl, local),
+                for name, ckpt, state, lazy, at in (
+                    ("asyncsave DTensor", c_dt, sharded, False, step),
+                    ("asyncsave per-rank", c_pl, local, False, 2 * step - 1),
+                    ("asyncsave per-rank lazy", c_pl, local, True, 2 * step),
                 ):
                     dist.barrier()
                     t0 = time.perf_counter()
-                    handle = await ckpt.save(step, state)
+                    handle = await ckpt.save(at, state, lazy=lazy)
                     blocked = time.perf_counter() - t0
                     await handle
                     record(name, blocked, time.perf_counter() - t0)
@@ -138,24 +141,26 @@ def _bench(rank: int, world: int, mib: int, repeats: int, base: str) -> dict[str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--out", default="bench/results/dist_save_cpu.json")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     base = Path(args.dir or tempfile.mkdtemp(prefix="asyncsave-dist-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     try:
-        r0, _ = values(
-            run_ranks(_bench, 2, base, args.mib, args.repeats, str(base), timeout_s=1800)
-        )
+        r0 = values(
+            run_ranks(_bench, args.world, base, args.mib, args.repeats, str(base), timeout_s=1800)
+        )[0]
     finally:
         shutil.rmtree(base, ignore_errors=True)
     med = statistics.median
     ref = {k: med(v) for k, v in r0["reference"].items()}
     rows = {name: {k: med(v) for k, v in r.items()} for name, r in r0["results"].items()}
     print(
-        f"2 ranks, {args.mib} MiB in total ({r0['local_bytes'] / 2**20:.0f} MiB per rank), "
+        f"{args.world} ranks, {args.mib} MiB in total "
+        f"({r0['local_bytes'] / 2**20:.0f} MiB per rank), "
         f"median of {args.repeats}, slower rank"
     )
     print(
@@ -168,8 +173,14 @@ def main() -> None:
             f"  {name:34s} {r['blocked_s']:10.3f} {r['durable_s']:10.3f} "
             f"{r['durable_s'] / ref['raw_write_fsync_s']:12.2f}"
         )
+    eager, lazy = rows["asyncsave per-rank"], rows["asyncsave per-rank lazy"]
+    print(
+        f"  lazy blocked / eager blocked: {lazy['blocked_s'] / eager['blocked_s']:.3f}; "
+        f"eager durable / raw write+fsync: "
+        f"{eager['durable_s'] / ref['raw_write_fsync_s']:.2f}"
+    )
     doc = {
-        "world_size": 2,
+        "world_size": args.world,
         "mib_total": args.mib,
         "repeats": args.repeats,
         "torch": torch.__version__,
@@ -178,9 +189,10 @@ def main() -> None:
         "median_s": rows,
         "raw": r0,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=1))
-    print(f"wrote {args.out}")
+    out = Path(args.out or f"bench/results/dist_save_cpu_{args.world}ranks.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

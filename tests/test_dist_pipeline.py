@@ -658,3 +658,39 @@ def test_four_ranks(tmp_path: Path) -> None:
         assert s == {"infos": [(1, 4), (2, 4)], "failed": failed, "resumed": 2, "own": True}
     assert asyncsave.verify(root / "step_2").world_size == 4
     assert _temp_dirs(str(root), 3) == []
+
+
+def _dtensor_rank_dies(rank: int, world: int, root: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"w": distribute_tensor(torch.arange(4096.0).reshape(64, 64), mesh, [Shard(0)])}
+    fs: LocalFileSystem = _Dies("data") if rank == 1 else LocalFileSystem()
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        try:
+            async with asyncsave.Checkpointer(root, filesystem=fs, dist_timeout_s=600) as ckpt:
+                await (await ckpt.save(1, state))
+                try:
+                    await (await ckpt.save(2, state))
+                except asyncsave.SaveFailedError as exc:
+                    seen["error"] = (type(exc).__name__, dict(getattr(exc, "ranks", {})))
+        except asyncsave.SaveFailedError:
+            pass
+
+    anyio.run(main)
+    return seen
+
+
+def test_a_rank_dying_inside_dcps_save_is_named(tmp_path: Path) -> None:
+    """DTensor state: DCP's own collectives run on asyncsave's group, watched the
+    same way; the survivor names the dead rank well before dist_timeout_s."""
+    root = tmp_path / "run"
+    results = run_ranks(_dtensor_rank_dies, 2, tmp_path, str(root), timeout_s=90)
+    assert results[1] == ("exit", -signal.SIGKILL)
+    (survivor,) = values({0: results[0]})
+    name, ranks = survivor["error"]
+    assert name == "RankFailedError" and list(ranks) == [1] and "died" in ranks[1]
+    assert (root / TRACKER).read_text().strip() == "1"

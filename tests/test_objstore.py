@@ -602,3 +602,53 @@ def test_errors_name_url_paths() -> None:
     _, path = open_root("memory://x/y")
     err = asyncsave.CheckpointNotFoundError("gone", path=path)
     assert err.path == "memory://x/y"
+
+
+# -- several ranks (issue 11) ---------------------------------------------------------
+def _ranks_on_s3(rank: int, world: int, root: str, options: dict[str, Any]) -> dict[str, Any]:
+    def mine(step: int) -> dict[str, Any]:
+        s = state_of(step)
+        s["model"]["w"] = s["model"]["w"] + rank  # each rank its own bytes
+        return s
+
+    async def main() -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        async with asyncsave.Checkpointer(
+            root, storage_options=options, dist_timeout_s=120
+        ) as ckpt:
+            h1 = await ckpt.save(1, mine(1))
+            h2 = await ckpt.save(2, mine(2), lazy=True)
+            seen["world"] = [(await h).world_size for h in (h1, h2)]  # type: ignore[union-attr]
+        async with asyncsave.Checkpointer(
+            root, storage_options=options, dist_timeout_s=120
+        ) as ckpt:
+            restored = await ckpt.load_latest()
+            assert restored is not None
+            assert_same(restored.state, mine(2))
+            seen["resumed"] = restored.info.step
+        return seen
+
+    return anyio.run(main)
+
+
+@pytest.mark.slow
+def test_two_ranks_round_trip_on_s3(s3: tuple[str, dict[str, Any], Any], tmp_path: Path) -> None:
+    """Every rank uploads its own files under the final prefix; rank 0 writes the
+    manifest, then the commit marker; a fresh 2-rank run resumes each rank's part,
+    a reader at world size 1 loads both."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from distributed import run_ranks, values
+
+    root, options, fs = s3
+    seen = values(run_ranks(_ranks_on_s3, 2, tmp_path, root, options, timeout_s=240))
+    assert seen == [{"world": [2, 2], "resumed": 2}] * 2
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{key(root)}/step_2", refresh=True))
+    assert names == [
+        MARKER,
+        "data-r00000-000.safetensors",
+        "data-r00001-000.safetensors",
+        "manifest.json",
+    ]
+    whole = asyncsave.load(f"{root}/step_2", storage_options=options)
+    assert torch.equal(whole[1]["model"]["w"], state_of(2)["model"]["w"] + 1)
+    assert asyncsave.latest(root, storage_options=options).step == 2  # type: ignore[union-attr]
