@@ -435,7 +435,9 @@ class StorageWriter(_DcpStorageWriter):
         if not kwargs.get("use_collectives", True) and (rank != 0 or several):
             raise CheckpointError(
                 "asyncsave.dcp.StorageWriter commits one checkpoint for all ranks: "
-                "use_collectives=False is not supported on several ranks",
+                "use_collectives=False is not supported on several ranks (each would "
+                "commit its own items only); to save one process's state alone, pass "
+                "no_dist=True and leave use_collectives at its default",
                 rank=rank,
             )
         save.started, save.rank, save.is_coordinator = True, int(rank), is_coordinator
