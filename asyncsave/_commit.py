@@ -20,9 +20,12 @@ and verl-project/verl #4667 (tracker moved before the save finished).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import _marker
@@ -32,7 +35,15 @@ from ._load import read_checkpoint, scan_steps
 from ._paths import LOCK_NAME, MANIFEST_NAME, Layout, aside_dir_name, is_temp_name, temp_dir_name
 from ._track import read_tracker, write_tracker
 
-__all__ = ["Recovered", "commit_dir", "discard", "lock_root", "make_temp_dir", "recover"]
+__all__ = [
+    "Recovered",
+    "commit_dir",
+    "discard",
+    "hold_root",
+    "lock_root",
+    "make_temp_dir",
+    "recover",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +70,44 @@ def lock_root(fs: LocalFileSystem, root: Path) -> int:
             path=root,
         )
     return fd
+
+
+@contextlib.contextmanager
+def hold_root(fs: LocalFileSystem, root: Path, *, timeout_s: float) -> Iterator[None]:
+    """Hold the root's saver lock (:func:`lock_root`) for one commit made outside a
+    :class:`~asyncsave.Checkpointer` (the standalone DCP writer's ``finish``).
+
+    A checkpointer holds this lock for its whole life; a standalone writer holds it
+    only around its rename and tracker update, so that "does the final name exist,
+    rename, read the tracker, write it if forward" is one step for every thread and
+    process committing into ``root`` (S20: two writers that read the tracker before
+    either wrote it moved it back). Waits for the lock, polling (a ``flock`` has no
+    timed wait), at most ``timeout_s`` seconds.
+
+    :raises RootInUseError: the lock stayed held for ``timeout_s`` (a checkpointer
+        has the root open, or another writer's commit is stuck).
+    :raises CheckpointError: ``root`` cannot be created or locked.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay_s = 0.001
+    while True:
+        try:
+            fd = lock_root(fs, root)
+            break
+        except RootInUseError as exc:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise RootInUseError(
+                    f"{root} stayed locked ({LOCK_NAME}) for {timeout_s} s: a Checkpointer "
+                    "has it open (one saver per root), or another commit into it is stuck",
+                    path=root,
+                ) from exc
+            time.sleep(min(delay_s, left_s))
+            delay_s = min(2 * delay_s, 0.05)
+    try:
+        yield
+    finally:
+        fs.unlock(fd)
 
 
 def make_temp_dir(fs: LocalFileSystem, root: Path, step: int, *, final: Path | None = None) -> Path:

@@ -11,42 +11,66 @@ what changes is where the bytes go and when they become a checkpoint::
     dcp.load(state, storage_reader=StorageReader("runs/exp1"))   # latest committed
 
 The call sequence (DCP's, see ``torch.distributed.checkpoint.storage``) and who does
-what:
+what. DCP runs every call of one save in one thread (the caller's, or the
+background thread of ``dcp.async_save``); the writer keeps each save's state per
+thread, so one writer object serves saves one after another or overlapping.
 
-1. (all ranks) ``set_up_storage_writer``: remember the rank.
-2. (all ranks) ``prepare_local_plan``: unchanged.
-3. (coordinator) ``prepare_global_plan``: create ``root`` and a fresh temporary
-   directory under it (a name no resolver takes for a checkpoint), and tell every
-   rank its name and rank through ``SavePlan.storage_data``.
-4. (all ranks) ``write_data``: every item of the rank's plan into one safetensors
-   file ``data-r<rank>-000.safetensors`` in the temporary directory, checksummed
-   (XXH3-64) on the way and fsynced before the future resolves. Tensors keep their
-   dtype in the safetensors header where safetensors has one; byte items (DCP's
-   ``BytesIO`` entries) and other dtypes are ``U8`` runs.
+0. (all ranks, only when ``dcp.save`` gets a ``checkpoint_id``) ``reset``: a final
+   name under a root (``runs/exp1/step_40``) names this save's root and step; any
+   other path is the root.
+1. (all ranks) ``storage_meta``, ``set_up_storage_writer``: the save begins; its
+   root, step and a fresh save id are fixed.
+2. (all ranks) ``prepare_local_plan``: a step that is committed already is refused
+   here, before anything is written.
+3. (coordinator) ``prepare_global_plan``: unchanged. No plan carries anything of
+   one save: DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``)
+   hands a rank its first save's plan again in later saves.
+4. (all ranks) ``write_data``: a rank with items creates a temporary directory of
+   its own under ``root`` (a name no resolver takes for a checkpoint) and writes
+   every item into one safetensors file ``data-r<rank>-000.safetensors`` there,
+   checksummed (XXH3-64) on the way and fsynced before the future resolves. Tensors
+   keep their dtype in the safetensors header where safetensors has one; byte items
+   (DCP's ``BytesIO`` entries) and other dtypes are ``U8`` runs. The directory's
+   name travels to the coordinator in the write results.
 5. (coordinator, after DCP gathered every rank's results, i.e. after every rank's
-   files are durable) ``finish``: DCP's ``Metadata`` into ``.metadata`` (pickled,
-   as DCP's own ``FileSystemWriter`` does), asyncsave's ``manifest.json`` (every data
+   files are durable) ``finish``: the other ranks' files move (``rename``) into the
+   coordinator's directory; DCP's ``Metadata`` (with ``storage_meta``: the final
+   directory as ``checkpoint_id`` and the save id) into ``.metadata`` (pickled, as
+   DCP's own ``FileSystemWriter`` does); asyncsave's ``manifest.json`` (every data
    file with its size, every item with its checksum, and the size and checksum of
-   ``.metadata``), then the commit: fsync, ``rename`` to ``step_<N>``, fsync the
-   root, move the tracker forward. A crash at any point before the rename leaves
-   only a temporary directory, which the next :class:`~asyncsave.Checkpointer`
-   open removes; nothing half-written ever carries a final name.
+   ``.metadata``); then the commit under the root's saver lock (``.asyncsave.lock``,
+   the lock an open :class:`~asyncsave.Checkpointer` holds): refuse a final name
+   that exists, fsync, ``rename`` to ``step_<N>``, fsync the root, and move the
+   tracker forward only (read, compare, write, all under the lock: writers that
+   finish in any order, in any threads or processes, leave it at the highest step).
+   A refusal or failure before the rename removes every rank's temporary
+   directory; a crash leaves only temporary directories, which the next
+   :class:`~asyncsave.Checkpointer` open removes; nothing half-written ever carries
+   a final name.
 
 Both classes are plain picklable dataclasses (paths and ints), so DCP's process
 executor (``async_checkpointer_type=AsyncCheckpointerType.PROCESS``) can ship the
 writer to its background process.
 
-The standalone writer does not take the root's saver lock (that belongs to a
-:class:`~asyncsave.Checkpointer`); do not run a ``Checkpointer`` that opens the same
-root while a ``dcp.save`` into it is in flight: its recovery removes temporary
-directories. To save DTensor / FSDP2 state from a ``Checkpointer`` instead, pass it
-to :meth:`Checkpointer.save` (see ``asyncsave._dist``): it routes through DCP's
-planner and this writer under asyncsave's own collective commit.
+The standalone writer holds the root's saver lock only for its commit: a ``finish``
+while a :class:`~asyncsave.Checkpointer` has the same root open waits up to
+``lock_timeout_s`` and then raises ``RootInUseError`` (nothing committed, nothing
+left). Do not open a ``Checkpointer`` on a root while a ``dcp.save`` into it is in
+flight: its recovery removes temporary directories. To save DTensor / FSDP2 state
+from a ``Checkpointer`` instead, pass it to :meth:`Checkpointer.save` (see
+``asyncsave._dist``): it routes through DCP's planner and this writer under
+asyncsave's own collective commit (one shared temporary directory, committed by the
+engine).
 
-Reading: :class:`StorageReader` checks the manifest (and the checksum of
-``.metadata`` before unpickling it) and every item's checksum while reading, then
-hands tensors to DCP's planner, which reshards: a checkpoint written by N ranks
-loads on M ranks.
+Reading: :class:`StorageReader` resolves a root with the writer's ``layout`` (a root
+of another layout is a ``CheckpointNotFoundError`` naming the one to pass), checks
+the manifest (and the checksum of ``.metadata`` before unpickling it) and every
+item's checksum while reading, sets ``storage_meta.load_id``, then hands tensors to
+DCP's planner, which reshards: a checkpoint written by N ranks loads on M ranks.
+
+Sources: thinking-machines-lab/tinker-cookbook PR #687 (an older async save that
+finished late was recorded as the latest; asyncsave issue 10, S20), and PyTorch's
+own DCP tests run against this backend (issue 10, item 8).
 """
 
 from __future__ import annotations
@@ -56,12 +80,15 @@ import io
 import json
 import os
 import pickle
+import threading
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -77,7 +104,7 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ._commit import commit_dir, make_temp_dir
+from ._commit import commit_dir, discard, hold_root, make_temp_dir
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -91,7 +118,7 @@ from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest, torch_
 from ._paths import LAYOUTS, MANIFEST_NAME
 from ._plan import Entry
 from ._stage import _copy_cpu
-from ._track import TrackerWriter, read_tracker
+from ._track import advance_tracker
 from ._write import write_bytes, write_data_file
 
 __all__ = ["DCP_METADATA_NAME", "ItemLocation", "StorageReader", "StorageWriter"]
@@ -102,8 +129,8 @@ _BLOB_ALIGN = 16
 
 @dataclasses.dataclass(frozen=True)
 class ItemLocation:
-    """Where one DCP item lives: ``WriteResult.storage_data`` and the values of
-    ``Metadata.storage_data``.
+    """Where one DCP item lives: the values of ``Metadata.storage_data`` (and, with
+    the rank's temporary directory, of ``WriteResult.storage_data``).
 
     :param name: the item's name in the data file's safetensors header.
     :param file: data file name in the checkpoint directory.
@@ -126,15 +153,6 @@ class ItemLocation:
     dtype: str | None
     shape: tuple[int, ...] | None
     file_nbytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _Part:
-    """``SavePlan.storage_data`` from the coordinator: the shared temporary
-    directory (a name under ``root``) and the rank this plan belongs to."""
-
-    tmp: str
-    rank: int
 
 
 def _entry_of(name: str, t: torch.Tensor) -> tuple[Entry, int]:
@@ -260,120 +278,340 @@ def _resolve_item(planner: SavePlanner, item: Any) -> torch.Tensor:
 
 
 @dataclasses.dataclass
+class _Save:
+    """One save in flight through a :class:`StorageWriter`, kept per thread
+    (``threading.local``): DCP runs every call of one save in the thread that called
+    ``dcp.save`` (the background thread of ``dcp.async_save``), so saves that
+    overlap through one writer object never share this state."""
+
+    root: Path
+    step: int
+    save_id: str
+    started: bool = False  # set_up_storage_writer ran: this save's calls follow
+    rank: int = 0
+    is_coordinator: bool = True
+    tmp: str | None = None  # the temporary directory this rank wrote into
+
+
+@dataclasses.dataclass(frozen=True)
+class _Written:
+    """``WriteResult.storage_data`` on its way from ``write_data`` (every rank) to
+    ``finish`` (the coordinator): the item's location and the temporary directory
+    the rank wrote it into (``None``: the shared one of asyncsave's own collective
+    commit). Only ``loc`` is recorded in DCP's ``Metadata``."""
+
+    loc: ItemLocation
+    tmp: str | None
+
+
+@dataclasses.dataclass
 class StorageWriter(_DcpStorageWriter):
-    """DCP storage writer: files into a temporary directory under ``root``,
+    """DCP storage writer: files into temporary directories under ``root``,
     committed as ``<root>/step_<step>`` (rename + tracker) in :meth:`finish`.
+
+    One writer object may serve any number of saves, one after another or
+    overlapping (``dcp.async_save``): name each save's step by setting :attr:`step`
+    before a blocking ``dcp.save``, or (overlapping saves: the step travels with the
+    call) by ``checkpoint_id=<root>/<final name>``, e.g. ``runs/exp1/step_40``.
 
     :param root: the checkpoint root (local or shared file system path).
     :param step: the training step this checkpoint is named after.
     :param layout: asyncsave layout preset of the final name and tracker.
     :param filesystem: the I/O layer (tests inject faults through it).
-    :raises CheckpointError: from :meth:`finish` when ``step_<step>`` exists already
-        (a checkpoint is never replaced by a DCP save).
+    :param lock_timeout_s: how long :meth:`finish` waits for the root's saver lock
+        (held for the rename and tracker update by each committing writer, and for
+        its whole life by an open :class:`~asyncsave.Checkpointer`), in seconds.
+    :raises CheckpointError: (from ``prepare_local_plan``, before anything is
+        written, or from :meth:`finish`) ``step_<step>`` exists already: a DCP save
+        never replaces a checkpoint. Nothing is left in ``root`` then.
+    :raises RootInUseError: (from :meth:`finish`) the root's lock stayed held for
+        ``lock_timeout_s``; nothing was committed, nothing is left in ``root``.
     """
 
     root: str
     step: int
     layout: str = "asyncsave"
     filesystem: LocalFileSystem = dataclasses.field(default_factory=LocalFileSystem)
+    lock_timeout_s: float = 60.0
     # Set by asyncsave's own collective commit (Checkpointer.save of DTensor state):
     # write into this existing temporary directory and do not commit in finish().
     _tmp: str | None = None
     _commit: bool = True
-    rank: int = 0
-    is_coordinator: bool = False
     manifest_doc: dict[str, Any] | None = None
+    # This thread's save in flight (see _Save).
+    _local: threading.local = dataclasses.field(
+        default_factory=threading.local, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.root = os.fspath(self.root)
-        if type(self.step) is not int or self.step < 0:
-            raise ValueError(f"step={self.step!r} must be a non-negative int")
+        _check_step(self.step)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}")
+        if not self.lock_timeout_s > 0:
+            raise ValueError(f"lock_timeout_s={self.lock_timeout_s!r} must be > 0")
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Saves in flight stay with their threads (DCP's process executor pickles
+        # the writer to run the save in another process).
+        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    # -- one save's state ---------------------------------------------------------
+    def _final(self, save: _Save) -> Path:
+        return save.root / LAYOUTS[self.layout].dir_name(save.step)
+
+    def _fresh(self) -> _Save:
+        _check_step(self.step)
+        return _Save(Path(self.root), self.step, str(uuid.uuid4()))
+
+    def _upcoming(self) -> _Save:
+        """This thread's save that has not begun yet (made by :meth:`reset` or
+        :meth:`storage_meta`), or a new one from :attr:`root` and :attr:`step`
+        (replacing one that began and failed)."""
+        save: _Save | None = getattr(self._local, "save", None)
+        if save is None or save.started:
+            save = self._local.save = self._fresh()
+        return save
+
+    def _current(self) -> _Save:
+        save: _Save | None = getattr(self._local, "save", None)
+        if save is None or not save.started:
+            raise CheckpointError(
+                "asyncsave.dcp.StorageWriter: a write without set_up_storage_writer in "
+                "this thread (use it through dcp.save / dcp.async_save)"
+            )
+        return save
+
+    def _end(self) -> None:
+        self._local.save = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The directory the current (or next) save of this thread commits."""
+        save: _Save | None = getattr(self._local, "save", None)
+        return os.fspath(self._final(save if save is not None else self._fresh()))
 
     # 0
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """A new save begins; a ``checkpoint_id`` given to ``dcp.save`` is the root."""
+        """A new save begins (DCP calls this only when ``dcp.save`` is given a
+        ``checkpoint_id``).
+
+        :param checkpoint_id: a final name of :attr:`layout` under a root
+            (``runs/exp1/step_40``: the root and the step of this save), or a root
+            (the step stays :attr:`step`).
+        """
         if checkpoint_id is not None:
-            self.root = os.fspath(checkpoint_id)
+            path = Path(os.fspath(checkpoint_id))
+            step = LAYOUTS[self.layout].parse_dir_name(path.name)
+            if step is None:
+                self.root = os.fspath(path)
+            else:
+                self.root, self.step = os.fspath(path.parent), step
         self.manifest_doc = None
+        self._local.save = self._fresh()
+
+    def storage_meta(self) -> StorageMeta | None:
+        """What DCP records in ``Metadata.storage_meta``: ``checkpoint_id`` is the
+        final directory of this save, ``save_id`` a fresh UUID per save."""
+        save = self._upcoming()  # DCP asks before set_up_storage_writer
+        return StorageMeta(checkpoint_id=os.fspath(self._final(save)), save_id=save.save_id)
 
     # 1
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-        self.rank = int(kwargs.get("rank", self.rank))
+        """Begin this thread's save: its root and step are fixed from here on.
+
+        :raises CheckpointError: ``use_collectives=False`` on several ranks (every
+            rank would commit a checkpoint of its own items only).
+        """
+        save = self._upcoming()
+        rank = kwargs.get("rank")
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if not kwargs.get("use_collectives", True) and (rank != 0 or several):
+            raise CheckpointError(
+                "asyncsave.dcp.StorageWriter commits one checkpoint for all ranks: "
+                "use_collectives=False is not supported on several ranks (each would "
+                "commit its own items only); to save one process's state alone, pass "
+                "no_dist=True and leave use_collectives at its default",
+                rank=rank,
+            )
+        save.started, save.rank, save.is_coordinator = True, int(rank), is_coordinator
+        if self._commit:
+            self.manifest_doc = None
 
     # 2
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Refuse a step that is committed already, before anything is written."""
+        save = self._current()
+        final = self._final(save)
+        if self._tmp is None and self.filesystem.exists(final):
+            raise _exists(final, save.step)
         return plan
 
     # 3
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        fs, root = self.filesystem, Path(self.root)
-        if self._tmp is None:
-            fs.makedirs(root)
-            self._tmp = make_temp_dir(fs, root, self.step).name
-        return [
-            dataclasses.replace(p, storage_data=_Part(self._tmp, r)) for r, p in enumerate(plans)
-        ]
+        """Unchanged: no plan carries anything of one save (DCP's plan caching
+        replays a rank's first plan in later saves)."""
+        return plans
 
     # 4
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        part = plan.storage_data
-        if not isinstance(part, _Part):
-            raise CheckpointError("asyncsave.dcp.StorageWriter got a plan it did not prepare")
-        self._tmp = part.tmp
-        items = [
-            (f"{i:06d}:{_item_name(it.index)}", _resolve_item(planner, it))
-            for i, it in enumerate(plan.items)
-        ]
-        locs = write_part(self.filesystem, Path(self.root) / part.tmp, part.rank, items)
+        """This rank's items into one data file, fsynced, in a temporary directory
+        of its own (or asyncsave's shared one); nothing when it has no items. A
+        failure removes the directory."""
+        save = self._current()
+        try:
+            items = [
+                (f"{i:06d}:{_item_name(it.index)}", _resolve_item(planner, it))
+                for i, it in enumerate(plan.items)
+            ]
+            fs = self.filesystem
+            locs: list[ItemLocation] = []
+            if items and self._tmp is not None:
+                locs = write_part(fs, save.root / self._tmp, save.rank, items)
+            elif items:
+                fs.makedirs(save.root)
+                tmp = make_temp_dir(fs, save.root, save.step)
+                save.tmp = tmp.name
+                try:
+                    locs = write_part(fs, tmp, save.rank, items)
+                except BaseException:
+                    discard(fs, tmp)
+                    raise
+        finally:
+            if not save.is_coordinator:
+                self._end()  # the coordinator's finish() is this save's last call
         results = []
         for it, loc in zip(plan.items, locs, strict=True):
             if it.type == WriteItemType.BYTE_IO:
                 loc = dataclasses.replace(loc, dtype=None, shape=None)
-            results.append(WriteResult(index=it.index, size_in_bytes=loc.nbytes, storage_data=loc))
+            results.append(
+                WriteResult(
+                    index=it.index, size_in_bytes=loc.nbytes, storage_data=_Written(loc, save.tmp)
+                )
+            )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     # 5
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        assert self._tmp is not None
-        fs, root = self.filesystem, Path(self.root)
-        tmp = root / self._tmp
-        metadata.storage_data = {wr.index: wr.storage_data for rr in results for wr in rr}
+        """Commit: every rank's files into one directory, DCP's ``.metadata``, the
+        manifest, then under the root's lock the rename and the tracker (forward
+        only). A refusal or failure before the rename removes every rank's
+        temporary directory.
+
+        :raises CheckpointError: the step is committed already (by another writer
+            since this save began).
+        :raises RootInUseError: the root's lock stayed held for ``lock_timeout_s``.
+        """
+        save = self._current()
+        try:
+            self._finish(save, metadata, results)
+        finally:
+            self._end()
+
+    def _finish(self, save: _Save, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        fs, root = self.filesystem, save.root
+        # Every rank's own temporary directory (none in asyncsave's collective
+        # commit, whose shared directory the engine owns and removes on failure).
+        temps = sorted(
+            {
+                root / wr.storage_data.tmp
+                for rank_results in results
+                for wr in rank_results
+                if isinstance(wr.storage_data, _Written) and wr.storage_data.tmp is not None
+            }
+        )
+        try:
+            self._commit_save(save, metadata, results, temps)
+        except BaseException:
+            # Before the rename: every rank's files go. After it (the tracker
+            # failed) the checkpoint is under its final name, no temporary one.
+            for path in temps:
+                discard(fs, path)
+            raise
+
+    def _commit_save(
+        self,
+        save: _Save,
+        metadata: Metadata,
+        results: list[list[WriteResult]],
+        temps: list[Path],
+    ) -> None:
+        """:meth:`finish` proper; appends the directory it creates to ``temps``."""
+        fs, root, step = self.filesystem, save.root, save.step
+        located: list[list[WriteResult]] = []
+        for rank_results in results:
+            located.append([])
+            for wr in rank_results:
+                if not isinstance(wr.storage_data, _Written):
+                    raise CheckpointError(f"write result {wr.index} has no asyncsave location")
+                located[-1].append(dataclasses.replace(wr, storage_data=wr.storage_data.loc))
+        metadata.storage_data = {wr.index: wr.storage_data for rr in located for wr in rr}
+        metadata.storage_meta = StorageMeta(
+            checkpoint_id=os.fspath(self._final(save)), save_id=save.save_id
+        )
         blob = pickle.dumps(metadata)
-        write_bytes(fs, tmp / DCP_METADATA_NAME, blob)
-        doc = dcp_manifest_doc(self.step, results, blob)
+        doc = dcp_manifest_doc(step, located, blob)
         if not self._commit:
+            assert self._tmp is not None
+            write_bytes(fs, root / self._tmp / DCP_METADATA_NAME, blob)
             self.manifest_doc = doc
             return
-        write_bytes(fs, tmp / MANIFEST_NAME, encode_manifest(doc))
         layout = LAYOUTS[self.layout]
-        final = root / layout.dir_name(self.step)
-        try:
+        final = root / layout.dir_name(step)
+        if fs.exists(final):
+            raise _exists(final, step)
+        if save.tmp is None:  # this rank wrote nothing
+            fs.makedirs(root)
+            temps.append(make_temp_dir(fs, root, step))
+        tmp = root / save.tmp if save.tmp is not None else temps[-1]
+        for other in temps:
+            if other != tmp:  # another rank's directory: its files move in
+                for name in fs.listdir(other):
+                    fs.rename(other / name, tmp / name)
+        write_bytes(fs, tmp / DCP_METADATA_NAME, blob)
+        write_bytes(fs, tmp / MANIFEST_NAME, encode_manifest(doc))
+        with hold_root(fs, root, timeout_s=self.lock_timeout_s):
+            if fs.exists(final):
+                raise _exists(final, step)
             commit_dir(fs, tmp, final, overwrite=False)
-        except FileExistsError as exc:
-            raise CheckpointError(
-                f"{final} exists already; a DCP save never replaces a checkpoint",
-                step=self.step,
-                path=final,
-            ) from exc
-        if layout.tracker_name is not None:
-            tracker = root / layout.tracker_name
-            try:
-                highest = read_tracker(fs, tracker)
-            except CorruptCheckpointError:
-                highest = None
-            TrackerWriter(fs, tracker, highest).advance(self.step)
-
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.root)
+            if layout.tracker_name is not None:
+                try:
+                    advance_tracker(fs, root / layout.tracker_name, step)
+                except OSError as exc:
+                    raise CheckpointError(
+                        f"{final} is committed, but moving the tracker failed: {exc!r}; "
+                        "the next Checkpointer open moves it",
+                        step=step,
+                        path=final,
+                    ) from exc
+        for other in temps:
+            if other != tmp:
+                discard(fs, other)  # another rank's, emptied above
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # never picked automatically: construct it explicitly
+
+
+def _check_step(step: Any) -> None:
+    if type(step) is not int or step < 0:
+        raise ValueError(f"step={step!r} must be a non-negative int")
+
+
+def _exists(final: Path, step: int) -> CheckpointError:
+    return CheckpointError(
+        f"{final} exists already; a DCP save never replaces a checkpoint",
+        step=step,
+        path=final,
+    )
 
 
 @dataclasses.dataclass
@@ -388,7 +626,14 @@ class StorageReader(_DcpStorageReader):
     :param path: a checkpoint directory (``runs/exp1/step_40``), or a root, which
         resolves to the checkpoint its tracker names (:func:`asyncsave.latest`).
     :param verify: check every item's XXH3-64 checksum while reading.
-    :raises CheckpointNotFoundError: (from ``read_metadata``) nothing committed there.
+    :param layout: the layout preset a root was written with (the writer's
+        ``layout``); a checkpoint directory is read whatever its layout.
+    :param fallback: as for :func:`asyncsave.latest`: a tracker naming a missing or
+        damaged checkpoint resolves to the newest committed one instead of raising.
+    :raises ValueError: an unknown ``layout``.
+    :raises CheckpointNotFoundError: (from ``read_metadata``) nothing committed
+        there; a root holding another layout's checkpoints names the ``layout`` to
+        pass (as :func:`asyncsave.latest` does: never read as empty).
     :raises CorruptCheckpointError: damaged manifest, ``.metadata`` or data file;
         :class:`ChecksumMismatchError` for altered bytes.
     """
@@ -396,24 +641,38 @@ class StorageReader(_DcpStorageReader):
     path: str
     verify: bool = True
     filesystem: LocalFileSystem = dataclasses.field(default_factory=LocalFileSystem)
+    layout: str = "asyncsave"
+    fallback: bool = False
     _metadata: Metadata | None = None
     _dir: str | None = None
+    load_id: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
 
     def __post_init__(self) -> None:
         self.path = os.fspath(self.path)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}")
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A new load begins (a fresh ``load_id``); a ``checkpoint_id`` is the path."""
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
         self._dir = None
         self._metadata = None
+        self.load_id = str(uuid.uuid4())
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The path this reader was given (a checkpoint directory or a root)."""
+        return self.path
 
     def checkpoint_dir(self) -> Path:
         """The checkpoint directory this reader reads (a root resolves to its latest)."""
         if self._dir is None:
             p = Path(self.path)
             if not self.filesystem.exists(p / MANIFEST_NAME):
-                info = latest(p, filesystem=self.filesystem)
+                info = latest(
+                    p, layout=self.layout, fallback=self.fallback, filesystem=self.filesystem
+                )
                 if info is None:
                     raise CheckpointNotFoundError(f"no committed checkpoint in {p}", path=p)
                 p = Path(info.path)
@@ -445,6 +704,9 @@ class StorageReader(_DcpStorageReader):
         metadata = pickle.loads(blob)
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{mpath} holds no DCP Metadata", path=mpath)
+        if metadata.storage_meta is None:  # written before asyncsave recorded it
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(
