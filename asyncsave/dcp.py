@@ -57,6 +57,7 @@ import json
 import os
 import pickle
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -269,7 +270,9 @@ class StorageWriter(_DcpStorageWriter):
     :param layout: asyncsave layout preset of the final name and tracker.
     :param filesystem: the I/O layer (tests inject faults through it).
     :raises CheckpointError: from :meth:`finish` when ``step_<step>`` exists already
-        (a checkpoint is never replaced by a DCP save).
+        (a checkpoint is never replaced by a DCP save); from ``set_up_storage_writer``
+        for ``dcp.save(..., use_collectives=False)`` on several ranks (each rank would
+        commit alone; DCP's own writer then writes per-rank metadata instead).
     """
 
     root: str
@@ -302,6 +305,16 @@ class StorageWriter(_DcpStorageWriter):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", self.rank))
+        if kwargs.get("use_collectives", True) is False and _several_ranks():
+            # Without collectives every rank would plan, write and commit alone:
+            # the first rank to finish would publish only its own items as step_N.
+            raise CheckpointError(
+                "asyncsave.dcp.StorageWriter commits one checkpoint for all ranks and "
+                "needs dcp.save(..., use_collectives=True) when torch.distributed has "
+                "several ranks",
+                step=self.step,
+                rank=self.rank,
+            )
 
     # 2
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -388,6 +401,9 @@ class StorageReader(_DcpStorageReader):
     :param path: a checkpoint directory (``runs/exp1/step_40``), or a root, which
         resolves to the checkpoint its tracker names (:func:`asyncsave.latest`).
     :param verify: check every item's XXH3-64 checksum while reading.
+    :param load_id: DCP's id of this load, recorded in
+        ``read_metadata().storage_meta.load_id`` (as ``FileSystemReader`` does); a
+        fresh UUID at construction and at every ``reset``.
     :raises CheckpointNotFoundError: (from ``read_metadata``) nothing committed there.
     :raises CorruptCheckpointError: damaged manifest, ``.metadata`` or data file;
         :class:`ChecksumMismatchError` for altered bytes.
@@ -398,6 +414,7 @@ class StorageReader(_DcpStorageReader):
     filesystem: LocalFileSystem = dataclasses.field(default_factory=LocalFileSystem)
     _metadata: Metadata | None = None
     _dir: str | None = None
+    load_id: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
 
     def __post_init__(self) -> None:
         self.path = os.fspath(self.path)
@@ -407,6 +424,7 @@ class StorageReader(_DcpStorageReader):
             self.path = os.fspath(checkpoint_id)
         self._dir = None
         self._metadata = None
+        self.load_id = str(uuid.uuid4())
 
     def checkpoint_dir(self) -> Path:
         """The checkpoint directory this reader reads (a root resolves to its latest)."""
@@ -445,6 +463,10 @@ class StorageReader(_DcpStorageReader):
         metadata = pickle.loads(blob)
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{mpath} holds no DCP Metadata", path=mpath)
+        # As DCP's FileSystemReader: the reading side records its load id.
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(
@@ -503,6 +525,12 @@ class StorageReader(_DcpStorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+def _several_ranks() -> bool:
+    """Whether this process is one of several ranks of an initialised process group."""
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
