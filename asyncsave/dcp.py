@@ -399,7 +399,9 @@ class StorageReader(_DcpStorageReader):
     against a forged checkpoint: read only checkpoints you trust, as with DCP.
 
     :param path: a checkpoint directory (``runs/exp1/step_40``), or a root, which
-        resolves to the checkpoint its tracker names (:func:`asyncsave.latest`).
+        resolves to the checkpoint its tracker names (:func:`asyncsave.latest`) each
+        time a load begins (``read_metadata``), so a reader kept across loads follows
+        new commits.
     :param verify: check every item's XXH3-64 checksum while reading.
     :param load_id: DCP's id of this load, recorded in
         ``read_metadata().storage_meta.load_id`` (as ``FileSystemReader`` does); a
@@ -439,6 +441,7 @@ class StorageReader(_DcpStorageReader):
         return Path(self._dir)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self._dir = None  # a load begins: a root resolves to its latest now
         fs, path = self.filesystem, self.checkpoint_dir()
         read_checkpoint(fs, path)  # validates the manifest and every file's size
         doc = json.loads(fs.read_bytes(path / MANIFEST_NAME))

@@ -65,6 +65,7 @@ from distributed import run_ranks, values
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is unavailable or uninitialized"),
     pytest.mark.filterwarnings("ignore:`save_state_dict` is deprecated:FutureWarning"),
     pytest.mark.filterwarnings("ignore:`load_state_dict` is deprecated:FutureWarning"),
     pytest.mark.filterwarnings("ignore:Detected an existing checkpoint"),
@@ -366,7 +367,7 @@ def test_reader_records_its_load_id_in_storage_meta(tmp_path: Path) -> None:
     reader = StorageReader(tmp_path)
     meta = reader.read_metadata().storage_meta
     assert meta is not None and meta.load_id == reader.load_id
-    reader.reset()  # what dcp.load calls first: a new load
+    reader.reset()  # a new load (dcp.load calls it when given a checkpoint_id)
     again = reader.read_metadata().storage_meta
     assert again is not None and again.load_id == reader.load_id != meta.load_id
 
@@ -480,13 +481,20 @@ def test_partial_load_by_state_dict_and_by_keys(tmp_path: Path) -> None:
         dcp.load(only_model, storage_reader=reader)
         by_key = _load_state_dict_from_keys("model", storage_reader=reader)
         optim_state = _load_state_dict_from_keys("optimizer.state", storage_reader=reader)
-        return {"only_model": only_model, "by_key": by_key, "optim_state": optim_state}
+        everything = _load_state_dict_from_keys(storage_reader=reader)  # dcp_to_torch_save's way
+        return {
+            "only_model": only_model,
+            "by_key": by_key,
+            "optim_state": optim_state,
+            "everything": everything,
+        }
 
     got = on_both_backends(tmp_path, flow)
     assert_same(got["only_model"]["model"], saved["model"])
     assert_same(got["by_key"], {"model": saved["model"]})
     assert "param_groups" not in got["optim_state"]["optimizer"]
     assert_same(got["optim_state"]["optimizer"]["state"], saved["optimizer"]["state"])
+    assert_same(got["everything"], saved)
 
 
 def test_a_saved_step_is_refused_and_the_root_is_left_as_it_was(tmp_path: Path) -> None:
@@ -612,6 +620,17 @@ def test_reader_of_a_root_finds_the_checkpoint_of_any_layout(tmp_path: Path, lay
     target = {"w": torch.zeros(5)}
     load(target, tmp_path)
     assert torch.equal(target["w"], state["w"])
+
+
+def test_reader_of_a_root_kept_across_loads_reads_the_latest_each_time(tmp_path: Path) -> None:
+    """A root resolves when a load begins (``read_metadata``), not once per reader:
+    a reader kept by an evaluation loop follows the checkpoints as they commit."""
+    reader = StorageReader(tmp_path)
+    for step in (1, 2, 3):
+        save({"w": torch.full((3,), float(step))}, tmp_path, step)
+        target = {"w": torch.zeros(3)}
+        dcp.load(target, storage_reader=reader)
+        assert torch.equal(target["w"], torch.full((3,), float(step))), step
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["save", "async_save"])
