@@ -36,6 +36,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.checkpoint import (
     DefaultLoadPlanner,
@@ -128,14 +130,30 @@ def _filesystem_backend(root: Path) -> tuple[Any, Any]:
     return FileSystemWriter(root), FileSystemReader(root)
 
 
-def on_both_backends(tmp_path: Path, flow: Callable[[Any, Any], Any]) -> Any:
+def _outcome(flow: Callable[[Any, Any], Any], writer: Any, reader: Any) -> tuple[str, Any]:
+    """``("ok", value)``, or ``("raised", {rank: (type name, message)})`` for DCP's
+    ``CheckpointException`` (its traceback text names each backend's files)."""
+    try:
+        return "ok", flow(writer, reader)
+    except CheckpointException as exc:
+        return "raised", {r: (type(e).__name__, str(e)) for r, (e, _tb) in exc.failures.items()}
+
+
+def on_both_backends(
+    tmp_path: Path, flow: Callable[[Any, Any], Any], *, may_raise: bool = False
+) -> Any:
     """Run ``flow(writer, reader)`` with DCP's file-system backend and with
-    asyncsave's; the outcomes must be equal. Returns asyncsave's."""
-    outcomes = []
-    for name, backend in (("filesystem", _filesystem_backend), ("asyncsave", _asyncsave_backend)):
-        outcomes.append(flow(*backend(tmp_path / name)))
-    assert_same(outcomes[1], outcomes[0])
-    return outcomes[1]
+    asyncsave's; the outcomes (values, or the errors DCP raised on each rank when
+    ``may_raise``) must be equal. Returns asyncsave's value."""
+    fs_kind, fs_value = _outcome(flow, *_filesystem_backend(tmp_path / "filesystem"))
+    ours_kind, ours_value = _outcome(flow, *_asyncsave_backend(tmp_path / "asyncsave"))
+    assert ours_kind == fs_kind, (ours_value, fs_value)
+    if ours_kind == "raised":
+        assert may_raise, ours_value
+        assert ours_value == fs_value
+        return None
+    assert_same(ours_value, fs_value)
+    return ours_value
 
 
 def caching_planner() -> DefaultSavePlanner:
@@ -595,6 +613,65 @@ def test_nested_containers_load_as_with_dcps_backend(tmp_path: Path, flatten: bo
     if flatten:
         assert torch.equal(got["k4"][0][0], torch.full((3,), 1.5))
         assert torch.equal(got["k5"]["a"]["b"], torch.arange(4))
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool]
+
+
+@st.composite
+def _tensors(draw: st.DrawFn) -> torch.Tensor:
+    dtype = draw(st.sampled_from(_DTYPES))
+    shape = draw(st.lists(st.integers(0, 4), max_size=3))
+    seed = draw(st.integers(0, 2**31 - 1))
+    t = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) * 50
+    if draw(st.booleans()) and t.dim() == 2:
+        t = t.t()  # non-contiguous
+    return t.to(dtype)
+
+
+_leaves = st.one_of(_tensors(), st.integers(-5, 5), st.text(max_size=4))
+_trees = st.dictionaries(
+    st.text("abc", min_size=1, max_size=3),
+    st.recursive(
+        _leaves,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3),
+            st.dictionaries(st.text("xy", max_size=2), inner, max_size=3),
+        ),
+        max_leaves=6,
+    ),
+    max_size=4,
+)
+
+
+def _template(tree: Any) -> Any:
+    """The load target: the same structure, tensors zeroed, other leaves emptied."""
+    if isinstance(tree, torch.Tensor):
+        return torch.zeros_like(tree)
+    if isinstance(tree, dict):
+        return {k: _template(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_template(v) for v in tree]
+    return type(tree)()
+
+
+@settings(
+    max_examples=20,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(tree=_trees)
+def test_random_state_trees_load_as_with_dcps_backend(tmp_path: Path, tree: dict[str, Any]) -> None:
+    """Any tree of tensors (dtypes, shapes incl. empty, strides) and plain values
+    loads the same through asyncsave's writer and reader as through DCP's own."""
+    case = tmp_path / uuid.uuid4().hex
+
+    def flow(writer: Any, reader: Any) -> Any:
+        dcp.save(tree, storage_writer=writer)
+        target = _template(tree)
+        dcp.load(target, storage_reader=reader)
+        return target
+
+    on_both_backends(case, flow, may_raise=True)  # DCP refuses some templates
 
 
 # ----------------------------------- use_collectives=False (single process)
