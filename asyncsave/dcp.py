@@ -326,6 +326,9 @@ class StorageWriter(_DcpStorageWriter):
         never replaces a checkpoint. Nothing is left in ``root`` then.
     :raises RootInUseError: (from :meth:`finish`) the root's lock stayed held for
         ``lock_timeout_s``; nothing was committed, nothing is left in ``root``.
+    :raises CheckpointError: (from ``set_up_storage_writer``) ``dcp.save(...,
+        use_collectives=False)`` on several ranks (each rank would commit alone;
+        DCP's own writer then writes per-rank metadata instead).
     """
 
     root: str
@@ -431,8 +434,7 @@ class StorageWriter(_DcpStorageWriter):
         rank = kwargs.get("rank")
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if not kwargs.get("use_collectives", True) and (rank != 0 or several):
+        if not kwargs.get("use_collectives", True) and (rank != 0 or _several_ranks()):
             raise CheckpointError(
                 "asyncsave.dcp.StorageWriter commits one checkpoint for all ranks: "
                 "use_collectives=False is not supported on several ranks (each would "
@@ -624,12 +626,17 @@ class StorageReader(_DcpStorageReader):
     against a forged checkpoint: read only checkpoints you trust, as with DCP.
 
     :param path: a checkpoint directory (``runs/exp1/step_40``), or a root, which
-        resolves to the checkpoint its tracker names (:func:`asyncsave.latest`).
+        resolves to the checkpoint its tracker names (:func:`asyncsave.latest`) each
+        time a load begins (``read_metadata``), so a reader kept across loads follows
+        new commits.
     :param verify: check every item's XXH3-64 checksum while reading.
     :param layout: the layout preset a root was written with (the writer's
         ``layout``); a checkpoint directory is read whatever its layout.
     :param fallback: as for :func:`asyncsave.latest`: a tracker naming a missing or
         damaged checkpoint resolves to the newest committed one instead of raising.
+    :param load_id: DCP's id of this load, recorded in
+        ``read_metadata().storage_meta.load_id`` (as ``FileSystemReader`` does); a
+        fresh UUID at construction and at every ``reset``.
     :raises ValueError: an unknown ``layout``.
     :raises CheckpointNotFoundError: (from ``read_metadata``) nothing committed
         there; a root holding another layout's checkpoints names the ``layout`` to
@@ -680,6 +687,7 @@ class StorageReader(_DcpStorageReader):
         return Path(self._dir)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self._dir = None  # a load begins: a root resolves to its latest now
         fs, path = self.filesystem, self.checkpoint_dir()
         read_checkpoint(fs, path)  # validates the manifest and every file's size
         doc = json.loads(fs.read_bytes(path / MANIFEST_NAME))
@@ -765,6 +773,12 @@ class StorageReader(_DcpStorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+def _several_ranks() -> bool:
+    """Whether this process is one of several ranks of an initialised process group."""
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
