@@ -10,6 +10,7 @@ by ``save_timeout_s``; closing waits at most ``close_timeout_s``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -258,9 +259,25 @@ class Checkpointer:
     a bare ``finally`` replaced the training error by the flush error); on a clean
     exit a flush failure is raised.
 
+    A save is *accepted* once ``save()`` has admitted it: the checkpointer was open
+    and the step was not committed or pending, so it became a pending step (before
+    ``save()`` first waits; every ``save()`` that returned a handle was accepted).
+    Close flushes every accepted save, whatever phase it is in (waiting for the
+    staging buffer, staging, a streamed round, writing, committing, tracking,
+    retention), lazy or eager, also one whose ``save()`` call, in another task or
+    thread, has not returned yet; only the save's own failure fails it (S18: a lazy
+    save made just before leaving the block used to be refused by the closing
+    checkpointer and lost). A ``save()`` call admitted after close began, including
+    an ``overwrite`` still waiting for the earlier save of its step, raises
+    :class:`CheckpointerClosedError` and leaves nothing behind. Past
+    ``close_timeout_s`` close abandons what is left: those handles fail with
+    :class:`CheckpointTimeoutError`, and a ``save()`` still running raises
+    :class:`CheckpointerClosedError`.
+
     After any save fails, the checkpointer refuses further saves: ``save()``,
     ``wait()`` and close raise :class:`SaveFailedError`. A trainer never goes on
-    believing it is checkpointing; open a new checkpointer to go on.
+    believing it is checkpointing; open a new checkpointer to go on. Saves accepted
+    before the failure still run to their own end.
 
     Several ranks (``torch.distributed`` initialised with a world size above 1, or
     ``distributed=True``): entering creates asyncsave's own gloo group (every rank,
@@ -300,6 +317,9 @@ class Checkpointer:
         self._state = "new"
         self._pending: dict[int, SaveHandle] = {}
         self._scopes: dict[int, anyio.CancelScope] = {}
+        # Shielded scopes of accepted saves that are still staging (a lazy save's
+        # staging task, a streamed round's write): cancelled only when close gives up.
+        self._staging_scopes: set[anyio.CancelScope] = set()
         self._committed: dict[int, CheckpointInfo | None] = {}
         self._tracker: TrackerWriter | None = None
         self._lock_fd: int | None = None
@@ -429,7 +449,7 @@ class Checkpointer:
                         path=self.root,
                     )
                 )
-                for scope in list(self._scopes.values()):
+                for scope in [*self._scopes.values(), *self._staging_scopes]:
                     scope.cancel()
         # The task group's scope must be exited from outside any scope opened
         # after it; its pipelines are finished or cancelled by now, so this returns
@@ -537,7 +557,10 @@ class Checkpointer:
             not fit its data file's share of an explicit ``budget_bytes``.
         :raises ProtectedCheckpointError: overwrite of the resumed-from checkpoint.
         :raises SaveFailedError: an earlier save of this checkpointer failed.
-        :raises CheckpointerClosedError: used outside ``async with``.
+        :raises CheckpointerClosedError: used outside ``async with``, or called
+            after close began (a call admitted before is flushed by close and
+            returns its handle; see the class docstring), or still staging when
+            close gave up after ``close_timeout_s``.
         """
         return await self._save(
             step, state, overwrite=overwrite, ready=None, training_info=training_info, lazy=lazy
@@ -655,19 +678,37 @@ class Checkpointer:
     async def _snapshot_in_background(self, job: _Snapshot) -> None:
         """A lazy save's staging, as a task of the checkpointer's group: its error
         goes to the handle (``staged()`` and ``await handle`` raise it) and makes
-        the checkpointer refuse further saves, so it is never lost (invariant 3)."""
+        the checkpointer refuse further saves, so it is never lost (invariant 3).
+
+        Shielded: the save was accepted when ``save()`` returned its handle, so
+        closing flushes it like any other pending save (S18); only a close that
+        gives up after ``close_timeout_s`` cancels it."""
         try:
-            with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True) as scope, self._abandonable(scope):
                 await self._snapshot(job)
         except Exception as exc:  # already the handle's and the checkpointer's failure
             logger.error("lazy save of step %d failed while staging: %r", job.handle.step, exc)
         finally:
             self._lazy.pop(job.handle.step, None)
 
+    @contextlib.contextmanager
+    def _abandonable(self, scope: anyio.CancelScope) -> Generator[None, None, None]:
+        """Let a close that gives up after ``close_timeout_s`` cancel ``scope`` (a
+        shielded part of an accepted save that runs before its pipeline)."""
+        self._staging_scopes.add(scope)
+        try:
+            yield
+        finally:
+            self._staging_scopes.discard(scope)
+
     async def _snapshot(self, job: _Snapshot) -> None:
         """Lease the staging arena, copy the snapshot into it (streaming through it
         in rounds when the state is larger than the budget), then start the
-        background pipeline. Raises what went wrong, after failing the handle."""
+        background pipeline. Raises what went wrong, after failing the handle.
+
+        The save was accepted before this runs (its handle is pending): neither a
+        close that began meanwhile nor another save's failure stops it (S18); only
+        its own staging error, or a close that gave up after ``close_timeout_s``."""
         assert self._pool is not None and self._tg is not None
         plan, handle, step = job.plan, job.handle, job.handle.step
         lease: Lease | None = None
@@ -679,7 +720,7 @@ class Checkpointer:
             else:
                 assert self.options.budget_bytes is not None
                 lease = await self._pool.acquire(self.options.budget_bytes, pin=pin)
-            self._check_usable()  # an earlier save may have failed while we waited
+            self._check_flushing(step)
             deadline = anyio.current_time() + self.options.save_timeout_s
             if job.rounds is None:
                 await self._stage(lease, plan.entries, job, deadline)
@@ -697,24 +738,26 @@ class Checkpointer:
                     # save's deadline: a writer stuck past it is abandoned, and then
                     # may still read the arena and use its descriptors, so the arena
                     # is never reused (poisoned) and the descriptors never closed.
-                    with anyio.CancelScope(shield=True, deadline=deadline) as scope:
+                    with (
+                        anyio.CancelScope(shield=True, deadline=deadline) as scope,
+                        self._abandonable(scope),
+                    ):
                         await self._write_round(stream, pieces, lease, finish=False)
                     if scope.cancelled_caught:
                         lease.poison()
                         stream.fds = [None] * len(stream.fds)
+                        why = (
+                            f"close_timeout_s={self.options.close_timeout_s} ran out"
+                            if not self._accepting and anyio.current_time() < deadline
+                            else f"save_timeout_s={self.options.save_timeout_s} passed"
+                        )
                         raise CheckpointTimeoutError(
-                            f"writing a streamed round of step {step} outlasted "
-                            f"save_timeout_s={self.options.save_timeout_s}",
+                            f"writing a streamed round of step {step} was abandoned: {why}",
                             step=step,
                             path=stream.directory,
                         )
                 await self._stage(lease, piece_entries(plan.entries, job.rounds[-1]), job, deadline)
-            if not self._accepting:
-                raise CheckpointerClosedError(
-                    f"the Checkpointer for {self.root} closed while step {step} was staging",
-                    step=step,
-                    path=self.root,
-                )
+            self._check_flushing(step)
             plan.release_sources()
             staged_s = time.perf_counter() - job.t0
             self._tg.start_soon(self._pipeline, job, lease, staged_s, stream)
@@ -727,6 +770,22 @@ class Checkpointer:
             if isinstance(exc, OSError):  # a streamed round's write: an I/O failure
                 raise error from exc
             raise
+
+    def _check_flushing(self, step: int) -> None:
+        """Raise if close gave up (``close_timeout_s``) while the accepted save of
+        ``step`` was still before its pipeline: the task group takes no new task.
+
+        Close stops taking pipelines only once every pending save has resolved, or
+        once it gave up; an accepted save is pending until it resolves, so this
+        raises only in the second case."""
+        if not self._accepting:
+            raise CheckpointerClosedError(
+                f"the Checkpointer for {self.root} gave up on step {step} after "
+                f"close_timeout_s={self.options.close_timeout_s}, before its snapshot "
+                "was taken",
+                step=step,
+                path=self.root,
+            )
 
     async def _stage(
         self, lease: Lease, entries: list[Entry], job: _Snapshot, deadline: float
@@ -745,10 +804,19 @@ class Checkpointer:
         # Whoever shares this handle (a duplicate save() of the same step, or a
         # close waiting for it) must hear of it: nothing else will resolve it.
         step, handle = job.handle.step, job.handle
-        error = SaveFailedError(
-            f"save() of step {step} ended before its snapshot was taken: {exc!r}",
-            step=step,
-        )
+        error: SaveFailedError
+        if not self._accepting:  # close gave up on it (see _check_flushing)
+            error = CheckpointTimeoutError(
+                f"save of step {step} was abandoned when close_timeout_s="
+                f"{self.options.close_timeout_s} ran out, before its snapshot was taken",
+                step=step,
+                path=self.root,
+            )
+        else:
+            error = SaveFailedError(
+                f"save() of step {step} ended before its snapshot was taken: {exc!r}",
+                step=step,
+            )
         error.__cause__ = exc
         if job.lazy:
             # Nobody is in save() to hear of it: the checkpointer refuses further
@@ -798,7 +866,9 @@ class Checkpointer:
                 lease = await self._pool.acquire(
                     nbytes, pin=any(d.type == "cuda" for d in plan.devices)
                 )
-                self._check_usable()
+                # Accepted (pending) already: a close that began while this waited
+                # flushes it (S18); it is not refused here, which would fail the
+                # save on every rank and the close with it.
                 await stage_entries(
                     lease,
                     plan.entries,

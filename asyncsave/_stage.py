@@ -24,7 +24,12 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._errors import CheckpointTimeoutError, SaveFailedError, StagingBudgetError
+from ._errors import (
+    CheckpointerClosedError,
+    CheckpointTimeoutError,
+    SaveFailedError,
+    StagingBudgetError,
+)
 from ._plan import Entry, Plan, storage_key
 
 __all__ = [
@@ -95,6 +100,7 @@ class StagingPool:
         self._pinned = False
         self._busy = anyio.Semaphore(1)
         self._poisoned = False
+        self._closed = False
         self.allocations = 0  # how many times an arena was allocated (S10)
 
     @property
@@ -117,6 +123,11 @@ class StagingPool:
         """Wait until the arena is free, then lease its first ``nbytes`` bytes.
 
         Cancellation while waiting leaves the pool unchanged.
+
+        :raises SaveFailedError: the arena was poisoned (see :class:`Lease`).
+        :raises CheckpointerClosedError: the pool was closed while this waited (a
+            checkpointer whose close gave up after ``close_timeout_s``): nothing is
+            allocated after ``aclose()``.
         """
         self.check(nbytes)
         await self._busy.acquire()
@@ -124,6 +135,12 @@ class StagingPool:
             self._busy.release()  # wake the next waiter to the same error
             raise SaveFailedError(
                 "the staging memory was lost to device copies that never finished"
+            )
+        if self._closed:
+            self._busy.release()
+            raise CheckpointerClosedError(
+                "the staging pool was closed (the checkpointer's close gave up) while "
+                "this save waited for it"
             )
         try:
             need = max(nbytes, self.budget_bytes or 0)
@@ -163,6 +180,7 @@ class StagingPool:
         self._pinned = False
 
     async def aclose(self) -> None:
+        self._closed = True
         if self._busy.value == 0 and self._pinned and not self._poisoned:
             # A save still staging (close timed out): never unregister under it.
             self._poisoned = True

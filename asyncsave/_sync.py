@@ -158,10 +158,14 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         finally:
             self._stack = None
 
-    def _call(self, func: Any, *args: Any) -> Any:
-        if self._portal is None:
+    def _running_portal(self) -> anyio.from_thread.BlockingPortal:
+        portal = self._portal
+        if portal is None:
             raise CheckpointerClosedError("use the SyncCheckpointer inside `with`")
-        return self._portal.call(func, *args)
+        return portal
+
+    def _call(self, func: Any, *args: Any) -> Any:
+        return self._running_portal().call(func, *args)
 
     def save(
         self,
@@ -179,7 +183,11 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         # The caller's CUDA streams are per thread: mark what this thread queued
         # before the call crosses to the portal's thread.
         ready = producer_events()
-        handle = self._call(
+        # The portal of this call: another thread may begin the exit while this
+        # save is in flight; the save, once accepted, is flushed by that exit (S18)
+        # and its handle is returned all the same.
+        portal = self._running_portal()
+        handle = portal.call(
             lambda: self._ckpt._save(
                 step,
                 state,
@@ -189,8 +197,7 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
                 lazy=lazy,
             )
         )
-        assert self._portal is not None
-        return SyncSaveHandle(self._portal, handle)
+        return SyncSaveHandle(portal, handle)
 
     def wait(self) -> None:
         """Block until every pending save has committed or failed."""
