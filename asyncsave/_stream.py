@@ -138,23 +138,30 @@ def piece_entries(entries: list[Entry], pieces: list[Piece]) -> list[Entry]:
         if not _splittable(e):
             out.append(dataclasses.replace(e, staging_offset=p.arena_offset))
             continue
-        flat = _flat_bytes(e.source)
-        have = flat.numel()  # a blob's entry may be longer (zero padding)
-        src = flat[min(p.start, have) : min(p.end, have)]
-        n = p.end - p.start
-        out.append(
-            Entry(
-                name=e.name,
-                source=src,
-                nbytes=n,
-                align=1,
-                is_blob=True,  # copied as bytes; the rest of a short source is zeroed
-                dtype=torch.uint8,
-                shape=(n,),
-                staging_offset=p.arena_offset,
+        # A blob's runs: its parts (several storages, S19) and zero padding.
+        runs = e.segments() if e.is_blob else [(0, e.nbytes, _flat_bytes(e.source))]
+        for start, end, src in runs:
+            a, b = max(start, p.start), min(end, p.end)
+            if a >= b:
+                continue
+            n = b - a
+            out.append(
+                Entry(
+                    name=e.name,
+                    # copied as bytes; an empty source is n zero bytes
+                    source=_NO_BYTES if src is None else _flat_bytes(src)[a - start : b - start],
+                    nbytes=n,
+                    align=1,
+                    is_blob=True,
+                    dtype=torch.uint8,
+                    shape=(n,),
+                    staging_offset=p.arena_offset + a - p.start,
+                )
             )
-        )
     return out
+
+
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
 
 
 class StreamWriter:
