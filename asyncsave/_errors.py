@@ -8,7 +8,8 @@ know asyncsave::
     CheckpointError(Exception)
     ├── InvalidStateError(ValueError)        the state tree given to save() is bad
     │   ├── UnsupportedTypeError(TypeError)  a leaf type asyncsave cannot store
-    │   ├── UnsupportedTensorError           sparse, quantized, meta, subclass tensors
+    │   ├── UnsupportedTensorError           sparse, quantized, meta, subclass tensors,
+    │   │                                    overlapping views no storage can hold
     │   └── InvalidKeyError                  a dict key that is not str or int
     ├── InvalidStepError(ValueError)         negative, bool or non-int step
     ├── StagingBudgetError(ValueError)       a tensor that cannot be cut is larger
@@ -147,7 +148,9 @@ class UnsupportedTypeError(InvalidStateError, TypeError):
 
 class UnsupportedTensorError(InvalidStateError):
     """A tensor whose bytes cannot be captured as-is: sparse, quantized, meta,
-    nested, or a tensor subclass other than ``nn.Parameter``."""
+    nested, or a tensor subclass other than ``nn.Parameter``; or two tensors that
+    overlap in memory at a distance that is not a multiple of an element size (two
+    ``float32`` views one byte apart: no torch storage holds both as views, S19)."""
 
 
 class InvalidKeyError(InvalidStateError):
