@@ -86,6 +86,7 @@ def umask(request: pytest.FixtureRequest) -> Iterator[int]:
         os.umask(old)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 async def test_every_file_and_directory_follows_the_umask(tmp_path: Path, umask: int) -> None:
     shared = _setgid_dir(tmp_path / "shared")
     root = shared / "runs" / "exp"  # asyncsave creates both levels
@@ -384,3 +385,8 @@ async def test_the_lock_excludes_a_second_member_without_write_permission_on_it(
     )
     assert out == [["open"], ["load", 1], ["save", 2]], log
     assert asyncsave.latest(root).step == 2  # type: ignore[union-attr]
+    # A lock file the others cannot even read (made under umask 077): a typed
+    # error that names it.
+    os.chmod(root / ".asyncsave.lock", 0o600)
+    out, _ = await _as_user(team, team.bob, root, [], umask=0o022, backend=anyio_backend)
+    assert out[0][:2] == ["error", "CheckpointError"] and ".asyncsave.lock" in out[0][2], out
