@@ -209,7 +209,8 @@ def apply_retention(
     if leftovers:
         fs.fsync_dir(root)  # their renames are durable before their files go
     for path in leftovers:
-        _remove(fs, path)
+        if _remove(fs, path):
+            logger.info("retention removed the leftover %s", path.name)
     candidates: list[Candidate] = []
     for step, path in sorted(scan_steps(fs, root, layout).items()):
         try:
@@ -230,6 +231,7 @@ def apply_retention(
             # the commit marker first (remove_tree does) uncommits it in one request.
             if _remove(fs, final):
                 retired.append(step)
+                logger.info("retention removed %s", final)
             continue
         doomed = root / retired_dir_name(step)
         try:
@@ -245,7 +247,8 @@ def apply_retention(
         except OSError as exc:
             logger.warning("retention left %s for the next pass: %r", doomed, exc)
             continue
-        _remove(fs, doomed)
+        if _remove(fs, doomed):
+            logger.info("retention removed %s", final)
     return retired
 
 
@@ -257,5 +260,4 @@ def _remove(fs: LocalFileSystem, path: Path) -> bool:
     except OSError as exc:
         logger.warning("retention failed to remove %s (retried by the next pass): %r", path, exc)
         return False
-    logger.info("retention removed %s", path)
     return True
