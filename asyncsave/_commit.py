@@ -147,7 +147,7 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
         _marker.commit(fs, final)
         return
     fs.fsync_dir(tmp)
-    if overwrite and fs.exists(final):
+    if overwrite and (fs.exists(final) or fs.is_link(final)):
         try:
             fs.exchange(tmp, final)
         except OSError as exc:
@@ -159,7 +159,10 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
                 ) from exc
             raise
         fs.fsync_dir(final.parent)
-        fs.remove_tree(tmp)  # now holds the old checkpoint
+        # ``tmp`` now holds the old checkpoint, or the symlink that stood under the
+        # final name (unlinked; its target is not ours). Committed already: a
+        # failure here leaves a temporary name that the next open removes.
+        _remove_quietly(fs, tmp, "the next open removes it")
     else:
         fs.rename(tmp, final)
     fs.fsync_dir(final.parent)
@@ -168,12 +171,27 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
 def move_aside(fs: LocalFileSystem, root: Path, path: Path, step: int) -> None:
     """Move a damaged checkpoint out of every resolver's way, keeping its bytes
     (``.asyncsave-damaged-<step>-<id>``), so its step can be saved again."""
-    if not fs.exists(path):
+    if not (fs.exists(path) or fs.is_link(path)):
         return
     aside = root / aside_dir_name("damaged", step)
     logger.warning("moving damaged checkpoint %s aside to %s", path, aside.name)
     fs.rename(path, aside)
     fs.fsync_dir(root)
+
+
+def _remove_quietly(fs: LocalFileSystem, path: Path, retry: str) -> bool:
+    """Remove ``path`` (never following a symlink: ``fs.remove_tree``); a failure is
+    logged, not raised, so that one leftover never blocks the others (S22).
+
+    :param retry: when it is tried again, for the log line.
+    :returns: whether it was removed.
+    """
+    try:
+        fs.remove_tree(path)
+    except OSError as exc:
+        logger.warning("could not remove %s (%s): %r", path, retry, exc)
+        return False
+    return True
 
 
 def discard(fs: LocalFileSystem, tmp: Path) -> None:
@@ -184,6 +202,25 @@ def discard(fs: LocalFileSystem, tmp: Path) -> None:
             fs.remove_tree(tmp)
     except OSError:
         logger.warning("could not remove %s; the next open removes it", tmp, exc_info=True)
+
+
+def _move_aside(
+    fs: LocalFileSystem, root: Path, path: Path, why: str, step: int, reason: str
+) -> Path | None:
+    """Rename the final-named ``path`` (a symlink: the link itself, never its
+    target) to an aside name; a failure is logged and the entry left where it is
+    (not a committed checkpoint; retried at the next open).
+
+    :returns: the aside path, or ``None`` when the rename failed.
+    """
+    aside = root / aside_dir_name(why, step)
+    logger.warning("moving %s aside to %s: %s", path, aside.name, reason)
+    try:
+        fs.rename(path, aside)
+    except OSError as exc:
+        logger.warning("could not move %s aside (retried at the next open): %r", path, exc)
+        return None
+    return aside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,40 +246,66 @@ def recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     moves the tracker forward to the newest committed checkpoint if a crash came
     between commit and tracker update. The caller holds the root's lock
     (:func:`lock_root`).
+
+    Symlinks are never followed to delete (S22): a symlink under a temporary name is
+    unlinked; a symlink under a final name that points to a checkpoint is one (it
+    loads through the link); a file, a dangling symlink or a symlink to a file under
+    a final name is moved aside like a directory without a manifest. Each entry is
+    handled on its own: one that cannot be removed or moved is logged and retried at
+    the next open, and never stops the others.
+
+    :raises CheckpointError: the root cannot be listed, or the tracker cannot be
+        moved forward (the I/O error is ``__cause__``).
+    :raises CorruptCheckpointError: the tracker is a directory.
     """
+    try:
+        return _recover(fs, root, layout)
+    except OSError as exc:
+        raise CheckpointError(f"cannot recover checkpoint root {root}: {exc!r}", path=root) from exc
+
+
+def _recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     fs.makedirs(root)
     removed: list[Path] = []
-    for name in fs.listdir(root):
-        if is_temp_name(name):
-            path = root / name
-            if fs.is_dir(path):
-                fs.remove_tree(path)
-            else:
-                fs.unlink(path)
-            removed.append(path)
+    names = fs.listdir(root)
+    for name in names:
+        # Files, directories and symlinks alike: a symlink is unlinked, never
+        # followed. One that cannot be removed is logged and left for the next open.
+        if is_temp_name(name) and _remove_quietly(fs, root / name, "retried at the next open"):
+            removed.append(root / name)
+    steps = scan_steps(fs, root, layout)
+    for name in names:
+        step = layout.parse_dir_name(name)
+        if (
+            step is not None
+            and step not in steps
+            and (fs.exists(root / name) or fs.is_link(root / name))
+        ):
+            # A file, a dangling symlink or a symlink to a file under a final name:
+            # never a checkpoint, and it would make a save of its step fail. Moved
+            # aside (the link itself, never its target), like S13's directories.
+            if _move_aside(fs, root, root / name, "incomplete", step, "it is not a directory"):
+                removed.append(root / name)
     committed: dict[int, Path] = {}
     damaged: list[Path] = []
-    for step, path in scan_steps(fs, root, layout).items():
+    for step, path in steps.items():
         if not _marker.is_committed(fs, path):
             # Object stores: a save that never wrote its marker (crashed, failed).
             logger.warning("removing %s: an uncommitted save (no commit marker)", path)
-            fs.remove_tree(path)
-            removed.append(path)
+            if _remove_quietly(fs, path, "retried at the next open"):
+                removed.append(path)
             continue
         if not fs.exists(path / MANIFEST_NAME):
             # Never a checkpoint (S13); maybe another tool's files: moved, not deleted.
-            aside = root / aside_dir_name("incomplete", step)
-            logger.warning("moving %s aside to %s: it has no manifest", path, aside.name)
-            fs.rename(path, aside)
-            removed.append(path)
+            if _move_aside(fs, root, path, "incomplete", step, "it has no manifest"):
+                removed.append(path)
             continue
         try:
             read_checkpoint(fs, path, expect_step=step)
         except CorruptCheckpointError as exc:
-            aside = root / aside_dir_name("damaged", step)
-            logger.warning("moving damaged checkpoint %s aside to %s: %s", path, aside.name, exc)
-            fs.rename(path, aside)
-            damaged.append(aside)
+            aside = _move_aside(fs, root, path, "damaged", step, str(exc))
+            if aside is not None:
+                damaged.append(aside)
             continue
         committed[step] = path
     if removed or damaged:

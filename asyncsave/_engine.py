@@ -944,6 +944,7 @@ class Checkpointer:
         blocked_s = staged_s if job.blocked_s is None else job.blocked_s
         tmp: Path | None = None if stream is None else stream.directory
         committing = False
+        renamed = False  # under its final name: committed, whatever fails after
         with anyio.CancelScope(shield=True) as scope:
             self._scopes[step] = scope
             try:
@@ -994,6 +995,7 @@ class Checkpointer:
                         committing = False  # the thread finished: nothing runs on
                         raise
                     committing = False
+                    renamed = True
                     tmp = None  # committed: nothing to discard any more
                     await self._track(step)
                 info = CheckpointInfo(
@@ -1025,7 +1027,7 @@ class Checkpointer:
                 )
             except Exception as exc:
                 error = _as_save_error(exc, step, tmp, self.options.save_timeout_s)
-                if tmp is None and error is not exc:
+                if renamed and error is not exc:
                     # Renamed already: the directory is whole and the next open
                     # takes it as committed; only what follows (the tracker) failed.
                     error = type(error)(  # a timeout stays a CheckpointTimeoutError

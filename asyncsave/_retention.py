@@ -193,15 +193,24 @@ def apply_retention(
     under a final name. On object stores (no atomic rename) its commit marker is
     deleted first instead, with the same effect (``_marker``).
 
-    Leftovers of an earlier pass whose removal failed are removed first.
+    A checkpoint that is a symlink (to another run's checkpoint, S22) is retired by
+    renaming and unlinking the link; its target is never touched, and a symlink
+    inside a checkpoint is removed as a link (``fs.remove_tree``).
 
-    :returns: the steps deleted, ascending.
-    :raises OSError: a rename or removal failed (the checkpoint is then either
-        intact under its final name or under a temporary name).
+    Each deletion is independent: one whose rename or removal fails is logged at
+    WARNING and retried by the next pass (a leftover under a retired name) or
+    stays under its final name (a failed rename); the others go on. Leftovers of
+    an earlier pass are removed first.
+
+    :returns: the steps retired (no longer under their final names), ascending.
+    :raises OSError: the root cannot be listed, or a checkpoint not read.
     """
-    for name in fs.listdir(root):
-        if is_retired_name(name):
-            fs.remove_tree(root / name)
+    leftovers = [root / name for name in fs.listdir(root) if is_retired_name(name)]
+    if leftovers:
+        fs.fsync_dir(root)  # their renames are durable before their files go
+    for path in leftovers:
+        if _remove(fs, path):
+            logger.info("retention removed the leftover %s", path.name)
     candidates: list[Candidate] = []
     for step, path in sorted(scan_steps(fs, root, layout).items()):
         try:
@@ -214,18 +223,41 @@ def apply_retention(
         return []
     guard = protected() if callable(protected) else protected
     keep = rule.keep(candidates) | set(guard) | {candidates[-1].step}
-    retired = [c.step for c in candidates if c.step not in keep]
-    for step in retired:
+    retired: list[int] = []
+    for step in (c.step for c in candidates if c.step not in keep):
         final = root / layout.dir_name(step)
         if not fs.atomic_rename:
             # Object stores (``_marker``): a rename would copy every object; deleting
             # the commit marker first (remove_tree does) uncommits it in one request.
-            fs.remove_tree(final)
-            logger.info("retention removed %s", final)
+            if _remove(fs, final):
+                retired.append(step)
+                logger.info("retention removed %s", final)
             continue
         doomed = root / retired_dir_name(step)
-        fs.rename(final, doomed)
-        fs.fsync_dir(root)
-        fs.remove_tree(doomed)
-        logger.info("retention removed %s", final)
+        try:
+            fs.rename(final, doomed)
+        except OSError as exc:
+            logger.warning(
+                "retention failed to retire %s (retried by the next pass): %r", final, exc
+            )
+            continue
+        retired.append(step)
+        try:
+            fs.fsync_dir(root)  # the rename is durable before any file goes
+        except OSError as exc:
+            logger.warning("retention left %s for the next pass: %r", doomed, exc)
+            continue
+        if _remove(fs, doomed):
+            logger.info("retention removed %s", final)
     return retired
+
+
+def _remove(fs: LocalFileSystem, path: Path) -> bool:
+    """Remove ``path``, never following a symlink; log a failure (retried by the
+    next pass or at the next open) instead of raising it."""
+    try:
+        fs.remove_tree(path)
+    except OSError as exc:
+        logger.warning("retention failed to remove %s (retried by the next pass): %r", path, exc)
+        return False
+    return True

@@ -26,8 +26,8 @@ BUGS=(
 "2|asyncsave/_commit.py|        fs.rename(tmp, final)\n    fs.fsync_dir(final.parent)|        fs.rename(tmp, final)|tests/test_power_loss.py"
 "3|asyncsave/_write.py|            digests[i] = h.hexdigest()\n        fs.fsync(fd)|            digests[i] = h.hexdigest()|tests/test_power_loss.py"
 "4|asyncsave/_engine.py|                    committing = True\n|                    committing = True\n                    await self._track(step)\n|tests/test_crash_matrix.py -k every_call"
-"5|asyncsave/_commit.py|        if is_temp_name(name):|        if False:|tests/test_crash_matrix.py -k every_call"
-"6|asyncsave/_retention.py|        fs.rename(final, doomed)\n        fs.fsync_dir(root)\n        fs.remove_tree(doomed)|        fs.remove_tree(final)|tests/test_crash_matrix.py -k every_call"
+"5|asyncsave/_commit.py|        if is_temp_name(name) and _remove_quietly(|        if False and _remove_quietly(|tests/test_crash_matrix.py -k every_call"
+"6|asyncsave/_retention.py|            fs.rename(final, doomed)\n        except OSError|            doomed = final\n        except OSError|tests/test_crash_matrix.py -k every_call"
 "7|asyncsave/_engine.py|        self._set_failure(error)\n        handle._fail(error)|        handle._fail(error)|tests/test_io_faults.py"
 "8|asyncsave/_commit.py|    try:\n        if fs.exists(tmp):\n            fs.remove_tree(tmp)|    try:\n        if False:\n            fs.remove_tree(tmp)|tests/test_io_faults.py"
 "9|asyncsave/_engine.py|    except BaseException as exc:\n        raise WorkerDiedError|    except ZeroDivisionError as exc:\n        raise WorkerDiedError|tests/test_hangs.py -k dies"
@@ -37,7 +37,7 @@ BUGS=(
 "13|asyncsave/_track.py|    text = raw.decode(\"ascii\", errors=\"replace\").strip()|    text = raw.decode(\"ascii\", errors=\"replace\").strip().lstrip(\"+-\")|tests/test_fuzz_parsers.py"
 "14|asyncsave/_manifest.py|    if digest != xxhash.xxh3_64_hexdigest(_canonical(doc)):|    if False:|tests/test_fuzz_parsers.py"
 "15|asyncsave/_engine.py|                    committing = True\n|                    committing = True\n                    await self._track(step)\n|tests/test_crash_matrix.py -k randomized"
-"16|asyncsave/_retention.py|        fs.rename(final, doomed)\n        fs.fsync_dir(root)\n        fs.remove_tree(doomed)|        fs.remove_tree(final)|tests/test_power_loss.py -k retention"
+"16|asyncsave/_retention.py|            fs.rename(final, doomed)\n        except OSError|            doomed = final\n        except OSError|tests/test_power_loss.py -k retention"
 )
 
 wanted=" $* "
