@@ -47,6 +47,7 @@ from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
+    CheckpointWarning,
     CorruptCheckpointError,
     InvalidKeyError,
     InvalidStateError,
@@ -91,6 +92,18 @@ __all__ = ["Checkpointer", "SaveHandle"]
 logger = logging.getLogger(__name__)
 
 _MAX_STEP = 2**63 - 1
+
+
+def _not_saved_again(step: int, state: str, path: Any) -> CheckpointWarning:
+    """The warning of a ``save()`` of a step already ``state`` ("committed" or "in
+    flight"): a no-op that drops the state it was given (decisions.md)."""
+    return CheckpointWarning(
+        f"step {step} is already {state}: this save() is a no-op returning the first "
+        "save's handle, and the state passed now is not written (pass overwrite=True to "
+        "replace it; or does the step counter not advance between saves?)",
+        step=step,
+        path=path,
+    )
 
 
 class SaveHandle:
@@ -535,7 +548,9 @@ class Checkpointer:
 
         :param step: the last trained step (a non-negative int). Step 0 is skipped
             unless ``save_step_zero``; a step already committed or in flight is a
-            no-op returning the first handle, unless ``overwrite``.
+            no-op returning the first handle, unless ``overwrite``. Both, and a step
+            below the tracked one, issue a :class:`CheckpointWarning` (a re-save of
+            the step this run resumed from is only logged at INFO).
         :param state: a tree of dicts (str/int keys), lists and tuples whose leaves
             are tensors (CPU or CUDA, any dtype), TensorDicts, NumPy arrays and
             scalars, plain values, :class:`Tagged` items and ``Stateful`` objects
@@ -554,7 +569,8 @@ class Checkpointer:
         :raises InvalidStateError: (or a subclass) naming the key that cannot be
             stored; nothing is written.
         :raises StagingBudgetError: a non-contiguous CPU tensor (gathered whole) does
-            not fit its data file's share of an explicit ``budget_bytes``.
+            not fit its data file's share of an explicit ``budget_bytes``, or, in a
+            save of several ranks (which does not stream), this rank's state exceeds it.
         :raises ProtectedCheckpointError: overwrite of the resumed-from checkpoint.
         :raises SaveFailedError: an earlier save of this checkpointer failed.
         :raises CheckpointerClosedError: used outside ``async with``, or called
@@ -600,12 +616,15 @@ class Checkpointer:
         if type(step) is not int or not 0 <= step <= _MAX_STEP:
             raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
         if self.tracked_step is not None and step < self.tracked_step:
-            logger.warning(
-                "saving step %d below the tracked step %d: the tracker stays at %d and "
-                "resume loads that (did the run skip load_latest()?)",
-                step,
-                self.tracked_step,
-                self.tracked_step,
+            warnings.warn(  # the user's intent is likely wrong: a warning (decisions.md)
+                CheckpointWarning(
+                    f"saving step {step} below the tracked step {self.tracked_step}: the "
+                    f"tracker stays at {self.tracked_step} and resume loads that (did the "
+                    "run skip load_latest()?)",
+                    step=step,
+                    path=self.root / self.layout.dir_name(self.tracked_step),
+                ),
+                stacklevel=3,
             )
         info_doc = check_training_info(training_info)
         if info_doc.get("step", step) != step:
@@ -615,7 +634,14 @@ class Checkpointer:
                 step=step,
             )
         if step == 0 and not self.options.save_step_zero:
-            logger.info("not saving step 0 (pass save_step_zero=True to allow it)")
+            warnings.warn(
+                CheckpointWarning(
+                    "not saving step 0: a checkpoint of the untrained state is almost always "
+                    "an off-by-one (pass save_step_zero=True to save it)",
+                    step=0,
+                ),
+                stacklevel=3,
+            )
             return SaveHandle.resolved(0, None, skipped=True)
         if step == self._resumed_step and overwrite:
             raise ProtectedCheckpointError(
@@ -625,6 +651,10 @@ class Checkpointer:
             )
         pending = self._pending.get(step)
         if pending is not None and not overwrite:
+            warnings.warn(
+                _not_saved_again(step, "in flight", self.root / self.layout.dir_name(step)),
+                stacklevel=3,
+            )
             # The first call may still be staging: the caller may mutate its
             # tensors once we return, so the snapshot must be taken by then.
             await pending._staged.wait()
@@ -634,6 +664,13 @@ class Checkpointer:
             self._check_usable()
             pending = self._pending.get(step)
         if step in self._committed and not overwrite:
+            if step == self._resumed_step:  # saving right after resuming: harmless
+                logger.info("step %d is the checkpoint this run resumed from; kept as is", step)
+            else:
+                warnings.warn(
+                    _not_saved_again(step, "committed", self.root / self.layout.dir_name(step)),
+                    stacklevel=3,
+                )
             return SaveHandle.resolved(step, await self._committed_info(step))
         if step in self._committed and not self._fs.atomic_rename:
             raise CheckpointError(

@@ -36,6 +36,13 @@ know asyncsave::
     │                                        the loader expects
     └── UnsafeLoadError(PermissionError)     a pickled leaf and pickle not allowed
 
+One warning category, issued with ``warnings.warn`` where asyncsave carries out a
+call whose intent is probably wrong (never raised unless a filter makes it an
+error)::
+
+    CheckpointWarning(UserWarning)           save() below the tracked step, of a step
+                                             already committed or in flight, of step 0
+
 The difference between :class:`CheckpointerClosedError` and
 :class:`SaveFailedError` is the one trio teaches: the first means *you* closed the
 checkpointer and then used it; the second means a save *broke* in the background,
@@ -54,6 +61,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointTimeoutError",
+    "CheckpointWarning",
     "CheckpointerClosedError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
@@ -284,3 +292,43 @@ class KindMismatchError(CheckpointError, TypeError):
 class UnsafeLoadError(CheckpointError, PermissionError):
     """The checkpoint holds pickled leaves and ``allow_pickle`` was not given to
     ``load()``. Unpickling runs arbitrary code; asyncsave never does it silently."""
+
+
+class CheckpointWarning(UserWarning):
+    """A call asyncsave carries out although the caller probably meant something
+    else. Issued with :func:`warnings.warn` (so Python's default filter prints it
+    on stderr whatever the logging setup, pytest lists it, and
+    ``-W error::asyncsave.CheckpointWarning`` turns it into an error) by
+    ``save()`` when:
+
+    * ``step`` is below the tracked step: the checkpoint commits, but the tracker
+      only moves forward, so resume loads the tracked (newer) step, not this one:
+      usually a run that did not call ``load_latest()`` over an existing root, or a
+      step counter that went back;
+    * ``step`` is already committed or in flight and ``overwrite`` is not set: the
+      call is a no-op that returns the first save's handle, so the state passed now
+      is not written (a step counter that does not advance between saves, such as
+      an epoch number saved every N iterations). A save of the step this run
+      resumed from is the exception: logged at INFO, since trainers commonly save
+      right after resuming;
+    * ``step`` is 0 and ``save_step_zero`` is off: nothing is saved.
+
+    Mistakes of this kind used to be logged (or not reported at all) and went
+    unseen under a default logging setup (issue 10, item 7). ``step`` and ``path``
+    are set as on :class:`CheckpointError`.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, path: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.step = step
+        self.path = (
+            None
+            if path is None
+            else os.fspath(path)
+            if isinstance(path, (str, os.PathLike))
+            else str(path)
+        )
+
+    def __str__(self) -> str:
+        return self.message

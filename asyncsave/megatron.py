@@ -53,13 +53,43 @@ saver does not call them; it does their work itself:
 
 Finalize functions added by the caller (``request.add_finalize_fn``) run as they
 are, in order, from a worker thread: they must not use the trainer's process group.
+
+Processes (S23). megatron-core 0.16.1 can leave three kinds of process behind:
+
+* ``FileSystemWriterAsync`` collects write results in a ``multiprocessing``
+  ``Manager().Queue()`` (``filesystem_async._get_write_results_queue``): a server
+  process *spawned* (about 270 MB, plus its resource tracker) at the first request
+  built in a process and kept in a module global for the life of that process. Only
+  ``multiprocessing``'s exit hook shuts it down, so a rank that ends by
+  ``os._exit``, a signal or a crash leaves it running with parent 1.
+* ``AsyncCallsQueue(persistent=True)`` spawns a persistent worker
+  (``PersistentAsyncCaller``) that lives until ``AsyncCallsQueue.close()``.
+* ``write_preloaded_data_multiproc`` forks one writer per bucket for each write and
+  joins them before it returns.
+
+:class:`MegatronSaver` starts no long-lived process. It runs the write function in
+this process (a worker thread), so it needs no queue between processes: between
+:meth:`~MegatronSaver.prepare` and :meth:`~MegatronSaver.save` (while the caller
+builds the request) it puts an in-process queue where megatron-core looks for its
+results queue, unless one is there already, which keeps megatron-core from
+spawning its ``Manager``, and takes it back in ``save()``; every request then
+reports its write results through a queue of its own. It never creates an
+``AsyncCallsQueue``. The forked writers are megatron-core's and end with each
+write. A ``Manager`` or persistent worker that the trainer started by using
+megatron-core's own async caller in the same process is the trainer's: the saver
+neither uses nor stops it (close the caller with ``AsyncCallsQueue.close()``, and
+end the process with ``sys.exit`` rather than ``os._exit`` so that the ``Manager``
+is shut down).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import os
+import queue
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -80,6 +110,7 @@ __all__ = ["MegatronSaver"]
 _ALIGN = 64
 _STRATEGY_FINALIZE = "_get_save_and_finalize_callbacks.<locals>.finalize_fn"
 _METADATA_FINALIZE = "save.<locals>.metadata_finalize_fn"
+_FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
 
 class MegatronSaver:
@@ -101,7 +132,7 @@ class MegatronSaver:
             )
         self.ckpt = ckpt
         self._ctx: DistContext = ckpt._dist
-        self._prepared: tuple[int, int, str] | None = None
+        self._prepared: tuple[int, int, str, queue.Queue[Any] | None] | None = None
 
     async def prepare(self, step: int) -> Path:
         """Agree on the temporary directory of ``step`` (every rank, same order as
@@ -139,7 +170,7 @@ class MegatronSaver:
         except BaseException:
             ctx.end_turn(ticket)
             raise
-        self._prepared = (step, ticket, name)
+        self._prepared = (step, ticket, name, _hold_results_queue())
         return ckpt.root / name
 
     async def save(self, step: int, request: Any) -> SaveHandle:
@@ -155,8 +186,9 @@ class MegatronSaver:
         ckpt, ctx = self.ckpt, self._ctx
         if self._prepared is None or self._prepared[0] != step:
             raise CheckpointError(f"save({step}) needs prepare({step}) first", step=step)
-        _, ticket, name = self._prepared
+        _, ticket, name, held = self._prepared
         self._prepared = None
+        _release_results_queue(held)
         t0 = time.perf_counter()
         handle = SaveHandle(step)
         ckpt._pending[step] = handle
@@ -194,6 +226,12 @@ class MegatronJob(ForeignJob):
         self.lease = lease
         self.nbytes = nbytes
         self.steps = _finalize_steps(request.finalize_fns)
+        # The write runs in this process: its results come back through a queue
+        # of this request's own, never through megatron-core's process-wide one.
+        self.results: queue.Queue[Any] = queue.Queue()
+        for kind, *rest in self.steps:
+            if kind == "strategy" and getattr(rest[0], "results_queue", None) is not None:
+                rest[0].results_queue = self.results  # None: nothing to write on this rank
 
     @classmethod
     async def stage(cls, ckpt: Checkpointer, request: Any, tmp: Path) -> MegatronJob:
@@ -241,6 +279,7 @@ class MegatronJob(ForeignJob):
         if req.async_fn is not None:
             args = list(req.async_fn_args)
             args[1] = self.buckets
+            args[2] = self.results
             await anyio.to_thread.run_sync(
                 functools.partial(req.async_fn, *args, **req.async_fn_kwargs),
                 abandon_on_cancel=True,
@@ -321,3 +360,25 @@ def _finalize_steps(fns: list[Any]) -> list[tuple[Any, ...]]:
         else:
             steps.append(("call", fn))
     return steps
+
+
+def _hold_results_queue() -> queue.Queue[Any] | None:
+    """Keep megatron-core from spawning its results ``Manager`` while the caller
+    builds a request (see the module docstring): put an in-process queue in its
+    place unless megatron-core has one already. Returns the queue put there."""
+    try:
+        fs_async = importlib.import_module(_FS_ASYNC)
+    except ImportError:
+        return None
+    if getattr(fs_async, "_results_queue", False) is not None:
+        return None  # not megatron-core 0.16's layout, or the trainer's own Manager
+    held: queue.Queue[Any] = queue.Queue()
+    setattr(fs_async, "_results_queue", held)  # noqa: B010 (a foreign module's global)
+    return held
+
+
+def _release_results_queue(held: queue.Queue[Any] | None) -> None:
+    """Take back what :func:`_hold_results_queue` put in place, if it is still there."""
+    fs_async = sys.modules.get(_FS_ASYNC)
+    if held is not None and getattr(fs_async, "_results_queue", None) is held:
+        setattr(fs_async, "_results_queue", None)  # noqa: B010 (a foreign module's global)

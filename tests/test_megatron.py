@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fs_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 import asyncsave
@@ -45,8 +47,29 @@ def sharded(t: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, Any]
     }
 
 
-def _megatron_save(rank: int, world: int, root: str, fail_rank: int, device: str) -> dict[str, Any]:
+class _TrainersOwnQueue:
+    """Stands for the results queue of a Manager the trainer started itself."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the saver used the trainer's queue ({name})")
+
+
+def _children() -> list[str]:
+    """This process's live descendants (zombies are already gone)."""
+    return [
+        " ".join(p.cmdline())
+        for p in psutil.Process().children(recursive=True)
+        if p.status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+def _megatron_save(
+    rank: int, world: int, root: str, fail_rank: int, device: str, trainers_queue: bool = False
+) -> dict[str, Any]:
     seen: dict[str, Any] = {"finalize_saw": []}
+    own = _TrainersOwnQueue()
+    if trainers_queue:
+        fs_async._results_queue = own
 
     def caller_finalize() -> None:
         # Runs after every rank's write is durable, before commit and tracker.
@@ -85,6 +108,12 @@ def _megatron_save(rank: int, world: int, root: str, fail_rank: int, device: str
                 if (Path(root) / TRACKER).exists()
                 else None
             )
+            # S23: megatron-core spawned no Manager for the saver, and its
+            # process-wide queue is as it was before prepare().
+            seen["children"] = _children()
+            seen["global_queue"] = (
+                "trainer's" if fs_async._results_queue is own else fs_async._results_queue
+            )
 
     try:
         anyio.run(main)
@@ -103,6 +132,7 @@ def test_megatron_request_runs_on_the_engine_finalize_before_commit_and_tracker(
         assert s["tracker"] == "10"
         # Megatron's finalize ran before the rename and before the tracker.
         assert s["finalize_saw"] == [(False, None)]
+        assert s["children"] == [] and s["global_queue"] is None
     final = root / "iter_0000010"
     names = sorted(p.name for p in final.iterdir())
     assert {".metadata", "common.pt", "metadata.json", "manifest.json"} <= set(names)
@@ -124,8 +154,18 @@ def test_failed_megatron_finalize_on_one_rank_commits_nothing(tmp_path: Path) ->
     for s in seen:
         assert list(s["error"]) == [1] and "injected finalize failure" in s["error"][1]
         assert s["tracker"] is None and s["close"] == "RankFailedError"
+        assert s["children"] == [] and s["global_queue"] is None
     assert not (root / "iter_0000010").exists()
     assert [p.name for p in root.iterdir() if p.name.startswith(".asyncsave-tmp")] == []
+
+
+def test_a_results_queue_the_trainer_started_is_left_alone_and_unused(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    seen = values(run_ranks(_megatron_save, 2, tmp_path, str(root), -1, "cpu", True, timeout_s=240))
+    for s in seen:
+        assert s["committed"] == (10, 2) and s["tracker"] == "10"
+        assert s["global_queue"] == "trainer's" and s["children"] == []
+    assert asyncsave.verify(root / "iter_0000010").world_size == 2
 
 
 @pytest.mark.cuda
