@@ -367,9 +367,12 @@ class StorageWriter(_DcpStorageWriter):
     def _final(self, save: _Save) -> Path:
         return save.root / LAYOUTS[self.layout].dir_name(save.step)
 
-    def _fresh(self) -> _Save:
-        _check_step(self.step)
-        return _Save(Path(self.root), self.step, str(uuid.uuid4()))
+    def _fresh(self, root: str | None = None, step: int | None = None) -> _Save:
+        """A new save of ``root`` and ``step`` (default: :attr:`root`, :attr:`step`)."""
+        root = self.root if root is None else root
+        step = self.step if step is None else step
+        _check_step(step)
+        return _Save(Path(root), step, str(uuid.uuid4()))
 
     def _upcoming(self) -> _Save:
         """This thread's save that has not begun yet (made by :meth:`reset` or
@@ -407,15 +410,21 @@ class StorageWriter(_DcpStorageWriter):
             (``runs/exp1/step_40``: the root and the step of this save), or a root
             (the step stays :attr:`step`).
         """
+        root, step = self.root, self.step
         if checkpoint_id is not None:
             path = Path(os.fspath(checkpoint_id))
-            step = LAYOUTS[self.layout].parse_dir_name(path.name)
-            if step is None:
-                self.root = os.fspath(path)
+            parsed = LAYOUTS[self.layout].parse_dir_name(path.name)
+            if parsed is None:
+                root = os.fspath(path)
             else:
-                self.root, self.step = os.fspath(path.parent), step
+                root, step = os.fspath(path.parent), parsed
+            # Kept for the saves that follow without a checkpoint_id (as DCP's own
+            # writer does); this save's state is built from the parsed values,
+            # never read back from these shared attributes, which another thread's
+            # reset may have overwritten in between (S20).
+            self.root, self.step = root, step
         self.manifest_doc = None
-        self._local.save = self._fresh()
+        self._local.save = self._fresh(root, step)
 
     def storage_meta(self) -> StorageMeta | None:
         """What DCP records in ``Metadata.storage_meta``: ``checkpoint_id`` is the
