@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import multiprocessing as mp
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,8 @@ class OpenMidSave(LocalFileSystem):
         before = leftovers(self.root)
 
         async def open_close() -> None:
-            async with asyncsave.Checkpointer(self.root):
+            # distributed=False: a lone process (an eval job), also on a rank.
+            async with asyncsave.Checkpointer(self.root, distributed=False):
                 pass
 
         anyio.run(open_close, backend=self.backend)
@@ -230,3 +232,34 @@ def test_a_failed_fsync_before_the_rename_commits_nothing(tmp_path: Path) -> Non
     assert "is committed" not in str(_cause(info))
     assert not (tmp_path / "step_2").exists()
     assert_committed(tmp_path, 1)
+
+
+# -- two ranks: the other rank's directory -----------------------------------------
+
+
+def _two_ranks_open_mid_save(rank: int, world: int, root: str) -> list[list[str]]:
+    """Rank 0 opens a Checkpointer when its ``finish`` begins: rank 1's
+    ``write_data`` has returned by then (DCP gathered its results), and rank 1's
+    directory must still be there for ``finish`` to move its files."""
+    fs = OpenMidSave(Path(root), ".metadata", "asyncio") if rank == 0 else LocalFileSystem()
+    for step in (1, 2):  # the second save releases rank 1's first lock
+        state = {f"w{rank}": torch.full((4,), float(10 * step + rank))}
+        dcp.save(state, storage_writer=StorageWriter(root, step, filesystem=fs))
+    return fs.seen if isinstance(fs, OpenMidSave) else []
+
+
+@pytest.mark.slow
+def test_a_checkpointer_opened_mid_save_leaves_every_ranks_directory(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from distributed import run_ranks, values
+
+    root = tmp_path / "run"
+    seen, _ = values(run_ranks(_two_ranks_open_mid_save, 2, tmp_path, str(root)))
+    before, after = seen
+    assert len(before) == 2 and after == before  # both ranks' directories stayed
+    for step in (1, 2):
+        out = {"w0": torch.zeros(4), "w1": torch.zeros(4)}
+        dcp.load(out, storage_reader=StorageReader(root / f"step_{step}"), no_dist=True)
+        assert torch.equal(out["w0"], torch.full((4,), 10.0 * step))
+        assert torch.equal(out["w1"], torch.full((4,), 10.0 * step + 1))
+    assert leftovers(root) == []
