@@ -41,6 +41,7 @@ __all__ = [
     "discard",
     "hold_root",
     "lock_root",
+    "make_held_temp_dir",
     "make_temp_dir",
     "recover",
 ]
@@ -124,6 +125,36 @@ def make_temp_dir(fs: LocalFileSystem, root: Path, step: int, *, final: Path | N
     return path
 
 
+def make_held_temp_dir(fs: LocalFileSystem, root: Path, step: int) -> tuple[Path, int]:
+    """:func:`make_temp_dir`, locked (``fs.lock_dir``) so that :func:`recover` in
+    another thread or process leaves it alone until the writer releases it
+    (``fs.unlock``) after its commit or removal. Used by writers that do not hold
+    the root's lock while they write (the standalone DCP writer).
+
+    A directory that recovery removed between its creation and the lock is made
+    afresh.
+
+    :returns: the directory and the descriptor holding its lock.
+    :raises CheckpointError: no directory could be created and locked (recovery
+        removed every one, 100 times).
+    """
+    for _ in range(100):
+        path = make_temp_dir(fs, root, step)
+        try:
+            fd = fs.lock_dir(path)
+        except FileNotFoundError:
+            continue  # removed before the lock: a fresh one
+        if fd is not None:
+            return path, fd
+        # Recovery holds it and is removing it: a fresh one.
+    raise CheckpointError(
+        f"could not keep a temporary directory in {root}: each was removed before "
+        "it could be locked",
+        step=step,
+        path=root,
+    )
+
+
 def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) -> None:
     """Steps 3 to 5 of the protocol: fsync ``tmp``, rename it to ``final``, fsync the
     parent.
@@ -194,6 +225,32 @@ def _remove_quietly(fs: LocalFileSystem, path: Path, retry: str) -> bool:
     return True
 
 
+def _remove_unless_held(fs: LocalFileSystem, path: Path) -> bool:
+    """Remove a temporary entry unless a live writer holds its lock
+    (:func:`make_held_temp_dir`: a standalone DCP writer that does not hold the
+    root's lock while it writes); that one is logged and left to its writer.
+
+    :returns: whether it was removed.
+    """
+    fd: int | None = None
+    if fs.is_dir(path) and not fs.is_link(path):
+        try:
+            fd = fs.lock_dir(path)
+        except FileNotFoundError:
+            return False  # gone meanwhile (its writer committed or removed it)
+        except OSError as exc:
+            logger.debug("could not lock %s before removing it: %r", path, exc)
+        else:
+            if fd is None:
+                logger.info("leaving %s: a live writer is using it", path)
+                return False
+    try:
+        return _remove_quietly(fs, path, "retried at the next open")
+    finally:
+        if fd is not None:
+            fs.unlock(fd)
+
+
 def discard(fs: LocalFileSystem, tmp: Path) -> None:
     """Remove a failed save's temporary directory; a failure here is logged (the
     next :func:`recover` removes it), never raised over the save's own error."""
@@ -236,7 +293,10 @@ class Recovered:
 def recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     """Bring ``root`` to a clean state when a checkpointer opens.
 
-    Removes temporary files and directories of saves that never committed (and, on
+    Removes temporary files and directories of saves that never committed, except
+    a directory a live writer holds locked (:func:`make_held_temp_dir`: the
+    standalone DCP writer, which writes without the root's lock), which is logged
+    and left to it (and, on
     object stores, final-named prefixes without a commit marker: ``_marker``); moves
     directories under a final name that hold no manifest (a partial directory from
     a non-atomic writer: NeMo-Automodel #3254, or another tool's files) and damaged
@@ -271,7 +331,7 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     for name in names:
         # Files, directories and symlinks alike: a symlink is unlinked, never
         # followed. One that cannot be removed is logged and left for the next open.
-        if is_temp_name(name) and _remove_quietly(fs, root / name, "retried at the next open"):
+        if is_temp_name(name) and _remove_unless_held(fs, root / name):
             removed.append(root / name)
     steps = scan_steps(fs, root, layout)
     for name in names:

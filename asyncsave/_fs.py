@@ -50,6 +50,14 @@ os.register_at_fork(after_in_child=_close_locks_in_child)
 _AT_FDCWD = -100
 
 
+def _drop(fd: int) -> None:
+    """Unlock, then close (a child forked meanwhile may hold a copy of ``fd``)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 class LocalFileSystem:
     """POSIX file-system operations with the durability calls made explicit.
 
@@ -225,8 +233,45 @@ class LocalFileSystem:
         _LOCK_FDS.add(fd)
         return fd
 
+    def lock_dir(self, path: Path) -> int | None:
+        """Take an exclusive advisory lock (``flock``) on the directory ``path``
+        itself (its own descriptor; nothing is created inside it), without waiting.
+
+        A writer holds it on its temporary directory from creation to commit or
+        removal, and recovery takes it before removing one, so that recovery never
+        removes a directory a live writer is using; a crashed writer's lock is gone
+        with its process. The lock stays with the directory across a rename.
+
+        :returns: the descriptor holding the lock (release with :meth:`unlock`), or
+            ``None`` if another open file description holds it.
+        :raises FileNotFoundError: ``path`` is gone, or was replaced by another
+            entry between the open and the lock.
+        :raises OSError: ``path`` is a symlink or no directory (``ELOOP``,
+            ``ENOTDIR``), or cannot be opened.
+        """
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except BaseException:
+            _drop(fd)
+            raise
+        held = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            _drop(fd)
+            raise FileNotFoundError(errno.ENOENT, "replaced while it was being locked", str(path))
+        _LOCK_FDS.add(fd)
+        return fd
+
     def unlock(self, fd: int) -> None:
-        """Release a lock taken by :meth:`lock`.
+        """Release a lock taken by :meth:`lock` or :meth:`lock_dir`.
 
         Unlocks explicitly before closing: a child forked a moment ago may still
         hold a copy of the descriptor (it closes it right after the fork), and a

@@ -232,6 +232,11 @@ class FsspecFileSystem(LocalFileSystem):
         a dummy handle; one saver per root is the caller's duty."""
         return 0
 
+    def lock_dir(self, path: Path) -> int | None:
+        """No lock (see :meth:`lock`; no temporary directories here: the marker
+        protocol writes under the final name). Returns a dummy handle."""
+        return 0
+
     def unlock(self, fd: int) -> None:
         """Nothing to release (see :meth:`lock`)."""
 

@@ -55,8 +55,11 @@ writer to its background process.
 The standalone writer holds the root's saver lock only for its commit: a ``finish``
 while a :class:`~asyncsave.Checkpointer` has the same root open waits up to
 ``lock_timeout_s`` and then raises ``RootInUseError`` (nothing committed, nothing
-left). Do not open a ``Checkpointer`` on a root while a ``dcp.save`` into it is in
-flight: its recovery removes temporary directories. To save DTensor / FSDP2 state
+left). A ``Checkpointer`` may be opened on the root while a ``dcp.save`` into it is
+in flight (in any thread or process): every temporary directory the writer makes
+is ``flock``-ed from its creation to its commit or removal, and recovery leaves
+those it cannot lock (a crashed writer's lock is gone with it, so its leftovers are
+removed). To save DTensor / FSDP2 state
 from a ``Checkpointer`` instead, pass it to :meth:`Checkpointer.save` (see
 ``asyncsave._dist``): it routes through DCP's planner and this writer under
 asyncsave's own collective commit (one shared temporary directory, committed by the
@@ -75,6 +78,7 @@ own DCP tests run against this backend (issue 10, item 8).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -83,6 +87,7 @@ import pickle
 import threading
 import time
 import uuid
+import weakref
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -104,7 +109,7 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ._commit import commit_dir, discard, hold_root, make_temp_dir
+from ._commit import commit_dir, discard, hold_root, make_held_temp_dir
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -112,7 +117,7 @@ from ._errors import (
     CorruptCheckpointError,
 )
 from ._format import SAFETENSORS_DTYPES, layout_files, staging_nbytes
-from ._fs import LocalFileSystem
+from ._fs import _LOCK_FDS, LocalFileSystem
 from ._load import latest, read_checkpoint
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest, torch_dtype
 from ._paths import LAYOUTS, MANIFEST_NAME
@@ -291,6 +296,9 @@ class _Save:
     rank: int = 0
     is_coordinator: bool = True
     tmp: str | None = None  # the temporary directory this rank wrote into
+    # Locks held on this save's temporary directories (``lock_dir``), released
+    # after the commit or the removal: recovery at a Checkpointer open skips them.
+    held: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +354,17 @@ class StorageWriter(_DcpStorageWriter):
         default_factory=threading.local, init=False, repr=False, compare=False
     )
 
+    # Locks of temporary directories this process wrote as a rank other than the
+    # coordinator: held until the coordinator has moved the files out and removed
+    # the directory, which no call of DCP tells this rank; released at this
+    # writer's next save (those whose directory is gone) and when it is collected.
+    _handed: dict[str, int] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _handed_lock: Any = dataclasses.field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
+
     def __post_init__(self) -> None:
         self.root = os.fspath(self.root)
         _check_step(self.step)
@@ -353,23 +372,50 @@ class StorageWriter(_DcpStorageWriter):
             raise ValueError(f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}")
         if not self.lock_timeout_s > 0:
             raise ValueError(f"lock_timeout_s={self.lock_timeout_s!r} must be > 0")
+        weakref.finalize(self, _release_all, self.filesystem, self._handed)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Saves in flight stay with their threads (DCP's process executor pickles
-        # the writer to run the save in another process).
-        return {k: v for k, v in self.__dict__.items() if k != "_local"}
+        # Saves in flight and their locks stay with this process (DCP's process
+        # executor pickles the writer to run the save in another process).
+        skip = ("_local", "_handed", "_handed_lock")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._local = threading.local()
+        self._handed = {}
+        self._handed_lock = threading.Lock()
+        weakref.finalize(self, _release_all, self.filesystem, self._handed)
+
+    def _release(self, save: _Save) -> None:
+        while save.held:
+            self.filesystem.unlock(save.held.pop())
+
+    def _hand_over(self, save: _Save) -> None:
+        """Keep this rank's directory locked after its last call (see ``_handed``)."""
+        if save.tmp is not None and save.held:
+            with self._handed_lock:
+                self._handed[os.fspath(save.root / save.tmp)] = save.held.pop()
+        self._release(save)
+
+    def _release_handed(self) -> None:
+        """Release the locks of handed-over directories that are gone (committed or
+        removed by the coordinator)."""
+        with self._handed_lock:
+            gone = [p for p in self._handed if not self.filesystem.exists(Path(p))]
+            for p in gone:
+                self.filesystem.unlock(self._handed.pop(p))
 
     # -- one save's state ---------------------------------------------------------
     def _final(self, save: _Save) -> Path:
         return save.root / LAYOUTS[self.layout].dir_name(save.step)
 
-    def _fresh(self) -> _Save:
-        _check_step(self.step)
-        return _Save(Path(self.root), self.step, str(uuid.uuid4()))
+    def _fresh(self, root: str | None = None, step: int | None = None) -> _Save:
+        """A new save of ``root`` and ``step`` (default: :attr:`root`, :attr:`step`)."""
+        root = self.root if root is None else root
+        step = self.step if step is None else step
+        _check_step(step)
+        return _Save(Path(root), step, str(uuid.uuid4()))
 
     def _upcoming(self) -> _Save:
         """This thread's save that has not begun yet (made by :meth:`reset` or
@@ -407,15 +453,21 @@ class StorageWriter(_DcpStorageWriter):
             (``runs/exp1/step_40``: the root and the step of this save), or a root
             (the step stays :attr:`step`).
         """
+        root, step = self.root, self.step
         if checkpoint_id is not None:
             path = Path(os.fspath(checkpoint_id))
-            step = LAYOUTS[self.layout].parse_dir_name(path.name)
-            if step is None:
-                self.root = os.fspath(path)
+            parsed = LAYOUTS[self.layout].parse_dir_name(path.name)
+            if parsed is None:
+                root = os.fspath(path)
             else:
-                self.root, self.step = os.fspath(path.parent), step
+                root, step = os.fspath(path.parent), parsed
+            # Kept for the saves that follow without a checkpoint_id (as DCP's own
+            # writer does); this save's state is built from the parsed values,
+            # never read back from these shared attributes, which another thread's
+            # reset may have overwritten in between (S20).
+            self.root, self.step = root, step
         self.manifest_doc = None
-        self._local.save = self._fresh()
+        self._local.save = self._fresh(root, step)
 
     def storage_meta(self) -> StorageMeta | None:
         """What DCP records in ``Metadata.storage_meta``: ``checkpoint_id`` is the
@@ -443,6 +495,7 @@ class StorageWriter(_DcpStorageWriter):
                 rank=rank,
             )
         save.started, save.rank, save.is_coordinator = True, int(rank), is_coordinator
+        self._release_handed()
         if self._commit:
             self.manifest_doc = None
 
@@ -478,15 +531,19 @@ class StorageWriter(_DcpStorageWriter):
                 locs = write_part(fs, save.root / self._tmp, save.rank, items)
             elif items:
                 fs.makedirs(save.root)
-                tmp = make_temp_dir(fs, save.root, save.step)
+                tmp, fd = make_held_temp_dir(fs, save.root, save.step)
+                save.held.append(fd)
                 save.tmp = tmp.name
                 try:
                     locs = write_part(fs, tmp, save.rank, items)
                 except BaseException:
                     discard(fs, tmp)
+                    self._release(save)
+                    save.tmp = None
                     raise
         finally:
             if not save.is_coordinator:
+                self._hand_over(save)
                 self._end()  # the coordinator's finish() is this save's last call
         results = []
         for it, loc in zip(plan.items, locs, strict=True):
@@ -516,6 +573,7 @@ class StorageWriter(_DcpStorageWriter):
         try:
             self._finish(save, metadata, results)
         finally:
+            self._release(save)  # committed (renamed) or removed by now
             self._end()
 
     def _finish(self, save: _Save, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -572,7 +630,9 @@ class StorageWriter(_DcpStorageWriter):
             raise _exists(final, step)
         if save.tmp is None:  # this rank wrote nothing
             fs.makedirs(root)
-            temps.append(make_temp_dir(fs, root, step))
+            made, fd = make_held_temp_dir(fs, root, step)
+            save.held.append(fd)
+            temps.append(made)
         tmp = root / save.tmp if save.tmp is not None else temps[-1]
         for other in temps:
             if other != tmp:  # another rank's directory: its files move in
@@ -583,7 +643,18 @@ class StorageWriter(_DcpStorageWriter):
         with hold_root(fs, root, timeout_s=self.lock_timeout_s):
             if fs.exists(final):
                 raise _exists(final, step)
-            commit_dir(fs, tmp, final, overwrite=False)
+            try:
+                commit_dir(fs, tmp, final, overwrite=False)
+            except OSError as exc:
+                if fs.exists(tmp) or not fs.exists(final):
+                    raise  # before the rename: nothing committed, every directory goes
+                raise CheckpointError(
+                    f"{final} is committed (renamed to its final name), but making the "
+                    f"rename durable (fsync of {root}) failed: {exc!r}; the tracker was "
+                    "not moved, the next Checkpointer open moves it",
+                    step=step,
+                    path=final,
+                ) from exc
             if layout.tracker_name is not None:
                 try:
                     advance_tracker(fs, root / layout.tracker_name, step)
@@ -601,6 +672,15 @@ class StorageWriter(_DcpStorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # never picked automatically: construct it explicitly
+
+
+def _release_all(fs: LocalFileSystem, handed: dict[str, int]) -> None:
+    """Release every handed-over lock of a writer that is collected."""
+    while handed:
+        fd = handed.popitem()[1]
+        if fd in _LOCK_FDS:  # not closed already (a forked child closes its copies)
+            with contextlib.suppress(OSError):
+                fs.unlock(fd)
 
 
 def _check_step(step: Any) -> None:

@@ -9,8 +9,9 @@ on an open, distributed :class:`~asyncsave.Checkpointer` instead::
 
     saver = asyncsave.megatron.MegatronSaver(ckpt)          # ckpt: distributed
     tmp = await saver.prepare(step)                         # every rank
-    request = dist_checkpointing.save(sharded_state_dict, tmp,
-                                      sharded_strategy, async_sharded_save=True)
+    with saver.building(step):                              # no Manager (S23)
+        request = dist_checkpointing.save(sharded_state_dict, tmp,
+                                          sharded_strategy, async_sharded_save=True)
     handle = await saver.save(step, request)                # returns once staged
     ...                                                     # training goes on
     await handle                                            # committed, tracked
@@ -68,12 +69,17 @@ Processes (S23). megatron-core 0.16.1 can leave three kinds of process behind:
   joins them before it returns.
 
 :class:`MegatronSaver` starts no long-lived process. It runs the write function in
-this process (a worker thread), so it needs no queue between processes: between
-:meth:`~MegatronSaver.prepare` and :meth:`~MegatronSaver.save` (while the caller
-builds the request) it puts an in-process queue where megatron-core looks for its
-results queue, unless one is there already, which keeps megatron-core from
-spawning its ``Manager``, and takes it back in ``save()``; every request then
-reports its write results through a queue of its own. It never creates an
+this process (a worker thread), so it needs no queue between processes. Inside
+:meth:`~MegatronSaver.building` (the ``with`` block around the request build, and
+nothing longer) megatron-core's ``_get_write_results_queue`` is replaced by one
+that gives the building thread an in-process queue, so megatron-core spawns no
+``Manager`` for it, and gives every other thread megatron-core's own answer;
+megatron-core's getter is back on every way out of the block, an exception
+included, and its ``_results_queue`` global is never written. (megatron-core
+0.16.1 takes no queue from the caller: ``FileSystemWriterAsync`` is made inside
+``TorchDistSaveShardedStrategy.async_save`` and calls the module's getter in
+``prepare_write_data``.) Every request then reports its write results through a
+queue of its own. It never creates an
 ``AsyncCallsQueue``. The forked writers are megatron-core's and end with each
 write. A ``Manager`` or persistent worker that the trainer started by using
 megatron-core's own async caller in the same process is the trainer's: the saver
@@ -84,13 +90,16 @@ is shut down).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
+import logging
 import os
 import queue
-import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +115,8 @@ from ._plan import Entry
 from ._stage import Lease, _destination, lease_and_stage
 
 __all__ = ["MegatronSaver"]
+
+logger = logging.getLogger(__name__)
 
 _ALIGN = 64
 _STRATEGY_FINALIZE = "_get_save_and_finalize_callbacks.<locals>.finalize_fn"
@@ -132,7 +143,7 @@ class MegatronSaver:
             )
         self.ckpt = ckpt
         self._ctx: DistContext = ckpt._dist
-        self._prepared: tuple[int, int, str, queue.Queue[Any] | None] | None = None
+        self._prepared: tuple[int, int, str] | None = None
 
     async def prepare(self, step: int) -> Path:
         """Agree on the temporary directory of ``step`` (every rank, same order as
@@ -170,8 +181,32 @@ class MegatronSaver:
         except BaseException:
             ctx.end_turn(ticket)
             raise
-        self._prepared = (step, ticket, name, _hold_results_queue())
+        self._prepared = (step, ticket, name)
         return ckpt.root / name
+
+    @contextlib.contextmanager
+    def building(self, step: int) -> Iterator[None]:
+        """Build the request of ``step`` inside this ``with`` block (after
+        :meth:`prepare`, before :meth:`save`)::
+
+            with saver.building(step):
+                request = dist_checkpointing.save(..., async_sharded_save=True)
+
+        While it lasts, megatron-core's ``FileSystemWriterAsync`` gets an in-process
+        results queue in this thread instead of spawning its ``Manager`` process
+        (S23); other threads, and this one after the block, get megatron-core's own
+        behaviour. Nothing of megatron-core is left changed on any way out of the
+        block, an exception included; a failed build leaves the prepared save as
+        it was (build again, then :meth:`save`). A request built outside the block
+        works too, but megatron-core then starts its ``Manager`` (the process's,
+        not the saver's to stop).
+
+        :raises CheckpointError: no :meth:`prepare` of ``step`` came first.
+        """
+        if self._prepared is None or self._prepared[0] != step:
+            raise CheckpointError(f"building({step}) needs prepare({step}) first", step=step)
+        with _in_process_results_queue():
+            yield
 
     async def save(self, step: int, request: Any) -> SaveHandle:
         """Stage ``request``'s tensors and run it in the background (see the module
@@ -186,9 +221,8 @@ class MegatronSaver:
         ckpt, ctx = self.ckpt, self._ctx
         if self._prepared is None or self._prepared[0] != step:
             raise CheckpointError(f"save({step}) needs prepare({step}) first", step=step)
-        _, ticket, name, held = self._prepared
+        _, ticket, name = self._prepared
         self._prepared = None
-        _release_results_queue(held)
         t0 = time.perf_counter()
         handle = SaveHandle(step)
         ckpt._pending[step] = handle
@@ -231,6 +265,11 @@ class MegatronJob(ForeignJob):
         self.results: queue.Queue[Any] = queue.Queue()
         for kind, *rest in self.steps:
             if kind == "strategy" and getattr(rest[0], "results_queue", None) is not None:
+                if not isinstance(rest[0].results_queue, queue.Queue):
+                    logger.warning(
+                        "a megatron request built outside MegatronSaver.building(): "
+                        "megatron-core started its results Manager process for it"
+                    )
                 rest[0].results_queue = self.results  # None: nothing to write on this rank
 
     @classmethod
@@ -362,23 +401,53 @@ def _finalize_steps(fns: list[Any]) -> list[tuple[Any, ...]]:
     return steps
 
 
-def _hold_results_queue() -> queue.Queue[Any] | None:
-    """Keep megatron-core from spawning its results ``Manager`` while the caller
-    builds a request (see the module docstring): put an in-process queue in its
-    place unless megatron-core has one already. Returns the queue put there."""
+# The threads inside MegatronSaver.building() (by thread id, how deep), and the
+# getter of megatron-core they replace, while any is: under _scope_lock.
+_scope_lock = threading.Lock()
+_builders: dict[int, int] = {}
+_megatron_getter: Any = None
+
+
+def _scoped_results_queue() -> Any:
+    """Stands for megatron-core's ``_get_write_results_queue`` while some thread is
+    inside :meth:`MegatronSaver.building`: that thread gets an in-process queue,
+    every other thread what megatron-core's own getter gives (its ``Manager``
+    queue), as if nothing were in place."""
+    if threading.get_ident() in _builders:
+        return queue.Queue()
+    return _megatron_getter()
+
+
+@contextlib.contextmanager
+def _in_process_results_queue() -> Iterator[None]:
+    """Put :func:`_scoped_results_queue` in megatron-core's place for the ``with``
+    block only, and take megatron-core's getter back on every way out (exceptions
+    included) once no thread is inside any more. Its ``_results_queue`` (the
+    ``Manager`` queue, or ``None``) is never touched."""
+    global _megatron_getter
     try:
         fs_async = importlib.import_module(_FS_ASYNC)
     except ImportError:
-        return None
-    if getattr(fs_async, "_results_queue", False) is not None:
-        return None  # not megatron-core 0.16's layout, or the trainer's own Manager
-    held: queue.Queue[Any] = queue.Queue()
-    setattr(fs_async, "_results_queue", held)  # noqa: B010 (a foreign module's global)
-    return held
-
-
-def _release_results_queue(held: queue.Queue[Any] | None) -> None:
-    """Take back what :func:`_hold_results_queue` put in place, if it is still there."""
-    fs_async = sys.modules.get(_FS_ASYNC)
-    if held is not None and getattr(fs_async, "_results_queue", None) is held:
-        setattr(fs_async, "_results_queue", None)  # noqa: B010 (a foreign module's global)
+        yield
+        return
+    me = threading.get_ident()
+    with _scope_lock:
+        if not _builders:
+            getter = getattr(fs_async, "_get_write_results_queue", None)
+            if getter is None:  # not megatron-core 0.16's layout: nothing to scope
+                _megatron_getter = None
+            else:
+                _megatron_getter = getter
+                setattr(fs_async, "_get_write_results_queue", _scoped_results_queue)  # noqa: B010
+        _builders[me] = _builders.get(me, 0) + 1
+    try:
+        yield
+    finally:
+        with _scope_lock:
+            _builders[me] -= 1
+            if not _builders[me]:
+                del _builders[me]
+            if not _builders and _megatron_getter is not None:
+                if getattr(fs_async, "_get_write_results_queue", None) is _scoped_results_queue:
+                    setattr(fs_async, "_get_write_results_queue", _megatron_getter)  # noqa: B010
+                _megatron_getter = None

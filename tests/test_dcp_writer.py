@@ -445,3 +445,72 @@ def test_use_collectives_false_is_refused_on_several_ranks(tmp_path: Path) -> No
         state_of(1), storage_writer=StorageWriter(tmp_path, 1), use_collectives=False, no_dist=True
     )
     assert loaded_step(tmp_path) == 1
+
+
+# -- S20: one writer, resets of overlapping saves interleaved --------------------
+
+
+class _PausingWriter(StorageWriter):
+    """A writer whose ``reset`` in the thread ``pausing`` stops right after it sets
+    the attribute ``pause_on`` until ``resume`` is set: the point where another
+    thread's ``reset`` used to overwrite what this one's save then read back."""
+
+    pause_on: Any = None
+    pausing: Any = None
+    paused: Any = None
+    resume: Any = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == self.pause_on and threading.current_thread() is self.pausing:
+            self.pausing = None  # once
+            self.paused.set()
+            if not self.resume.wait(WAIT_S):
+                raise TimeoutError("the other save never ended")
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        ("a/step_2", "a/step_3"),  # the reviewer's: step 2's state committed as step_3
+        ("a/step_2", "b/step_2"),  # same step, two roots
+        ("a/step_7", "b/step_4"),  # both differ
+        ("a", "b/step_4"),  # a root (the writer's step) against a final name
+    ],
+)
+def test_resets_of_overlapping_saves_through_one_writer_keep_their_own_step_and_root(
+    tmp_path: Path, ids: tuple[str, str]
+) -> None:
+    """S20: thread A's ``reset`` is paused after it set the writer's ``step`` (or
+    ``root``, for a root); thread B's whole save (reset included) runs meanwhile; then A's save
+    must still commit A's own root and step with A's own data."""
+    writer = _PausingWriter(tmp_path / "default", 9)
+    writer.paused, writer.resume = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def save(cid: str, value: float) -> None:
+        try:
+            state = {"w": torch.full((8,), value), "meta": {"step": value}}
+            dcp.save(state, checkpoint_id=tmp_path / cid, storage_writer=writer, no_dist=True)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    a = threading.Thread(target=save, args=(ids[0], 1.0))
+    b = threading.Thread(target=save, args=(ids[1], 2.0))
+    writer.pausing, writer.pause_on = a, "step" if "step_" in ids[0] else "root"
+    a.start()
+    try:
+        assert writer.paused.wait(WAIT_S), "thread A's reset never set root or step"
+        b.start()
+        b.join(WAIT_S)
+    finally:
+        writer.resume.set()
+        a.join(WAIT_S)
+    assert errors == []
+    for cid, value in zip(ids, (1.0, 2.0), strict=True):
+        path = tmp_path / cid
+        if "step_" not in cid:
+            path = path / "step_9"  # a root: the writer's step
+        out = {"w": torch.zeros(8), "meta": {"step": -1.0}}
+        dcp.load(out, storage_reader=StorageReader(path), no_dist=True)
+        assert out["meta"]["step"] == value and torch.equal(out["w"], torch.full((8,), value))
