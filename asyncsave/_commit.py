@@ -147,7 +147,7 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
         _marker.commit(fs, final)
         return
     fs.fsync_dir(tmp)
-    if overwrite and (fs.exists(final) or fs.is_link(final)):
+    if overwrite and fs.lexists(final):
         try:
             fs.exchange(tmp, final)
         except OSError as exc:
@@ -162,65 +162,72 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
         # ``tmp`` now holds the old checkpoint, or the symlink that stood under the
         # final name (unlinked; its target is not ours). Committed already: a
         # failure here leaves a temporary name that the next open removes.
-        _remove_quietly(fs, tmp, "the next open removes it")
+        discard(fs, tmp)
     else:
         fs.rename(tmp, final)
     fs.fsync_dir(final.parent)
 
 
-def move_aside(fs: LocalFileSystem, root: Path, path: Path, step: int) -> None:
-    """Move a damaged checkpoint out of every resolver's way, keeping its bytes
-    (``.asyncsave-damaged-<step>-<id>``), so its step can be saved again."""
-    if not (fs.exists(path) or fs.is_link(path)):
-        return
-    aside = root / aside_dir_name("damaged", step)
-    logger.warning("moving damaged checkpoint %s aside to %s", path, aside.name)
-    fs.rename(path, aside)
-    fs.fsync_dir(root)
-
-
-def _remove_quietly(fs: LocalFileSystem, path: Path, retry: str) -> bool:
-    """Remove ``path`` (never following a symlink: ``fs.remove_tree``); a failure is
-    logged, not raised, so that one leftover never blocks the others (S22).
-
-    :param retry: when it is tried again, for the log line.
-    :returns: whether it was removed.
-    """
-    try:
-        fs.remove_tree(path)
-    except OSError as exc:
-        logger.warning("could not remove %s (%s): %r", path, retry, exc)
-        return False
-    return True
-
-
-def discard(fs: LocalFileSystem, tmp: Path) -> None:
-    """Remove a failed save's temporary directory; a failure here is logged (the
-    next :func:`recover` removes it), never raised over the save's own error."""
-    try:
-        if fs.exists(tmp):
-            fs.remove_tree(tmp)
-    except OSError:
-        logger.warning("could not remove %s; the next open removes it", tmp, exc_info=True)
-
-
-def _move_aside(
-    fs: LocalFileSystem, root: Path, path: Path, why: str, step: int, reason: str
+def move_aside(
+    fs: LocalFileSystem,
+    root: Path,
+    path: Path,
+    why: str,
+    step: int,
+    reason: str,
+    *,
+    quiet: bool = True,
 ) -> Path | None:
     """Rename the final-named ``path`` (a symlink: the link itself, never its
-    target) to an aside name; a failure is logged and the entry left where it is
-    (not a committed checkpoint; retried at the next open).
+    target) to an aside name (``.asyncsave-<why>-<step>-<id>``), keeping its bytes,
+    out of every resolver's way, so that its step can be saved again. The caller
+    makes the rename durable (``fs.fsync_dir(root)``).
 
-    :returns: the aside path, or ``None`` when the rename failed.
+    :param why: the aside name's kind: ``"damaged"`` or ``"incomplete"``.
+    :param reason: why it is moved, for the log line.
+    :param quiet: log a failed rename and leave the entry where it is (retried at
+        the next open) instead of raising it.
+    :returns: the aside path, or ``None`` when there was nothing to move or the
+        rename failed (``quiet``).
+    :raises OSError: the rename failed and not ``quiet``.
     """
+    if not fs.lexists(path):
+        return None
     aside = root / aside_dir_name(why, step)
     logger.warning("moving %s aside to %s: %s", path, aside.name, reason)
     try:
         fs.rename(path, aside)
     except OSError as exc:
+        if not quiet:
+            raise
         logger.warning("could not move %s aside (retried at the next open): %r", path, exc)
         return None
     return aside
+
+
+def discard(
+    fs: LocalFileSystem, path: Path, retry: str = "the next open removes it", *, by: str = "asyncsave"
+) -> bool:
+    """Remove ``path`` if it is there (never following a symlink: ``fs.remove_tree``);
+    a failure is logged, never raised (over a failed save's own error, or so that
+    one leftover never blocks the others: S22).
+
+    :param retry: when it is tried again, for the log line.
+    :param by: who removes it, for the log line (``"retention"``).
+    :returns: whether it is gone.
+    """
+    try:
+        if fs.lexists(path):
+            fs.remove_tree(path)
+    except OSError as exc:
+        logger.warning("%s failed to remove %s (%s): %r", by, path, retry, exc)
+        return False
+    return True
+
+
+# The names recover() calls them by.
+_remove_quietly = discard
+_move_aside = move_aside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +286,7 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
         if (
             step is not None
             and step not in steps
-            and (fs.exists(root / name) or fs.is_link(root / name))
+            and fs.lexists(root / name)
         ):
             # A file, a dangling symlink or a symlink to a file under a final name:
             # never a checkpoint, and it would make a save of its step fail. Moved

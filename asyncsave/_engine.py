@@ -1272,6 +1272,11 @@ class Checkpointer:
         with self._final_lock:
             return func(*args)
 
+    def _move_damaged_aside(self, path: Path, step: int, reason: str) -> None:
+        """Move the damaged checkpoint ``path`` aside, durably (raises what fails)."""
+        if move_aside(self._fs, self.root, path, "damaged", step, reason, quiet=False):
+            self._fs.fsync_dir(self.root)
+
     async def _retain(self, step: int) -> None:
         """Apply the retention rule after the commit of ``step`` (S2, S8: never
         before), bounded by ``save_timeout_s``.
@@ -1387,7 +1392,7 @@ class Checkpointer:
                 self._committed.pop(step, None)
                 if self._dist is None and self._fs.atomic_rename:
                     await anyio.to_thread.run_sync(
-                        self._under_final_lock, move_aside, self._fs, self.root, path, step
+                        self._under_final_lock, self._move_damaged_aside, path, step, str(exc)
                     )
                 older = await anyio.to_thread.run_sync(
                     older_committed, self._fs, self.root, self.layout, step
