@@ -206,7 +206,11 @@ def move_aside(
 
 
 def discard(
-    fs: LocalFileSystem, path: Path, retry: str = "the next open removes it", *, by: str = "asyncsave"
+    fs: LocalFileSystem,
+    path: Path,
+    retry: str = "the next open removes it",
+    *,
+    by: str = "asyncsave",
 ) -> bool:
     """Remove ``path`` if it is there (never following a symlink: ``fs.remove_tree``);
     a failure is logged, never raised (over a failed save's own error, or so that
@@ -283,11 +287,7 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     steps = scan_steps(fs, root, layout)
     for name in names:
         step = layout.parse_dir_name(name)
-        if (
-            step is not None
-            and step not in steps
-            and fs.lexists(root / name)
-        ):
+        if step is not None and step not in steps and fs.lexists(root / name):
             # A file, a dangling symlink or a symlink to a file under a final name:
             # never a checkpoint, and it would make a save of its step fail. Moved
             # aside (the link itself, never its target), like S13's directories.

@@ -253,4 +253,3 @@ def apply_retention(
         if discard(fs, doomed, _RETRY, by="retention"):
             logger.info("retention removed %s", final)
     return retired
-

@@ -29,7 +29,7 @@ BUGS=(
 "5|asyncsave/_commit.py|        if is_temp_name(name) and _remove_quietly(|        if False and _remove_quietly(|tests/test_crash_matrix.py -k every_call"
 "6|asyncsave/_retention.py|            fs.rename(final, doomed)\n        except OSError|            doomed = final\n        except OSError|tests/test_crash_matrix.py -k every_call"
 "7|asyncsave/_engine.py|        self._set_failure(error)\n        handle._fail(error)|        handle._fail(error)|tests/test_io_faults.py"
-"8|asyncsave/_commit.py|    try:\n        if fs.exists(tmp):\n            fs.remove_tree(tmp)|    try:\n        if False:\n            fs.remove_tree(tmp)|tests/test_io_faults.py"
+"8|asyncsave/_commit.py|    try:\n        if fs.lexists(path):\n            fs.remove_tree(path)|    try:\n        if False:\n            fs.remove_tree(path)|tests/test_io_faults.py"
 "9|asyncsave/_engine.py|    except BaseException as exc:\n        raise WorkerDiedError|    except ZeroDivisionError as exc:\n        raise WorkerDiedError|tests/test_hangs.py -k dies"
 "10|asyncsave/_engine.py|                with anyio.fail_after(self.options.save_timeout_s):|                with anyio.fail_after(None):|tests/test_hangs.py -k stuck"
 "11|asyncsave/_load.py|        if name != \"__metadata__\" and not _well_formed(h):|        if False:|tests/test_bad_inputs.py"
