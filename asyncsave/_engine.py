@@ -562,7 +562,9 @@ class Checkpointer:
             scalars, plain values, :class:`Tagged` items and ``Stateful`` objects
             (their ``state_dict()`` is taken now).
         :param overwrite: replace a committed checkpoint of the same step
-            atomically; refused for the checkpoint this run resumed from.
+            atomically; refused for the checkpoint this run resumed from. Called
+            while an earlier save of the step is pending, it waits for that save
+            (queued: a close begun meanwhile flushes it too).
         :param training_info: flat counters and metrics describing the checkpoint
             (``{"consumed_samples": 640, "eval/reward": 0.71}``; values int,
             finite float, str, bool or None). Kept in the manifest
