@@ -178,7 +178,7 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
         _marker.commit(fs, final)
         return
     fs.fsync_dir(tmp)
-    if overwrite and (fs.exists(final) or fs.is_link(final)):
+    if overwrite and fs.lexists(final):
         try:
             fs.exchange(tmp, final)
         except OSError as exc:
@@ -193,34 +193,69 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
         # ``tmp`` now holds the old checkpoint, or the symlink that stood under the
         # final name (unlinked; its target is not ours). Committed already: a
         # failure here leaves a temporary name that the next open removes.
-        _remove_quietly(fs, tmp, "the next open removes it")
+        discard(fs, tmp)
     else:
         fs.rename(tmp, final)
     fs.fsync_dir(final.parent)
 
 
-def move_aside(fs: LocalFileSystem, root: Path, path: Path, step: int) -> None:
-    """Move a damaged checkpoint out of every resolver's way, keeping its bytes
-    (``.asyncsave-damaged-<step>-<id>``), so its step can be saved again."""
-    if not (fs.exists(path) or fs.is_link(path)):
-        return
-    aside = root / aside_dir_name("damaged", step)
-    logger.warning("moving damaged checkpoint %s aside to %s", path, aside.name)
-    fs.rename(path, aside)
-    fs.fsync_dir(root)
+def move_aside(
+    fs: LocalFileSystem,
+    root: Path,
+    path: Path,
+    why: str,
+    step: int,
+    reason: str,
+    *,
+    quiet: bool = True,
+) -> Path | None:
+    """Rename the final-named ``path`` (a symlink: the link itself, never its
+    target) to an aside name (``.asyncsave-<why>-<step>-<id>``), keeping its bytes,
+    out of every resolver's way, so that its step can be saved again. The caller
+    makes the rename durable (``fs.fsync_dir(root)``).
+
+    :param why: the aside name's kind: ``"damaged"`` or ``"incomplete"``.
+    :param reason: why it is moved, for the log line.
+    :param quiet: log a failed rename and leave the entry where it is (retried at
+        the next open) instead of raising it.
+    :returns: the aside path, or ``None`` when there was nothing to move or the
+        rename failed (``quiet``).
+    :raises OSError: the rename failed and not ``quiet``.
+    """
+    if not fs.lexists(path):
+        return None
+    aside = root / aside_dir_name(why, step)
+    logger.warning("moving %s aside to %s: %s", path, aside.name, reason)
+    try:
+        fs.rename(path, aside)
+    except OSError as exc:
+        if not quiet:
+            raise
+        logger.warning("could not move %s aside (retried at the next open): %r", path, exc)
+        return None
+    return aside
 
 
-def _remove_quietly(fs: LocalFileSystem, path: Path, retry: str) -> bool:
-    """Remove ``path`` (never following a symlink: ``fs.remove_tree``); a failure is
-    logged, not raised, so that one leftover never blocks the others (S22).
+def discard(
+    fs: LocalFileSystem,
+    path: Path,
+    retry: str = "the next open removes it",
+    *,
+    by: str = "asyncsave",
+) -> bool:
+    """Remove ``path`` if it is there (never following a symlink: ``fs.remove_tree``);
+    a failure is logged, never raised (over a failed save's own error, or so that
+    one leftover never blocks the others: S22).
 
     :param retry: when it is tried again, for the log line.
-    :returns: whether it was removed.
+    :param by: who removes it, for the log line (``"retention"``).
+    :returns: whether it is gone.
     """
     try:
-        fs.remove_tree(path)
+        if fs.lexists(path):
+            fs.remove_tree(path)
     except OSError as exc:
-        logger.warning("could not remove %s (%s): %r", path, retry, exc)
+        logger.warning("%s failed to remove %s (%s): %r", by, path, retry, exc)
         return False
     return True
 
@@ -245,39 +280,10 @@ def _remove_unless_held(fs: LocalFileSystem, path: Path) -> bool:
                 logger.info("leaving %s: a live writer is using it", path)
                 return False
     try:
-        return _remove_quietly(fs, path, "retried at the next open")
+        return discard(fs, path, "retried at the next open")
     finally:
         if fd is not None:
             fs.unlock(fd)
-
-
-def discard(fs: LocalFileSystem, tmp: Path) -> None:
-    """Remove a failed save's temporary directory; a failure here is logged (the
-    next :func:`recover` removes it), never raised over the save's own error."""
-    try:
-        if fs.exists(tmp):
-            fs.remove_tree(tmp)
-    except OSError:
-        logger.warning("could not remove %s; the next open removes it", tmp, exc_info=True)
-
-
-def _move_aside(
-    fs: LocalFileSystem, root: Path, path: Path, why: str, step: int, reason: str
-) -> Path | None:
-    """Rename the final-named ``path`` (a symlink: the link itself, never its
-    target) to an aside name; a failure is logged and the entry left where it is
-    (not a committed checkpoint; retried at the next open).
-
-    :returns: the aside path, or ``None`` when the rename failed.
-    """
-    aside = root / aside_dir_name(why, step)
-    logger.warning("moving %s aside to %s: %s", path, aside.name, reason)
-    try:
-        fs.rename(path, aside)
-    except OSError as exc:
-        logger.warning("could not move %s aside (retried at the next open): %r", path, exc)
-        return None
-    return aside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,15 +342,11 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     steps = scan_steps(fs, root, layout)
     for name in names:
         step = layout.parse_dir_name(name)
-        if (
-            step is not None
-            and step not in steps
-            and (fs.exists(root / name) or fs.is_link(root / name))
-        ):
+        if step is not None and step not in steps and fs.lexists(root / name):
             # A file, a dangling symlink or a symlink to a file under a final name:
             # never a checkpoint, and it would make a save of its step fail. Moved
             # aside (the link itself, never its target), like S13's directories.
-            if _move_aside(fs, root, root / name, "incomplete", step, "it is not a directory"):
+            if move_aside(fs, root, root / name, "incomplete", step, "it is not a directory"):
                 removed.append(root / name)
     committed: dict[int, Path] = {}
     damaged: list[Path] = []
@@ -352,18 +354,18 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
         if not _marker.is_committed(fs, path):
             # Object stores: a save that never wrote its marker (crashed, failed).
             logger.warning("removing %s: an uncommitted save (no commit marker)", path)
-            if _remove_quietly(fs, path, "retried at the next open"):
+            if discard(fs, path, "retried at the next open"):
                 removed.append(path)
             continue
         if not fs.exists(path / MANIFEST_NAME):
             # Never a checkpoint (S13); maybe another tool's files: moved, not deleted.
-            if _move_aside(fs, root, path, "incomplete", step, "it has no manifest"):
+            if move_aside(fs, root, path, "incomplete", step, "it has no manifest"):
                 removed.append(path)
             continue
         try:
             read_checkpoint(fs, path, expect_step=step)
         except CorruptCheckpointError as exc:
-            aside = _move_aside(fs, root, path, "damaged", step, str(exc))
+            aside = move_aside(fs, root, path, "damaged", step, str(exc))
             if aside is not None:
                 damaged.append(aside)
             continue
@@ -385,8 +387,8 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
         newest = max(committed, default=None)
         if newest is not None and (tracked is None or tracked < newest):
             logger.warning(
-                "tracker names step %s but step %d is committed; moving it forward",
-                tracked,
+                "%s but step %d is committed; moving it forward",
+                "there is no tracker" if tracked is None else f"the tracker names step {tracked}",
                 newest,
             )
             write_tracker(fs, tracker, newest)

@@ -329,6 +329,9 @@ class Checkpointer:
             )
         self._state = "new"
         self._pending: dict[int, SaveHandle] = {}
+        # Overwrites and updates admitted while an earlier save of their step is
+        # pending (see _queue_behind): each gate is set when it stops waiting.
+        self._queued: dict[anyio.Event, int] = {}
         self._scopes: dict[int, anyio.CancelScope] = {}
         # Shielded scopes of accepted saves that are still staging (a lazy save's
         # staging task, a streamed round's write): cancelled only when close gives up.
@@ -448,8 +451,11 @@ class Checkpointer:
         self._state = "closing"
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self.options.close_timeout_s):
-                while self._pending:
-                    await next(iter(self._pending.values()))._done.wait()
+                while self._pending or self._queued:
+                    if self._pending:
+                        await next(iter(self._pending.values()))._done.wait()
+                    else:  # an admitted overwrite about to become pending
+                        await next(iter(self._queued)).wait()
             if self._pending:
                 steps = sorted(self._pending)
                 self._set_failure(
@@ -556,7 +562,9 @@ class Checkpointer:
             scalars, plain values, :class:`Tagged` items and ``Stateful`` objects
             (their ``state_dict()`` is taken now).
         :param overwrite: replace a committed checkpoint of the same step
-            atomically; refused for the checkpoint this run resumed from.
+            atomically; refused for the checkpoint this run resumed from. Called
+            while an earlier save of the step is pending, it waits for that save
+            (queued: a close begun meanwhile flushes it too).
         :param training_info: flat counters and metrics describing the checkpoint
             (``{"consumed_samples": 640, "eval/reward": 0.71}``; values int,
             finite float, str, bool or None). Kept in the manifest
@@ -578,9 +586,65 @@ class Checkpointer:
             returns its handle; see the class docstring), or still staging when
             close gave up after ``close_timeout_s``.
         """
+        step, notes = self._vet(step, overwrite)
+        for note in notes:  # the caller's line (save() is a coroutine awaited there)
+            warnings.warn(note, stacklevel=2)
         return await self._save(
             step, state, overwrite=overwrite, ready=None, training_info=training_info, lazy=lazy
         )
+
+    def _vet(self, step: Any, overwrite: bool) -> tuple[int, list[CheckpointWarning]]:
+        """The checks of :meth:`save` that need no waiting: the step as an int, and
+        the :class:`CheckpointWarning` objects the call deserves (below the tracked
+        step, step 0 skipped, already committed or in flight).
+
+        Nothing waits here, so nothing changes between this and the ``_save`` that
+        follows on the event loop. The facades issue the warnings in the caller's
+        thread with the caller's line before calling ``_save`` (an error filter
+        there stops the save); ``_save`` itself never warns: it may run on the
+        portal's thread of :class:`SyncCheckpointer`, where a warning would name
+        anyio's frames and escape the caller's filters (review of item 7).
+
+        :raises CheckpointerClosedError: see :meth:`save`.
+        :raises InvalidStepError: see :meth:`save`.
+        """
+        self._check_usable()
+        if type(step) is not int and not isinstance(step, bool):
+            try:  # NumPy and 0-dim torch integers (anything with __index__)
+                step = operator.index(step)
+            except TypeError:
+                pass
+        if type(step) is not int or not 0 <= step <= _MAX_STEP:
+            raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
+        notes: list[CheckpointWarning] = []
+        if self.tracked_step is not None and step < self.tracked_step:
+            # The user's intent is likely wrong: a warning (decisions.md).
+            notes.append(
+                CheckpointWarning(
+                    f"saving step {step} below the tracked step {self.tracked_step}: the "
+                    f"tracker stays at {self.tracked_step} and resume loads that (did the "
+                    "run skip load_latest()?)",
+                    step=step,
+                    path=self.root / self.layout.dir_name(self.tracked_step),
+                )
+            )
+        if step == 0 and not self.options.save_step_zero:
+            notes.append(
+                CheckpointWarning(
+                    "not saving step 0: a checkpoint of the untrained state is almost always "
+                    "an off-by-one (pass save_step_zero=True to save it)",
+                    step=0,
+                )
+            )
+        elif not overwrite and step in self._pending:
+            notes.append(
+                _not_saved_again(step, "in flight", self.root / self.layout.dir_name(step))
+            )
+        elif not overwrite and step in self._committed and step != self._resumed_step:
+            notes.append(
+                _not_saved_again(step, "committed", self.root / self.layout.dir_name(step))
+            )
+        return step, notes
 
     async def staged(self) -> None:
         """Wait until every lazy save of this checkpointer is staged: after this the
@@ -607,25 +671,7 @@ class Checkpointer:
         """The body of :meth:`save`; ``ready`` are CUDA events recorded by the caller's
         thread (the synchronous facade records them before crossing threads)."""
         t0 = time.perf_counter()
-        self._check_usable()
-        if type(step) is not int and not isinstance(step, bool):
-            try:  # NumPy and 0-dim torch integers (anything with __index__)
-                step = operator.index(step)
-            except TypeError:
-                pass
-        if type(step) is not int or not 0 <= step <= _MAX_STEP:
-            raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
-        if self.tracked_step is not None and step < self.tracked_step:
-            warnings.warn(  # the user's intent is likely wrong: a warning (decisions.md)
-                CheckpointWarning(
-                    f"saving step {step} below the tracked step {self.tracked_step}: the "
-                    f"tracker stays at {self.tracked_step} and resume loads that (did the "
-                    "run skip load_latest()?)",
-                    step=step,
-                    path=self.root / self.layout.dir_name(self.tracked_step),
-                ),
-                stacklevel=3,
-            )
+        step, _ = self._vet(step, overwrite)  # the caller issued its warnings
         info_doc = check_training_info(training_info)
         if info_doc.get("step", step) != step:
             raise InvalidStateError(
@@ -634,14 +680,6 @@ class Checkpointer:
                 step=step,
             )
         if step == 0 and not self.options.save_step_zero:
-            warnings.warn(
-                CheckpointWarning(
-                    "not saving step 0: a checkpoint of the untrained state is almost always "
-                    "an off-by-one (pass save_step_zero=True to save it)",
-                    step=0,
-                ),
-                stacklevel=3,
-            )
             return SaveHandle.resolved(0, None, skipped=True)
         if step == self._resumed_step and overwrite:
             raise ProtectedCheckpointError(
@@ -651,26 +689,15 @@ class Checkpointer:
             )
         pending = self._pending.get(step)
         if pending is not None and not overwrite:
-            warnings.warn(
-                _not_saved_again(step, "in flight", self.root / self.layout.dir_name(step)),
-                stacklevel=3,
-            )
             # The first call may still be staging: the caller may mutate its
             # tensors once we return, so the snapshot must be taken by then.
             await pending._staged.wait()
             return pending
-        while pending is not None:  # overwrite: one save of a step at a time
-            await pending._done.wait()
-            self._check_usable()
-            pending = self._pending.get(step)
+        if pending is not None:  # overwrite: one save of a step at a time
+            await self._queue_behind(step, "overwrite")
         if step in self._committed and not overwrite:
             if step == self._resumed_step:  # saving right after resuming: harmless
                 logger.info("step %d is the checkpoint this run resumed from; kept as is", step)
-            else:
-                warnings.warn(
-                    _not_saved_again(step, "committed", self.root / self.layout.dir_name(step)),
-                    stacklevel=3,
-                )
             return SaveHandle.resolved(step, await self._committed_info(step))
         if step in self._committed and not self._fs.atomic_rename:
             raise CheckpointError(
@@ -921,15 +948,27 @@ class Checkpointer:
                     self._set_failure(SaveFailedError(f"staging of step {step} was lost"))
                 lease.release()
             job = exc
-        if not self._accepting:
+        if not self._accepting:  # close gave up (close_timeout_s) while this staged
             if isinstance(job, PlainJob):
                 job.lease.release()
-            del self._pending[step]
-            raise CheckpointerClosedError(
+            closed = CheckpointerClosedError(
                 f"the Checkpointer for {self.root} closed while step {step} was staging",
                 step=step,
                 path=self.root,
             )
+            # As _snapshot_failed does: a duplicate save() of this step waiting on
+            # the handle's staged event, and whoever awaits it, must hear of it.
+            error = CheckpointTimeoutError(
+                f"save of step {step} was abandoned when close_timeout_s="
+                f"{self.options.close_timeout_s} ran out, before its snapshot was taken",
+                step=step,
+                path=self.root,
+            )
+            error.__cause__ = closed
+            handle._fail(error)
+            if self._pending.get(step) is handle:
+                del self._pending[step]
+            raise closed
         staged_s = time.perf_counter() - t0
         self._tg.start_soon(
             run_save,
@@ -1209,9 +1248,7 @@ class Checkpointer:
                 step=step,
                 path=path,
             )
-        while (pending := self._pending.get(step)) is not None:
-            await pending._done.wait()
-            self._check_usable()
+        await self._queue_behind(step, "update")
         old = self._committed.get(step)
         if old is None and not await anyio.to_thread.run_sync(self._fs.exists, path):
             raise CheckpointNotFoundError(
@@ -1268,9 +1305,44 @@ class Checkpointer:
             with anyio.CancelScope(shield=True):
                 await pool.aclose()
 
+    async def _queue_behind(self, step: int, what: str) -> None:
+        """Wait until no save (or update) of ``step`` is pending: an ``overwrite``
+        save or an :meth:`update` admitted while an earlier one of its step runs.
+
+        Admitted already (the checkpointer was open when it was called): queued,
+        so close waits for it and flushes it like a pending save (S18), and no
+        check after this asks whether close began or another save failed since.
+        The caller registers its own pending handle before it next awaits, so
+        close, woken by the gate, then finds it pending.
+
+        :raises CheckpointerClosedError: close gave up after ``close_timeout_s``
+            while this waited (the task group takes no new save).
+        """
+        gate = anyio.Event()
+        self._queued[gate] = step
+        try:
+            while (pending := self._pending.get(step)) is not None:
+                await pending._done.wait()
+            if not self._accepting:
+                raise CheckpointerClosedError(
+                    f"the Checkpointer for {self.root} gave up after close_timeout_s="
+                    f"{self.options.close_timeout_s} while this {what} of step {step} "
+                    "waited for the earlier save of its step",
+                    step=step,
+                    path=self.root,
+                )
+        finally:
+            del self._queued[gate]
+            gate.set()
+
     def _under_final_lock(self, func: Any, *args: Any) -> Any:
         with self._final_lock:
             return func(*args)
+
+    def _move_damaged_aside(self, path: Path, step: int, reason: str) -> None:
+        """Move the damaged checkpoint ``path`` aside, durably (raises what fails)."""
+        if move_aside(self._fs, self.root, path, "damaged", step, reason, quiet=False):
+            self._fs.fsync_dir(self.root)
 
     async def _retain(self, step: int) -> None:
         """Apply the retention rule after the commit of ``step`` (S2, S8: never
@@ -1387,7 +1459,7 @@ class Checkpointer:
                 self._committed.pop(step, None)
                 if self._dist is None and self._fs.atomic_rename:
                     await anyio.to_thread.run_sync(
-                        self._under_final_lock, move_aside, self._fs, self.root, path, step
+                        self._under_final_lock, self._move_damaged_aside, path, step, str(exc)
                     )
                 older = await anyio.to_thread.run_sync(
                     older_committed, self._fs, self.root, self.layout, step

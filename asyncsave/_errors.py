@@ -84,6 +84,14 @@ __all__ = [
 ]
 
 
+def _path_str(path: Any) -> str | None:
+    """The ``path`` attribute of errors and warnings: a str, or ``None``. A URL
+    path (``upath.UPath`` of an object store) is not os.PathLike: its ``str``."""
+    if path is None:
+        return None
+    return os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path)
+
+
 class CheckpointError(Exception):
     """Base of every error asyncsave raises on purpose.
 
@@ -106,14 +114,7 @@ class CheckpointError(Exception):
         super().__init__(message)
         self.message = message
         self.step = step
-        # A URL path (``upath.UPath`` of an object store) is not os.PathLike.
-        self.path = (
-            None
-            if path is None
-            else os.fspath(path)
-            if isinstance(path, (str, os.PathLike))
-            else str(path)
-        )
+        self.path = _path_str(path)
         self.rank = rank
         self.key = key
 
@@ -322,13 +323,7 @@ class CheckpointWarning(UserWarning):
         super().__init__(message)
         self.message = message
         self.step = step
-        self.path = (
-            None
-            if path is None
-            else os.fspath(path)
-            if isinstance(path, (str, os.PathLike))
-            else str(path)
-        )
+        self.path = _path_str(path)
 
     def __str__(self) -> str:
         return self.message

@@ -148,6 +148,11 @@ class LocalFileSystem:
     def exists(self, path: Path) -> bool:
         return path.exists()
 
+    def lexists(self, path: Path) -> bool:
+        """Whether there is an entry ``path``: ``exists`` without following a
+        symlink (a dangling one counts)."""
+        return os.path.lexists(path)
+
     def rename(self, src: Path, dst: Path) -> None:
         """Rename ``src`` to ``dst`` (a symlink is renamed, not its target); refuses
         to replace anything under ``dst``, a dangling symlink included."""

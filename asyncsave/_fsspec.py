@@ -180,11 +180,15 @@ class FsspecFileSystem(LocalFileSystem):
         self.fs.invalidate_cache(p)
         return bool(self.fs.exists(p))
 
+    def lexists(self, path: Path) -> bool:
+        """Whether there is an entry ``path``, a (dangling) symlink included."""
+        return self.exists(path) or self.is_link(path)
+
     def rename(self, src: Path, dst: Path) -> None:
         """Copy the prefix ``src`` to ``dst``, then remove ``src`` (marker first). Not
         atomic: used only to move a damaged checkpoint aside at open. A symlink
         (file systems that have them) is moved as the link."""
-        if self.exists(dst) or self.is_link(dst):
+        if self.lexists(dst):
             raise FileExistsError(errno.EEXIST, "destination exists", str(dst))
         if self.is_link(src):  # a file system with symlinks: move the link itself
             self.fs.mv(self._p(src), self._p(dst))

@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from ._commit import discard
 from ._fs import LocalFileSystem
 from ._load import read_checkpoint, scan_steps
 from ._paths import Layout, is_retired_name, retired_dir_name
@@ -29,6 +30,8 @@ from ._paths import Layout, is_retired_name, retired_dir_name
 __all__ = ["Candidate", "KeepBest", "KeepEvery", "KeepLast", "Retention", "apply_retention"]
 
 logger = logging.getLogger("asyncsave")
+
+_RETRY = "retried by the next pass"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +212,7 @@ def apply_retention(
     if leftovers:
         fs.fsync_dir(root)  # their renames are durable before their files go
     for path in leftovers:
-        if _remove(fs, path):
+        if discard(fs, path, _RETRY, by="retention"):
             logger.info("retention removed the leftover %s", path.name)
     candidates: list[Candidate] = []
     for step, path in sorted(scan_steps(fs, root, layout).items()):
@@ -229,7 +232,7 @@ def apply_retention(
         if not fs.atomic_rename:
             # Object stores (``_marker``): a rename would copy every object; deleting
             # the commit marker first (remove_tree does) uncommits it in one request.
-            if _remove(fs, final):
+            if discard(fs, final, _RETRY, by="retention"):
                 retired.append(step)
                 logger.info("retention removed %s", final)
             continue
@@ -247,17 +250,6 @@ def apply_retention(
         except OSError as exc:
             logger.warning("retention left %s for the next pass: %r", doomed, exc)
             continue
-        if _remove(fs, doomed):
+        if discard(fs, doomed, _RETRY, by="retention"):
             logger.info("retention removed %s", final)
     return retired
-
-
-def _remove(fs: LocalFileSystem, path: Path) -> bool:
-    """Remove ``path``, never following a symlink; log a failure (retried by the
-    next pass or at the next open) instead of raising it."""
-    try:
-        fs.remove_tree(path)
-    except OSError as exc:
-        logger.warning("retention failed to remove %s (retried by the next pass): %r", path, exc)
-        return False
-    return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
@@ -21,7 +22,7 @@ import anyio.from_thread
 import torch
 
 from ._engine import Checkpointer, SaveHandle
-from ._errors import CheckpointerClosedError, WaitTimeoutError
+from ._errors import CheckpointerClosedError, CheckpointWarning, WaitTimeoutError
 from ._options import CheckpointOptions
 from ._stage import producer_events
 from ._types import CheckpointInfo, Restored
@@ -187,8 +188,14 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         # save is in flight; the save, once accepted, is flushed by that exit (S18)
         # and its handle is returned all the same.
         portal = self._running_portal()
-        handle = portal.call(
-            lambda: self._ckpt._save(
+        ckpt = self._ckpt
+
+        async def save(vetted: bool) -> SaveHandle | list[CheckpointWarning]:
+            if not vetted:
+                _, notes = ckpt._vet(step, overwrite)
+                if notes:  # for the caller's thread to issue first
+                    return notes
+            return await ckpt._save(
                 step,
                 state,
                 overwrite=overwrite,
@@ -196,7 +203,17 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
                 training_info=training_info,
                 lazy=lazy,
             )
-        )
+
+        handle = portal.call(save, False)
+        if isinstance(handle, list):
+            # Issued here, not on the portal's thread: the caller's filters apply
+            # (an error filter raises before anything is saved) and the warning
+            # names the caller's line. The checks are repeated (not warned) by
+            # _save; a save of another thread in between may make these stale.
+            for note in handle:
+                warnings.warn(note, stacklevel=2)
+            handle = portal.call(save, True)
+        assert isinstance(handle, SaveHandle)
         return SyncSaveHandle(portal, handle)
 
     def wait(self) -> None:

@@ -360,10 +360,9 @@ async def test_an_accepted_save_is_not_dropped_by_an_earlier_save_failing_meanwh
 async def test_a_save_call_that_begins_after_close_began_is_refused_and_writes_nothing(
     tmp_path: Path,
 ) -> None:
-    """A ``save()`` that has not been accepted when close begins (a new call, or an
-    overwrite still waiting for the earlier save of its step) raises
-    ``CheckpointerClosedError``; nothing of it is written, the accepted save is
-    committed, and close raises nothing."""
+    """A ``save()`` called after close began raises ``CheckpointerClosedError``;
+    nothing of it is written, the accepted save is committed, and close raises
+    nothing."""
     gate = threading.Event()
     fs = FaultyFS("write", pause(gate), where=lambda p: "-tmp-1-" in p)
     refused: dict[str, BaseException] = {}
@@ -374,12 +373,6 @@ async def test_a_save_call_that_begins_after_close_began_is_refused_and_writes_n
                     await ckpt.save(1, state_of(1))
                     assert await anyio.to_thread.run_sync(fs.fired.wait, HANG_GUARD_S)
 
-                    async def overwrite() -> None:
-                        try:
-                            await ckpt.save(1, state_of(99), overwrite=True)
-                        except asyncsave.CheckpointerClosedError as exc:
-                            refused["overwrite"] = exc
-
                     async def late() -> None:
                         await until(lambda: ckpt._state != "open")
                         try:
@@ -387,15 +380,99 @@ async def test_a_save_call_that_begins_after_close_began_is_refused_and_writes_n
                         except asyncsave.CheckpointerClosedError as exc:
                             refused["late"] = exc
 
-                    tg.start_soon(overwrite)
                     tg.start_soon(late)
-                    await anyio.wait_all_tasks_blocked()  # the overwrite waits for step 1
+                    await anyio.wait_all_tasks_blocked()
                     tg.start_soon(release_when_closing, ckpt, gate)
     finally:
         gate.set()
-    assert set(refused) == {"overwrite", "late"}
+    assert set(refused) == {"late"}
     assert_committed(tmp_path, 1, state_of(1))
     assert not (tmp_path / "step_3").exists()
+
+
+@pytest.mark.parametrize("what", ["overwrite", "update", "both"])
+async def test_an_overwrite_or_update_queued_behind_its_step_when_close_begins_is_flushed(
+    tmp_path: Path, what: str
+) -> None:
+    """An ``overwrite=True`` save or an ``update()`` of a step whose earlier save
+    is still running was admitted when it was called inside the block: it waits
+    (queued) for that save, and close, begun meanwhile, flushes it too. It used to
+    be refused with "is closing; use it inside `async with`" and its state
+    dropped (review of S18)."""
+    gate = threading.Event()
+    fs = FaultyFS("write", pause(gate), where=lambda p: "-tmp-1-" in p)
+    got: dict[str, Any] = {}
+    try:
+        with anyio.fail_after(HANG_GUARD_S):
+            async with anyio.create_task_group() as tg:
+                async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+                    await ckpt.save(1, state_of(1))
+                    assert await anyio.to_thread.run_sync(fs.fired.wait, HANG_GUARD_S)
+
+                    async def overwrite() -> None:
+                        got["overwrite"] = await (await ckpt.save(1, state_of(99), overwrite=True))
+
+                    async def update() -> None:
+                        got["update"] = await ckpt.update(1, "step", 7)
+
+                    if what in ("overwrite", "both"):
+                        tg.start_soon(overwrite)
+                        await anyio.wait_all_tasks_blocked()  # queued behind step 1
+                    if what in ("update", "both"):
+                        tg.start_soon(update)
+                        await anyio.wait_all_tasks_blocked()
+                    tg.start_soon(release_when_closing, ckpt, gate)
+    finally:
+        gate.set()
+    expect = state_of(99 if what != "update" else 1)
+    if what == "update":
+        expect["step"] = 7
+    elif what == "both":  # queued together: they run in either order, one at a time
+        expect["step"] = asyncsave.load(tmp_path / "step_1")["step"]
+        assert expect["step"] in (7, 99)
+    assert set(got) == ({"overwrite", "update"} if what == "both" else {what})
+    assert all(info.step == 1 for info in got.values())
+    assert_committed(tmp_path, 1, expect)
+
+
+async def test_close_timeout_refuses_an_overwrite_still_queued_when_it_gives_up(
+    tmp_path: Path,
+) -> None:
+    """The earlier save of its step hangs past ``close_timeout_s``: close gives up,
+    and the queued overwrite raises ``CheckpointerClosedError`` saying so (it is
+    not left waiting, and nothing of it is written)."""
+    gate = threading.Event()
+    safety = threading.Timer(HANG_GUARD_S, gate.set)  # a broken close still ends
+    safety.start()
+    fs = FaultyFS("write", pause(gate), where=lambda p: "-tmp-1-" in p)
+    refused: list[BaseException] = []
+    try:
+        with anyio.fail_after(2 * HANG_GUARD_S):
+            async with anyio.create_task_group() as tg:
+                with pytest.raises(asyncsave.CheckpointTimeoutError):
+                    async with asyncsave.Checkpointer(
+                        tmp_path, filesystem=fs, close_timeout_s=0.3
+                    ) as ckpt:
+                        await ckpt.save(1, state_of(1))
+                        assert await anyio.to_thread.run_sync(fs.fired.wait, HANG_GUARD_S)
+
+                        async def overwrite() -> None:
+                            try:
+                                await ckpt.save(1, state_of(99), overwrite=True)
+                            except asyncsave.CheckpointerClosedError as exc:
+                                refused.append(exc)
+
+                        tg.start_soon(overwrite)
+                        await anyio.wait_all_tasks_blocked()
+                assert not gate.is_set()
+    finally:
+        gate.set()
+        safety.cancel()
+    assert len(refused) == 1
+    assert "close_timeout_s" in str(refused[0]) and "overwrite of step 1" in str(refused[0])
+    assert not (tmp_path / "step_1").exists()
+    async with asyncsave.Checkpointer(tmp_path) as reopened:  # removes the leftovers
+        assert await reopened.load_latest() is None
 
 
 async def test_close_timeout_still_bounds_the_flush_of_accepted_saves(tmp_path: Path) -> None:
@@ -627,3 +704,70 @@ def test_two_ranks_flush_a_save_still_inside_save_when_close_begins(
         assert_bit_exact(whole[rank], rank_state(rank, 2))
     assert (root / TRACKER).read_text() == "2"
     assert asyncsave.verify(root / "step_1").world_size == 2
+
+
+def _duplicate_of_a_save_abandoned_by_close(rank: int, world: int, root: str, backend: str) -> str:
+    """On every rank: step 1's write hangs; step 2's ``save()`` (task A) waits for
+    the staging buffer behind it and a duplicate ``save(2)`` (task B) waits for A's
+    snapshot; close gives up after ``close_timeout_s``, and only then is the write
+    released, so A finds close gone once it has staged."""
+    gate = threading.Event()
+    fs = FaultyFS("write", pause(gate), where=lambda p: "-tmp-1-" in p)
+    outcome: dict[str, Any] = {}
+
+    async def main() -> None:
+        with anyio.fail_after(20):  # only detects the hang of the old code
+            async with anyio.create_task_group() as tg:
+                with pytest.raises(asyncsave.CheckpointTimeoutError):
+                    async with asyncsave.Checkpointer(
+                        root, filesystem=fs, dist_timeout_s=30, close_timeout_s=0.5
+                    ) as ckpt:
+                        await ckpt.save(1, rank_state(rank, 1))
+                        assert await anyio.to_thread.run_sync(fs.fired.wait, HANG_GUARD_S)
+
+                        async def first() -> None:
+                            try:
+                                await ckpt.save(2, rank_state(rank, 2))
+                            except asyncsave.CheckpointerClosedError as exc:
+                                outcome["first"] = exc
+
+                        async def duplicate() -> None:
+                            with pytest.warns(asyncsave.CheckpointWarning):
+                                handle = await ckpt.save(2, rank_state(rank, 2))
+                            try:
+                                await handle
+                            except asyncsave.CheckpointTimeoutError as exc:
+                                outcome["duplicate"] = exc
+
+                        async def release_once_close_gave_up() -> None:
+                            await until(lambda: ckpt._state != "open" and not ckpt._accepting)
+                            gate.set()
+
+                        tg.start_soon(first)
+                        await until(lambda: 2 in ckpt.pending_steps)
+                        tg.start_soon(duplicate)
+                        await anyio.wait_all_tasks_blocked()
+                        tg.start_soon(release_once_close_gave_up)
+
+    try:
+        anyio.run(main, backend=backend)
+    finally:
+        gate.set()
+    assert isinstance(outcome.get("first"), asyncsave.CheckpointerClosedError), outcome
+    return str(outcome["duplicate"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_two_ranks_a_duplicate_of_a_save_abandoned_by_close_hears_of_it(
+    tmp_path: Path, backend: str
+) -> None:
+    """A save of several ranks still staging when close gave up was dropped from
+    the pending saves without failing its handle: a duplicate ``save()`` of its
+    step, waiting for that handle's snapshot, waited forever (review of S18)."""
+    root = tmp_path / "run"
+    said = values(
+        run_ranks(_duplicate_of_a_save_abandoned_by_close, 2, tmp_path, str(root), backend)
+    )
+    assert len(said) == 2 and all("close_timeout_s" in s and "step 2" in s for s in said)
+    assert not (root / "step_2").exists()
