@@ -11,12 +11,17 @@ and endpoint come from the environment as the fsspec implementation reads them
 (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``...) or from ``--storage-options JSON``.
 
 Read-only: nothing here deletes or moves files. Exit status 0 on success, 1 when a
-checkpoint fails verification or cannot be read, 2 on bad usage.
+checkpoint fails verification or cannot be read, 2 on bad usage, which includes
+``ls`` of one checkpoint and ``inspect`` of a root: the message names the command
+that fits (and ``ls``/``verify`` of a root holding only another layout's
+directories name the ``--layout`` that finds them). ``asyncsave --version`` prints
+the installed distribution's version.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import sys
@@ -44,11 +49,55 @@ def _size(n: float) -> str:
     raise AssertionError
 
 
+def _checkpoint_dir(fs: LocalFileSystem, path: Path) -> Path | None:
+    """``path`` (or its directory, for a ``manifest.json``) if it is one checkpoint."""
+    if path.name == MANIFEST_NAME and not fs.is_dir(path):
+        return path.parent
+    if fs.is_dir(path) and fs.exists(path / MANIFEST_NAME):
+        return path
+    return None
+
+
+def _steps_by_layout(fs: LocalFileSystem, root: Path) -> dict[str, dict[int, Path]]:
+    """The final-named directories under ``root`` of the layouts that have some;
+    where layouts share a directory pattern (``global_step_N``: verl and skyrl),
+    only those whose tracker file is there too, if any is."""
+    found = {name: scan_steps(fs, root, layout) for name, layout in sorted(LAYOUTS.items())}
+    found = {name: steps for name, steps in found.items() if steps}
+    tracked = {
+        name: steps
+        for name, steps in found.items()
+        if (t := LAYOUTS[name].tracker_name) is not None and fs.exists(root / t)
+    }
+    return tracked or found
+
+
+def _layout_hint(fs: LocalFileSystem, root: Path, layout_name: str) -> str | None:
+    """When ``root`` holds no directory of ``layout_name`` but some of others: say
+    which ``--layout`` finds them."""
+    others = [n for n in _steps_by_layout(fs, root) if n != layout_name]
+    if not others:
+        return None
+    options = " or ".join(f"--layout {n}" for n in others)
+    return (
+        f"no checkpoint of layout {layout_name!r} here, but directories of {others}: pass {options}"
+    )
+
+
 def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
     layout = LAYOUTS[layout_name]
     if not fs.exists(root):
         print(f"asyncsave: {root}: no such file or directory", file=sys.stderr)
         return 1
+    one = _checkpoint_dir(fs, root)
+    if one is not None:
+        print(
+            f"asyncsave: {root} is one checkpoint, not a root of checkpoints: "
+            f"`asyncsave inspect {one}` prints its state tree, `asyncsave verify {one}` "
+            f"checks it, `asyncsave ls {one.parent}` lists the root it is in",
+            file=sys.stderr,
+        )
+        return 2
     if not fs.is_dir(root):
         print(f"asyncsave: {root} is not a directory", file=sys.stderr)
         return 1
@@ -86,6 +135,8 @@ def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
     if tracked is not None and tracked not in steps:
         rc = 1
         print(f"   tracker names step {tracked}, which is missing", file=out)
+    if not steps:
+        print(f"   {_layout_hint(fs, root, layout_name) or 'no checkpoint here'}", file=out)
     for name in fs.listdir(root):
         if is_temp_name(name):
             print(
@@ -107,7 +158,10 @@ def _verify(fs: LocalFileSystem, path: Path, layout_name: str, out: TextIO) -> i
     else:
         targets = [p for _, p in sorted(scan_steps(fs, path, LAYOUTS[layout_name]).items())]
         if not targets:
-            print(f"asyncsave: no checkpoint in {path}", file=sys.stderr)
+            hint = _layout_hint(fs, path, layout_name)
+            print(
+                f"asyncsave: no checkpoint in {path}{f': {hint}' if hint else ''}", file=sys.stderr
+            )
             return 1
     rc = 0
     for target in targets:
@@ -187,6 +241,19 @@ def _inspect(fs: LocalFileSystem, path: Path, out: TextIO) -> int:
         return 1
     if path.name == MANIFEST_NAME:
         path = path.parent
+    if fs.is_dir(path) and not fs.exists(path / MANIFEST_NAME):
+        found = _steps_by_layout(fs, path)
+        if found:
+            steps = sorted(set().union(*found.values()))
+            name, by_step = next(iter(found.items()))
+            shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+            print(
+                f"asyncsave: {path} is a root of checkpoints (steps {shown}), not one "
+                f"checkpoint: `asyncsave ls {path}{'' if name == 'asyncsave' else f' --layout {name}'}` "
+                f"lists them, `asyncsave inspect {by_step[max(by_step)]}` prints one",
+                file=sys.stderr,
+            )
+            return 2
     try:
         m = read_checkpoint(fs, path, expect_step=LAYOUTS["asyncsave"].parse_dir_name(path.name))
     except CheckpointError as exc:
@@ -205,6 +272,17 @@ def _inspect(fs: LocalFileSystem, path: Path, out: TextIO) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed distribution's version (a source tree run without installing
+    it falls back to ``asyncsave.__version__``)."""
+    try:
+        return importlib.metadata.version("asyncsave")
+    except importlib.metadata.PackageNotFoundError:
+        from . import __version__
+
+        return f"{__version__} (not installed)"
+
+
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -221,6 +299,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="asyncsave", description="List, verify and inspect asyncsave checkpoints."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     p_ls = sub.add_parser("ls", help="list committed checkpoints under ROOT")
     p_ls.add_argument("root")

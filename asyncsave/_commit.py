@@ -20,9 +20,12 @@ and verl-project/verl #4667 (tracker moved before the save finished).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import _marker
@@ -32,7 +35,16 @@ from ._load import read_checkpoint, scan_steps
 from ._paths import LOCK_NAME, MANIFEST_NAME, Layout, aside_dir_name, is_temp_name, temp_dir_name
 from ._track import read_tracker, write_tracker
 
-__all__ = ["Recovered", "commit_dir", "discard", "lock_root", "make_temp_dir", "recover"]
+__all__ = [
+    "Recovered",
+    "commit_dir",
+    "discard",
+    "hold_root",
+    "lock_root",
+    "make_held_temp_dir",
+    "make_temp_dir",
+    "recover",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +73,44 @@ def lock_root(fs: LocalFileSystem, root: Path) -> int:
     return fd
 
 
+@contextlib.contextmanager
+def hold_root(fs: LocalFileSystem, root: Path, *, timeout_s: float) -> Iterator[None]:
+    """Hold the root's saver lock (:func:`lock_root`) for one commit made outside a
+    :class:`~asyncsave.Checkpointer` (the standalone DCP writer's ``finish``).
+
+    A checkpointer holds this lock for its whole life; a standalone writer holds it
+    only around its rename and tracker update, so that "does the final name exist,
+    rename, read the tracker, write it if forward" is one step for every thread and
+    process committing into ``root`` (S20: two writers that read the tracker before
+    either wrote it moved it back). Waits for the lock, polling (a ``flock`` has no
+    timed wait), at most ``timeout_s`` seconds.
+
+    :raises RootInUseError: the lock stayed held for ``timeout_s`` (a checkpointer
+        has the root open, or another writer's commit is stuck).
+    :raises CheckpointError: ``root`` cannot be created or locked.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay_s = 0.001
+    while True:
+        try:
+            fd = lock_root(fs, root)
+            break
+        except RootInUseError as exc:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise RootInUseError(
+                    f"{root} stayed locked ({LOCK_NAME}) for {timeout_s} s: a Checkpointer "
+                    "has it open (one saver per root), or another commit into it is stuck",
+                    path=root,
+                ) from exc
+            time.sleep(min(delay_s, left_s))
+            delay_s = min(2 * delay_s, 0.05)
+    try:
+        yield
+    finally:
+        fs.unlock(fd)
+
+
 def make_temp_dir(fs: LocalFileSystem, root: Path, step: int, *, final: Path | None = None) -> Path:
     """Create a fresh temporary directory for a save of ``step`` under ``root``.
 
@@ -73,6 +123,36 @@ def make_temp_dir(fs: LocalFileSystem, root: Path, step: int, *, final: Path | N
     path = root / temp_dir_name(step)
     fs.mkdir(path)
     return path
+
+
+def make_held_temp_dir(fs: LocalFileSystem, root: Path, step: int) -> tuple[Path, int]:
+    """:func:`make_temp_dir`, locked (``fs.lock_dir``) so that :func:`recover` in
+    another thread or process leaves it alone until the writer releases it
+    (``fs.unlock``) after its commit or removal. Used by writers that do not hold
+    the root's lock while they write (the standalone DCP writer).
+
+    A directory that recovery removed between its creation and the lock is made
+    afresh.
+
+    :returns: the directory and the descriptor holding its lock.
+    :raises CheckpointError: no directory could be created and locked (recovery
+        removed every one, 100 times).
+    """
+    for _ in range(100):
+        path = make_temp_dir(fs, root, step)
+        try:
+            fd = fs.lock_dir(path)
+        except FileNotFoundError:
+            continue  # removed before the lock: a fresh one
+        if fd is not None:
+            return path, fd
+        # Recovery holds it and is removing it: a fresh one.
+    raise CheckpointError(
+        f"could not keep a temporary directory in {root}: each was removed before "
+        "it could be locked",
+        step=step,
+        path=root,
+    )
 
 
 def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) -> None:
@@ -98,7 +178,7 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
         _marker.commit(fs, final)
         return
     fs.fsync_dir(tmp)
-    if overwrite and fs.exists(final):
+    if overwrite and fs.lexists(final):
         try:
             fs.exchange(tmp, final)
         except OSError as exc:
@@ -110,31 +190,100 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
                 ) from exc
             raise
         fs.fsync_dir(final.parent)
-        fs.remove_tree(tmp)  # now holds the old checkpoint
+        # ``tmp`` now holds the old checkpoint, or the symlink that stood under the
+        # final name (unlinked; its target is not ours). Committed already: a
+        # failure here leaves a temporary name that the next open removes.
+        discard(fs, tmp)
     else:
         fs.rename(tmp, final)
     fs.fsync_dir(final.parent)
 
 
-def move_aside(fs: LocalFileSystem, root: Path, path: Path, step: int) -> None:
-    """Move a damaged checkpoint out of every resolver's way, keeping its bytes
-    (``.asyncsave-damaged-<step>-<id>``), so its step can be saved again."""
-    if not fs.exists(path):
-        return
-    aside = root / aside_dir_name("damaged", step)
-    logger.warning("moving damaged checkpoint %s aside to %s", path, aside.name)
-    fs.rename(path, aside)
-    fs.fsync_dir(root)
+def move_aside(
+    fs: LocalFileSystem,
+    root: Path,
+    path: Path,
+    why: str,
+    step: int,
+    reason: str,
+    *,
+    quiet: bool = True,
+) -> Path | None:
+    """Rename the final-named ``path`` (a symlink: the link itself, never its
+    target) to an aside name (``.asyncsave-<why>-<step>-<id>``), keeping its bytes,
+    out of every resolver's way, so that its step can be saved again. The caller
+    makes the rename durable (``fs.fsync_dir(root)``).
 
-
-def discard(fs: LocalFileSystem, tmp: Path) -> None:
-    """Remove a failed save's temporary directory; a failure here is logged (the
-    next :func:`recover` removes it), never raised over the save's own error."""
+    :param why: the aside name's kind: ``"damaged"`` or ``"incomplete"``.
+    :param reason: why it is moved, for the log line.
+    :param quiet: log a failed rename and leave the entry where it is (retried at
+        the next open) instead of raising it.
+    :returns: the aside path, or ``None`` when there was nothing to move or the
+        rename failed (``quiet``).
+    :raises OSError: the rename failed and not ``quiet``.
+    """
+    if not fs.lexists(path):
+        return None
+    aside = root / aside_dir_name(why, step)
+    logger.warning("moving %s aside to %s: %s", path, aside.name, reason)
     try:
-        if fs.exists(tmp):
-            fs.remove_tree(tmp)
-    except OSError:
-        logger.warning("could not remove %s; the next open removes it", tmp, exc_info=True)
+        fs.rename(path, aside)
+    except OSError as exc:
+        if not quiet:
+            raise
+        logger.warning("could not move %s aside (retried at the next open): %r", path, exc)
+        return None
+    return aside
+
+
+def discard(
+    fs: LocalFileSystem,
+    path: Path,
+    retry: str = "the next open removes it",
+    *,
+    by: str = "asyncsave",
+) -> bool:
+    """Remove ``path`` if it is there (never following a symlink: ``fs.remove_tree``);
+    a failure is logged, never raised (over a failed save's own error, or so that
+    one leftover never blocks the others: S22).
+
+    :param retry: when it is tried again, for the log line.
+    :param by: who removes it, for the log line (``"retention"``).
+    :returns: whether it is gone.
+    """
+    try:
+        if fs.lexists(path):
+            fs.remove_tree(path)
+    except OSError as exc:
+        logger.warning("%s failed to remove %s (%s): %r", by, path, retry, exc)
+        return False
+    return True
+
+
+def _remove_unless_held(fs: LocalFileSystem, path: Path) -> bool:
+    """Remove a temporary entry unless a live writer holds its lock
+    (:func:`make_held_temp_dir`: a standalone DCP writer that does not hold the
+    root's lock while it writes); that one is logged and left to its writer.
+
+    :returns: whether it was removed.
+    """
+    fd: int | None = None
+    if fs.is_dir(path) and not fs.is_link(path):
+        try:
+            fd = fs.lock_dir(path)
+        except FileNotFoundError:
+            return False  # gone meanwhile (its writer committed or removed it)
+        except OSError as exc:
+            logger.debug("could not lock %s before removing it: %r", path, exc)
+        else:
+            if fd is None:
+                logger.info("leaving %s: a live writer is using it", path)
+                return False
+    try:
+        return discard(fs, path, "retried at the next open")
+    finally:
+        if fd is not None:
+            fs.unlock(fd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +299,10 @@ class Recovered:
 def recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     """Bring ``root`` to a clean state when a checkpointer opens.
 
-    Removes temporary files and directories of saves that never committed (and, on
+    Removes temporary files and directories of saves that never committed, except
+    a directory a live writer holds locked (:func:`make_held_temp_dir`: the
+    standalone DCP writer, which writes without the root's lock), which is logged
+    and left to it (and, on
     object stores, final-named prefixes without a commit marker: ``_marker``); moves
     directories under a final name that hold no manifest (a partial directory from
     a non-atomic writer: NeMo-Automodel #3254, or another tool's files) and damaged
@@ -160,40 +312,62 @@ def recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     moves the tracker forward to the newest committed checkpoint if a crash came
     between commit and tracker update. The caller holds the root's lock
     (:func:`lock_root`).
+
+    Symlinks are never followed to delete (S22): a symlink under a temporary name is
+    unlinked; a symlink under a final name that points to a checkpoint is one (it
+    loads through the link); a file, a dangling symlink or a symlink to a file under
+    a final name is moved aside like a directory without a manifest. Each entry is
+    handled on its own: one that cannot be removed or moved is logged and retried at
+    the next open, and never stops the others.
+
+    :raises CheckpointError: the root cannot be listed, or the tracker cannot be
+        moved forward (the I/O error is ``__cause__``).
+    :raises CorruptCheckpointError: the tracker is a directory.
     """
+    try:
+        return _recover(fs, root, layout)
+    except OSError as exc:
+        raise CheckpointError(f"cannot recover checkpoint root {root}: {exc!r}", path=root) from exc
+
+
+def _recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     fs.makedirs(root)
     removed: list[Path] = []
-    for name in fs.listdir(root):
-        if is_temp_name(name):
-            path = root / name
-            if fs.is_dir(path):
-                fs.remove_tree(path)
-            else:
-                fs.unlink(path)
-            removed.append(path)
+    names = fs.listdir(root)
+    for name in names:
+        # Files, directories and symlinks alike: a symlink is unlinked, never
+        # followed. One that cannot be removed is logged and left for the next open.
+        if is_temp_name(name) and _remove_unless_held(fs, root / name):
+            removed.append(root / name)
+    steps = scan_steps(fs, root, layout)
+    for name in names:
+        step = layout.parse_dir_name(name)
+        if step is not None and step not in steps and fs.lexists(root / name):
+            # A file, a dangling symlink or a symlink to a file under a final name:
+            # never a checkpoint, and it would make a save of its step fail. Moved
+            # aside (the link itself, never its target), like S13's directories.
+            if move_aside(fs, root, root / name, "incomplete", step, "it is not a directory"):
+                removed.append(root / name)
     committed: dict[int, Path] = {}
     damaged: list[Path] = []
-    for step, path in scan_steps(fs, root, layout).items():
+    for step, path in steps.items():
         if not _marker.is_committed(fs, path):
             # Object stores: a save that never wrote its marker (crashed, failed).
             logger.warning("removing %s: an uncommitted save (no commit marker)", path)
-            fs.remove_tree(path)
-            removed.append(path)
+            if discard(fs, path, "retried at the next open"):
+                removed.append(path)
             continue
         if not fs.exists(path / MANIFEST_NAME):
             # Never a checkpoint (S13); maybe another tool's files: moved, not deleted.
-            aside = root / aside_dir_name("incomplete", step)
-            logger.warning("moving %s aside to %s: it has no manifest", path, aside.name)
-            fs.rename(path, aside)
-            removed.append(path)
+            if move_aside(fs, root, path, "incomplete", step, "it has no manifest"):
+                removed.append(path)
             continue
         try:
             read_checkpoint(fs, path, expect_step=step)
         except CorruptCheckpointError as exc:
-            aside = root / aside_dir_name("damaged", step)
-            logger.warning("moving damaged checkpoint %s aside to %s: %s", path, aside.name, exc)
-            fs.rename(path, aside)
-            damaged.append(aside)
+            aside = move_aside(fs, root, path, "damaged", step, str(exc))
+            if aside is not None:
+                damaged.append(aside)
             continue
         committed[step] = path
     if removed or damaged:
@@ -213,8 +387,8 @@ def recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
         newest = max(committed, default=None)
         if newest is not None and (tracked is None or tracked < newest):
             logger.warning(
-                "tracker names step %s but step %d is committed; moving it forward",
-                tracked,
+                "%s but step %d is committed; moving it forward",
+                "there is no tracker" if tracked is None else f"the tracker names step {tracked}",
                 newest,
             )
             write_tracker(fs, tracker, newest)

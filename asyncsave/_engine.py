@@ -32,6 +32,7 @@ from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
     CheckpointTimeoutError,
+    CheckpointWarning,
     InvalidStateError,
     InvalidStepError,
     ProtectedCheckpointError,
@@ -68,6 +69,18 @@ _as_save_error = as_save_error
 _manifest_doc = manifest_doc
 
 
+def _not_saved_again(step: int, state: str, path: Any) -> CheckpointWarning:
+    """The warning of a ``save()`` of a step already ``state`` ("committed" or "in
+    flight"): a no-op that drops the state it was given (decisions.md)."""
+    return CheckpointWarning(
+        f"step {step} is already {state}: this save() is a no-op returning the first "
+        "save's handle, and the state passed now is not written (pass overwrite=True to "
+        "replace it; or does the step counter not advance between saves?)",
+        step=step,
+        path=path,
+    )
+
+
 class Checkpointer:
     """Saves training state asynchronously under ``root`` and resumes from it.
 
@@ -97,9 +110,25 @@ class Checkpointer:
     a bare ``finally`` replaced the training error by the flush error); on a clean
     exit a flush failure is raised.
 
+    A save is *accepted* once ``save()`` has admitted it: the checkpointer was open
+    and the step was not committed or pending, so it became a pending step (before
+    ``save()`` first waits; every ``save()`` that returned a handle was accepted).
+    Close flushes every accepted save, whatever phase it is in (waiting for the
+    staging buffer, staging, a streamed round, writing, committing, tracking,
+    retention), lazy or eager, also one whose ``save()`` call, in another task or
+    thread, has not returned yet; only the save's own failure fails it (S18: a lazy
+    save made just before leaving the block used to be refused by the closing
+    checkpointer and lost). A ``save()`` call admitted after close began, including
+    an ``overwrite`` still waiting for the earlier save of its step, raises
+    :class:`CheckpointerClosedError` and leaves nothing behind. Past
+    ``close_timeout_s`` close abandons what is left: those handles fail with
+    :class:`CheckpointTimeoutError`, and a ``save()`` still running raises
+    :class:`CheckpointerClosedError`.
+
     After any save fails, the checkpointer refuses further saves: ``save()``,
     ``wait()`` and close raise :class:`SaveFailedError`. A trainer never goes on
-    believing it is checkpointing; open a new checkpointer to go on.
+    believing it is checkpointing; open a new checkpointer to go on. Saves accepted
+    before the failure still run to their own end.
 
     Several ranks (``torch.distributed`` initialised with a world size above 1, or
     ``distributed=True``): entering creates asyncsave's own gloo group (every rank,
@@ -153,6 +182,8 @@ class Checkpointer:
     _pool = property(lambda s: s._saver.pool)
     _tg = property(lambda s: s._saver.tg)
     _failure = property(lambda s: s._saver.failure)
+    _accepting = property(lambda s: s._saver.accepting)
+    _queued = property(lambda s: s._saver.queued)
 
     @property
     def _dist(self) -> GlooGroup | None:
@@ -249,8 +280,11 @@ class Checkpointer:
         saver = self._saver
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self.options.close_timeout_s):
-                while self._pending:
-                    await next(iter(self._pending.values()))._done.wait()
+                while self._pending or saver.queued:
+                    if self._pending:
+                        await next(iter(self._pending.values()))._done.wait()
+                    else:  # an admitted overwrite about to become pending
+                        await next(iter(saver.queued)).wait()
             if self._pending:
                 steps = sorted(self._pending)
                 saver.set_failure(
@@ -263,7 +297,7 @@ class Checkpointer:
                         path=self.root,
                     )
                 )
-                for scope in list(saver.scopes.values()):
+                for scope in [*saver.scopes.values(), *saver.staging_scopes]:
                     scope.cancel()
         # The task group's scope must be exited from outside any scope opened
         # after it; its pipelines are finished or cancelled by now, so this returns
@@ -337,13 +371,17 @@ class Checkpointer:
 
         :param step: the last trained step (a non-negative int). Step 0 is skipped
             unless ``save_step_zero``; a step already committed or in flight is a
-            no-op returning the first handle, unless ``overwrite``.
+            no-op returning the first handle, unless ``overwrite``. Both, and a step
+            below the tracked one, issue a :class:`CheckpointWarning` (a re-save of
+            the step this run resumed from is only logged at INFO).
         :param state: a tree of dicts (str/int keys), lists and tuples whose leaves
             are tensors (CPU or CUDA, any dtype), TensorDicts, NumPy arrays and
             scalars, plain values, :class:`Tagged` items and ``Stateful`` objects
             (their ``state_dict()`` is taken now).
         :param overwrite: replace a committed checkpoint of the same step
-            atomically; refused for the checkpoint this run resumed from.
+            atomically; refused for the checkpoint this run resumed from. Called
+            while an earlier save of the step is pending, it waits for that save
+            (queued: a close begun meanwhile flushes it too).
         :param training_info: flat counters and metrics describing the checkpoint
             (``{"consumed_samples": 640, "eval/reward": 0.71}``; values int,
             finite float, str, bool or None). Kept in the manifest
@@ -356,14 +394,75 @@ class Checkpointer:
         :raises InvalidStateError: (or a subclass) naming the key that cannot be
             stored; nothing is written.
         :raises StagingBudgetError: a non-contiguous CPU tensor (gathered whole) does
-            not fit its data file's share of an explicit ``budget_bytes``.
+            not fit its data file's share of an explicit ``budget_bytes``, or, in a
+            save of several ranks, this rank's state exceeds it and cannot stream
+            (DTensor state; an object-store root).
         :raises ProtectedCheckpointError: overwrite of the resumed-from checkpoint.
         :raises SaveFailedError: an earlier save of this checkpointer failed.
-        :raises CheckpointerClosedError: used outside ``async with``.
+        :raises CheckpointerClosedError: used outside ``async with``, or called
+            after close began (a call admitted before is flushed by close and
+            returns its handle; see the class docstring), or still staging when
+            close gave up after ``close_timeout_s``.
         """
+        step, notes = self._vet(step, overwrite)
+        for note in notes:  # the caller's line (save() is a coroutine awaited there)
+            warnings.warn(note, stacklevel=2)
         return await self._save(
             step, state, overwrite=overwrite, ready=None, training_info=training_info, lazy=lazy
         )
+
+    def _vet(self, step: Any, overwrite: bool) -> tuple[int, list[CheckpointWarning]]:
+        """The checks of :meth:`save` that need no waiting: the step as an int, and
+        the :class:`CheckpointWarning` objects the call deserves (below the tracked
+        step, step 0 skipped, already committed or in flight).
+
+        Nothing waits here, so nothing changes between this and the ``_save`` that
+        follows on the event loop. The facades issue the warnings in the caller's
+        thread with the caller's line before calling ``_save`` (an error filter
+        there stops the save); ``_save`` itself never warns: it may run on the
+        portal's thread of :class:`SyncCheckpointer`, where a warning would name
+        anyio's frames and escape the caller's filters (review of item 7).
+
+        :raises CheckpointerClosedError: see :meth:`save`.
+        :raises InvalidStepError: see :meth:`save`.
+        """
+        self._saver.check_usable()
+        if type(step) is not int and not isinstance(step, bool):
+            try:  # NumPy and 0-dim torch integers (anything with __index__)
+                step = operator.index(step)
+            except TypeError:
+                pass
+        if type(step) is not int or not 0 <= step <= _MAX_STEP:
+            raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
+        notes: list[CheckpointWarning] = []
+        if self.tracked_step is not None and step < self.tracked_step:
+            # The user's intent is likely wrong: a warning (decisions.md).
+            notes.append(
+                CheckpointWarning(
+                    f"saving step {step} below the tracked step {self.tracked_step}: the "
+                    f"tracker stays at {self.tracked_step} and resume loads that (did the "
+                    "run skip load_latest()?)",
+                    step=step,
+                    path=self.root / self.layout.dir_name(self.tracked_step),
+                )
+            )
+        if step == 0 and not self.options.save_step_zero:
+            notes.append(
+                CheckpointWarning(
+                    "not saving step 0: a checkpoint of the untrained state is almost always "
+                    "an off-by-one (pass save_step_zero=True to save it)",
+                    step=0,
+                )
+            )
+        elif not overwrite and step in self._pending:
+            notes.append(
+                _not_saved_again(step, "in flight", self.root / self.layout.dir_name(step))
+            )
+        elif not overwrite and step in self._committed and step != self._resumed_step:
+            notes.append(
+                _not_saved_again(step, "committed", self.root / self.layout.dir_name(step))
+            )
+        return step, notes
 
     async def staged(self) -> None:
         """Wait until every lazy save of this checkpointer is staged: after this the
@@ -390,22 +489,7 @@ class Checkpointer:
         """The body of :meth:`save`; ``ready`` are CUDA events recorded by the caller's
         thread (the synchronous facade records them before crossing threads)."""
         t0 = time.perf_counter()
-        self._saver.check_usable()
-        if type(step) is not int and not isinstance(step, bool):
-            try:  # NumPy and 0-dim torch integers (anything with __index__)
-                step = operator.index(step)
-            except TypeError:
-                pass
-        if type(step) is not int or not 0 <= step <= _MAX_STEP:
-            raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
-        if self.tracked_step is not None and step < self.tracked_step:
-            logger.warning(
-                "saving step %d below the tracked step %d: the tracker stays at %d and "
-                "resume loads that (did the run skip load_latest()?)",
-                step,
-                self.tracked_step,
-                self.tracked_step,
-            )
+        step, _ = self._vet(step, overwrite)  # the caller issued its warnings
         info_doc = check_training_info(training_info)
         if info_doc.get("step", step) != step:
             raise InvalidStateError(
@@ -414,7 +498,6 @@ class Checkpointer:
                 step=step,
             )
         if step == 0 and not self.options.save_step_zero:
-            logger.info("not saving step 0 (pass save_step_zero=True to allow it)")
             return SaveHandle.resolved(0, None, skipped=True)
         if step == self._resumed_step and overwrite:
             raise ProtectedCheckpointError(
@@ -428,11 +511,11 @@ class Checkpointer:
             # tensors once we return, so the snapshot must be taken by then.
             await pending._staged.wait()
             return pending
-        while pending is not None:  # overwrite: one save of a step at a time
-            await pending._done.wait()
-            self._saver.check_usable()
-            pending = self._pending.get(step)
+        if pending is not None:  # overwrite: one save of a step at a time
+            await self._saver.queue_behind(step, "overwrite")
         if step in self._committed and not overwrite:
+            if step == self._resumed_step:  # saving right after resuming: harmless
+                logger.info("step %d is the checkpoint this run resumed from; kept as is", step)
             return SaveHandle.resolved(step, await self._committed_info(step))
         if step in self._committed and not self._fs.atomic_rename:
             raise CheckpointError(

@@ -8,7 +8,8 @@ know asyncsave::
     CheckpointError(Exception)
     ├── InvalidStateError(ValueError)        the state tree given to save() is bad
     │   ├── UnsupportedTypeError(TypeError)  a leaf type asyncsave cannot store
-    │   ├── UnsupportedTensorError           sparse, quantized, meta, subclass tensors
+    │   ├── UnsupportedTensorError           sparse, quantized, meta, subclass tensors,
+    │   │                                    overlapping views no storage can hold
     │   └── InvalidKeyError                  a dict key that is not str or int
     ├── InvalidStepError(ValueError)         negative, bool or non-int step
     ├── StagingBudgetError(ValueError)       a tensor that cannot be cut is larger
@@ -35,6 +36,13 @@ know asyncsave::
     │                                        the loader expects
     └── UnsafeLoadError(PermissionError)     a pickled leaf and pickle not allowed
 
+One warning category, issued with ``warnings.warn`` where asyncsave carries out a
+call whose intent is probably wrong (never raised unless a filter makes it an
+error)::
+
+    CheckpointWarning(UserWarning)           save() below the tracked step, of a step
+                                             already committed or in flight, of step 0
+
 The difference between :class:`CheckpointerClosedError` and
 :class:`SaveFailedError` is the one trio teaches: the first means *you* closed the
 checkpointer and then used it; the second means a save *broke* in the background,
@@ -53,6 +61,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointTimeoutError",
+    "CheckpointWarning",
     "CheckpointerClosedError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
@@ -73,6 +82,14 @@ __all__ = [
     "UnsupportedTypeError",
     "WaitTimeoutError",
 ]
+
+
+def _path_str(path: Any) -> str | None:
+    """The ``path`` attribute of errors and warnings: a str, or ``None``. A URL
+    path (``upath.UPath`` of an object store) is not os.PathLike: its ``str``."""
+    if path is None:
+        return None
+    return os.fspath(path) if isinstance(path, (str, os.PathLike)) else str(path)
 
 
 class CheckpointError(Exception):
@@ -97,14 +114,7 @@ class CheckpointError(Exception):
         super().__init__(message)
         self.message = message
         self.step = step
-        # A URL path (``upath.UPath`` of an object store) is not os.PathLike.
-        self.path = (
-            None
-            if path is None
-            else os.fspath(path)
-            if isinstance(path, (str, os.PathLike))
-            else str(path)
-        )
+        self.path = _path_str(path)
         self.rank = rank
         self.key = key
 
@@ -147,7 +157,9 @@ class UnsupportedTypeError(InvalidStateError, TypeError):
 
 class UnsupportedTensorError(InvalidStateError):
     """A tensor whose bytes cannot be captured as-is: sparse, quantized, meta,
-    nested, or a tensor subclass other than ``nn.Parameter``."""
+    nested, or a tensor subclass other than ``nn.Parameter``; or two tensors that
+    overlap in memory at a distance that is not a multiple of an element size (two
+    ``float32`` views one byte apart: no torch storage holds both as views, S19)."""
 
 
 class InvalidKeyError(InvalidStateError):
@@ -281,3 +293,37 @@ class KindMismatchError(CheckpointError, TypeError):
 class UnsafeLoadError(CheckpointError, PermissionError):
     """The checkpoint holds pickled leaves and ``allow_pickle`` was not given to
     ``load()``. Unpickling runs arbitrary code; asyncsave never does it silently."""
+
+
+class CheckpointWarning(UserWarning):
+    """A call asyncsave carries out although the caller probably meant something
+    else. Issued with :func:`warnings.warn` (so Python's default filter prints it
+    on stderr whatever the logging setup, pytest lists it, and
+    ``-W error::asyncsave.CheckpointWarning`` turns it into an error) by
+    ``save()`` when:
+
+    * ``step`` is below the tracked step: the checkpoint commits, but the tracker
+      only moves forward, so resume loads the tracked (newer) step, not this one:
+      usually a run that did not call ``load_latest()`` over an existing root, or a
+      step counter that went back;
+    * ``step`` is already committed or in flight and ``overwrite`` is not set: the
+      call is a no-op that returns the first save's handle, so the state passed now
+      is not written (a step counter that does not advance between saves, such as
+      an epoch number saved every N iterations). A save of the step this run
+      resumed from is the exception: logged at INFO, since trainers commonly save
+      right after resuming;
+    * ``step`` is 0 and ``save_step_zero`` is off: nothing is saved.
+
+    Mistakes of this kind used to be logged (or not reported at all) and went
+    unseen under a default logging setup (issue 10, item 7). ``step`` and ``path``
+    are set as on :class:`CheckpointError`.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, path: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.step = step
+        self.path = _path_str(path)
+
+    def __str__(self) -> str:
+        return self.message

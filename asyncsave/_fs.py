@@ -4,6 +4,17 @@ All methods are blocking and are called from worker threads, never from the even
 loop. Tests substitute a subclass that injects faults (ENOSPC, EIO, a writer that
 never returns, a process killed at the k-th operation) at any one of these calls;
 the crash and power-loss suites record the sequence of calls.
+
+Two rules hold for every call here (docs/decisions.md, "Shared roots and symlinks"):
+
+- **Modes follow the umask.** Files are created with mode ``0o666`` and directories
+  with ``0o777``, less the process umask, as ``open(2)``, ``mkdir(2)`` and every
+  shell tool create them; nothing is ``chmod``-ed. Under ``umask 002`` in a setgid,
+  group-writable directory every member of the group can use the root
+  (huggingface/datasets #7900: a lock file made 0644 locked the group out).
+- **Deleting never follows a symlink.** :meth:`LocalFileSystem.remove_tree` unlinks a
+  symlink (to a directory, to a file, dangling) and leaves its target alone; inside a
+  directory it removes links as links (facebookresearch/PyTorch-BigGraph PR #24).
 """
 
 from __future__ import annotations
@@ -39,6 +50,14 @@ os.register_at_fork(after_in_child=_close_locks_in_child)
 _AT_FDCWD = -100
 
 
+def _drop(fd: int) -> None:
+    """Unlock, then close (a child forked meanwhile may hold a copy of ``fd``)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 class LocalFileSystem:
     """POSIX file-system operations with the durability calls made explicit.
 
@@ -52,8 +71,11 @@ class LocalFileSystem:
 
     # -- files -------------------------------------------------------------------
     def create(self, path: Path) -> int:
-        """Create ``path`` exclusively for writing; returns a raw file descriptor."""
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        """Create ``path`` exclusively for writing; returns a raw file descriptor.
+
+        The file's mode is ``0o666`` less the process umask (``open(2)``): 0664
+        under ``umask 002``, 0644 under ``umask 022`` (S21)."""
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
 
     def open_direct(self, path: Path) -> int | None:
         """Open the existing file ``path`` for ``O_DIRECT`` writes (bypassing the
@@ -96,10 +118,12 @@ class LocalFileSystem:
 
     # -- directories -------------------------------------------------------------
     def makedirs(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+        """Create ``path`` and its missing parents, each ``0o777`` less the umask."""
+        path.mkdir(mode=0o777, parents=True, exist_ok=True)
 
     def mkdir(self, path: Path) -> None:
-        path.mkdir()
+        """Create the directory ``path`` (``0o777`` less the umask); it must not exist."""
+        path.mkdir(mode=0o777)
 
     def fsync_dir(self, path: Path) -> None:
         """Make a directory's entries (creations, renames, deletions) durable."""
@@ -113,14 +137,26 @@ class LocalFileSystem:
         return sorted(os.listdir(path))
 
     def is_dir(self, path: Path) -> bool:
+        """Whether ``path`` is a directory or a symlink to one (a checkpoint
+        directory may be a link to another run's, and loads through it)."""
         return path.is_dir()
+
+    def is_link(self, path: Path) -> bool:
+        """Whether ``path`` itself is a symlink (dangling or not)."""
+        return path.is_symlink()
 
     def exists(self, path: Path) -> bool:
         return path.exists()
 
+    def lexists(self, path: Path) -> bool:
+        """Whether there is an entry ``path``: ``exists`` without following a
+        symlink (a dangling one counts)."""
+        return os.path.lexists(path)
+
     def rename(self, src: Path, dst: Path) -> None:
-        """Rename ``src`` to ``dst``; refuses to replace an existing directory."""
-        if dst.exists():
+        """Rename ``src`` to ``dst`` (a symlink is renamed, not its target); refuses
+        to replace anything under ``dst``, a dangling symlink included."""
+        if os.path.lexists(dst):
             raise FileExistsError(errno.EEXIST, "destination exists", str(dst))
         os.rename(src, dst)
 
@@ -142,25 +178,55 @@ class LocalFileSystem:
             raise OSError(err, os.strerror(err), str(a), None, str(b))
 
     def remove_tree(self, path: Path) -> None:
-        """Delete a directory and everything under it."""
-        shutil.rmtree(path)
+        """Delete the entry ``path``, never following a symlink: a directory with
+        everything under it (links inside are removed as links), or a symlink or
+        file by unlinking it. A symlinked checkpoint is thereby retired without
+        touching the checkpoint it points to (S22).
+
+        :raises OSError: the removal failed part-way (what is left stays under
+            ``path``; callers retry later).
+        """
+        if path.is_symlink() or not path.is_dir():
+            os.unlink(path)
+        else:
+            # rmtree refuses a top-level symlink (raced in after the check above)
+            # rather than follow it, and never follows one below.
+            shutil.rmtree(path)
 
     def link(self, src: Path, dst: Path) -> None:
         """Hard-link ``src`` as ``dst`` (files of a committed checkpoint are never
-        written again, so a checkpoint derived from another shares them)."""
-        os.link(src, dst)
+        written again, so a checkpoint derived from another shares them). A symlink
+        is linked as the symlink, not as its target."""
+        os.link(src, dst, follow_symlinks=False)
 
     def unlink(self, path: Path) -> None:
         path.unlink()
 
     # -- locking -----------------------------------------------------------------
     def lock(self, path: Path) -> int | None:
-        """Take an exclusive advisory lock (``flock``) on ``path``, creating it.
+        """Take an exclusive advisory lock (``flock``) on ``path``, creating it
+        (``0o666`` less the umask, like every file here).
+
+        Needs only read permission on an existing lock file (S21: a lock file
+        another member of the group created under ``umask 022``): it is opened
+        read-write where allowed (NFS emulates ``flock`` with ``fcntl`` locks,
+        whose exclusive kind needs a descriptor open for writing), read-only where
+        not (a local ``flock`` works on any descriptor).
 
         :returns: the descriptor holding the lock, or ``None`` if another open
             file description holds it (this process or another).
+        :raises PermissionError: the lock file cannot even be read (a umask of
+            ``077`` when it was created), or the root is not writable and has none.
         """
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise exc from None  # could not create it: the first error says why
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -172,8 +238,45 @@ class LocalFileSystem:
         _LOCK_FDS.add(fd)
         return fd
 
+    def lock_dir(self, path: Path) -> int | None:
+        """Take an exclusive advisory lock (``flock``) on the directory ``path``
+        itself (its own descriptor; nothing is created inside it), without waiting.
+
+        A writer holds it on its temporary directory from creation to commit or
+        removal, and recovery takes it before removing one, so that recovery never
+        removes a directory a live writer is using; a crashed writer's lock is gone
+        with its process. The lock stays with the directory across a rename.
+
+        :returns: the descriptor holding the lock (release with :meth:`unlock`), or
+            ``None`` if another open file description holds it.
+        :raises FileNotFoundError: ``path`` is gone, or was replaced by another
+            entry between the open and the lock.
+        :raises OSError: ``path`` is a symlink or no directory (``ELOOP``,
+            ``ENOTDIR``), or cannot be opened.
+        """
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except BaseException:
+            _drop(fd)
+            raise
+        held = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            _drop(fd)
+            raise FileNotFoundError(errno.ENOENT, "replaced while it was being locked", str(path))
+        _LOCK_FDS.add(fd)
+        return fd
+
     def unlock(self, fd: int) -> None:
-        """Release a lock taken by :meth:`lock`.
+        """Release a lock taken by :meth:`lock` or :meth:`lock_dir`.
 
         Unlocks explicitly before closing: a child forked a moment ago may still
         hold a copy of the descriptor (it closes it right after the fork), and a

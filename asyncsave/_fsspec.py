@@ -18,7 +18,9 @@ What the POSIX calls become here:
 - ``lock``: nothing (object stores have no advisory lock): **one saver per root** is
   the caller's duty there. See docs/decisions.md, "Object stores".
 - ``remove_tree``: deletes the commit marker first, then the rest, so a deletion cut
-  short never leaves a committed-looking prefix with missing files.
+  short never leaves a committed-looking prefix with missing files. Object stores
+  have no symlinks; where the fsspec file system has them (``file://``), a symlink
+  is unlinked and never followed, as by the local layer (S22).
 - reads: ``fs.open(path, "rb", cache_type="none")``: each read is one ranged GET.
 
 :func:`open_root` turns what a user passes as ``root`` (a path, a URL, a
@@ -167,16 +169,30 @@ class FsspecFileSystem(LocalFileSystem):
         self.fs.invalidate_cache(p)
         return bool(self.fs.isdir(p))
 
+    def is_link(self, path: Path) -> bool:
+        """Whether ``path`` is a symlink: never on an object store; asked of file
+        systems that have them (fsspec's local one has ``islink``)."""
+        islink = getattr(self.fs, "islink", None)
+        return bool(islink(self._p(path))) if islink is not None else False
+
     def exists(self, path: Path) -> bool:
         p = self._p(path)
         self.fs.invalidate_cache(p)
         return bool(self.fs.exists(p))
 
+    def lexists(self, path: Path) -> bool:
+        """Whether there is an entry ``path``, a (dangling) symlink included."""
+        return self.exists(path) or self.is_link(path)
+
     def rename(self, src: Path, dst: Path) -> None:
         """Copy the prefix ``src`` to ``dst``, then remove ``src`` (marker first). Not
-        atomic: used only to move a damaged checkpoint aside at open."""
-        if self.exists(dst):
+        atomic: used only to move a damaged checkpoint aside at open. A symlink
+        (file systems that have them) is moved as the link."""
+        if self.lexists(dst):
             raise FileExistsError(errno.EEXIST, "destination exists", str(dst))
+        if self.is_link(src):  # a file system with symlinks: move the link itself
+            self.fs.mv(self._p(src), self._p(dst))
+            return
         self.fs.copy(self._p(src), self._p(dst), recursive=True)
         self.remove_tree(src)
 
@@ -191,8 +207,12 @@ class FsspecFileSystem(LocalFileSystem):
 
     def remove_tree(self, path: Path) -> None:
         """Delete a prefix: its commit marker first (it is uncommitted from then on),
-        then every other object under it."""
+        then every other object under it. A symlink (file systems that have them)
+        is unlinked alone: the marker behind it belongs to what it points to."""
         p = self._p(path)
+        if self.is_link(path):
+            self.fs.rm_file(p)
+            return
         marker = f"{p}/{COMMIT_MARKER_NAME}"
         self.fs.invalidate_cache(p)
         if self.fs.exists(marker):
@@ -214,6 +234,11 @@ class FsspecFileSystem(LocalFileSystem):
     def lock(self, path: Path) -> int | None:
         """No lock: object stores have none that a crashed holder releases. Returns
         a dummy handle; one saver per root is the caller's duty."""
+        return 0
+
+    def lock_dir(self, path: Path) -> int | None:
+        """No lock (see :meth:`lock`; no temporary directories here: the marker
+        protocol writes under the final name). Returns a dummy handle."""
         return 0
 
     def unlock(self, fd: int) -> None:

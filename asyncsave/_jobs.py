@@ -22,6 +22,7 @@ never imports an integration module statically (``tests/test_structure.py``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
@@ -70,7 +71,9 @@ class Services(Protocol):
 
     async def run(self, func: Any, *args: Any) -> Any: ...
 
-    def check_usable(self) -> None: ...
+    def check_flushing(self, step: int) -> None: ...
+
+    def abandonable(self, scope: anyio.CancelScope) -> contextlib.AbstractContextManager[None]: ...
 
 
 class Job:
@@ -154,7 +157,7 @@ class PlainJob(Job):
         size = self.staging_bytes if self.rounds is None else budget
         assert size is not None
         self.lease = lease = await saver.pool.acquire(size, pin=pin)
-        saver.check_usable()  # an earlier save may have failed while we waited
+        saver.check_flushing(step)  # accepted: only a close that gave up stops it
         timeout_s = saver.options.save_timeout_s
         deadline = anyio.current_time() + timeout_s
 
@@ -178,14 +181,21 @@ class PlainJob(Job):
                 # save's deadline: a writer stuck past it is abandoned, and then
                 # may still read the arena and use its descriptors, so the arena
                 # is never reused (poisoned) and the descriptors never closed.
-                with anyio.CancelScope(shield=True, deadline=deadline) as scope:
+                with (
+                    anyio.CancelScope(shield=True, deadline=deadline) as scope,
+                    saver.abandonable(scope),
+                ):
                     await write_round(saver, stream, pieces, lease, finish=False)
                 if scope.cancelled_caught:
                     lease.poison()
                     stream.fds = [None] * len(stream.fds)
+                    why = (
+                        f"close_timeout_s={saver.options.close_timeout_s} ran out"
+                        if anyio.current_time() < deadline
+                        else f"save_timeout_s={timeout_s} passed"
+                    )
                     raise CheckpointTimeoutError(
-                        f"writing a streamed round of step {step} outlasted "
-                        f"save_timeout_s={timeout_s}",
+                        f"writing a streamed round of step {step} was abandoned: {why}",
                         step=step,
                         path=stream.directory,
                     )

@@ -28,6 +28,7 @@ translated by the coordinator.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -36,6 +37,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +113,13 @@ class Saver:
         self.tg: anyio.abc.TaskGroup | None = None
         self.accepting = False  # whether the task group takes new pipelines
         self.pending: dict[int, SaveHandle] = {}
+        # Overwrites and updates admitted while an earlier save of their step is
+        # pending (see queue_behind): each gate is set when it stops waiting.
+        self.queued: dict[anyio.Event, int] = {}
         self.scopes: dict[int, anyio.CancelScope] = {}
+        # Shielded scopes of accepted saves that are still staging (a lazy save's
+        # staging task, a streamed round's write): cancelled only when close gives up.
+        self.staging_scopes: set[anyio.CancelScope] = set()
         self.committed: dict[int, CheckpointInfo | None] = {}
         self.lazy: dict[int, SaveHandle] = {}  # lazy saves not yet staged
         self.failure: SaveFailedError | None = None
@@ -139,6 +147,62 @@ class Saver:
             )
         if self.failure is not None:
             raise self.failure
+
+    def check_flushing(self, step: int) -> None:
+        """Raise if close gave up (``close_timeout_s``) while the accepted save of
+        ``step`` was still before its pipeline: the task group takes no new task.
+
+        Close stops taking pipelines only once every pending save has resolved, or
+        once it gave up; an accepted save is pending until it resolves, so this
+        raises only in the second case."""
+        if not self.accepting:
+            raise CheckpointerClosedError(
+                f"the Checkpointer for {self.root} gave up on step {step} after "
+                f"close_timeout_s={self.options.close_timeout_s}, before its snapshot "
+                "was taken",
+                step=step,
+                path=self.root,
+            )
+
+    @contextlib.contextmanager
+    def abandonable(self, scope: anyio.CancelScope) -> Iterator[None]:
+        """Let a close that gives up after ``close_timeout_s`` cancel ``scope`` (a
+        shielded part of an accepted save that runs before its pipeline)."""
+        self.staging_scopes.add(scope)
+        try:
+            yield
+        finally:
+            self.staging_scopes.discard(scope)
+
+    async def queue_behind(self, step: int, what: str) -> None:
+        """Wait until no save (or update) of ``step`` is pending: an ``overwrite``
+        save or an ``update()`` admitted while an earlier one of its step runs.
+
+        Admitted already (the checkpointer was open when it was called): queued,
+        so close waits for it and flushes it like a pending save (S18), and no
+        check after this asks whether close began or another save failed since.
+        The caller registers its own pending handle before it next awaits, so
+        close, woken by the gate, then finds it pending.
+
+        :raises CheckpointerClosedError: close gave up after ``close_timeout_s``
+            while this waited (the task group takes no new save).
+        """
+        gate = anyio.Event()
+        self.queued[gate] = step
+        try:
+            while (pending := self.pending.get(step)) is not None:
+                await pending._done.wait()
+            if not self.accepting:
+                raise CheckpointerClosedError(
+                    f"the Checkpointer for {self.root} gave up after close_timeout_s="
+                    f"{self.options.close_timeout_s} while this {what} of step {step} "
+                    "waited for the earlier save of its step",
+                    step=step,
+                    path=self.root,
+                )
+        finally:
+            del self.queued[gate]
+            gate.set()
 
     def set_failure(self, error: SaveFailedError) -> None:
         if self.failure is None:
@@ -273,9 +337,13 @@ class Saver:
     async def _snapshot_in_background(self, save: _Save) -> None:
         """A lazy save's staging, as a task of the checkpointer's group: its error
         goes to the handle (``staged()`` and ``await handle`` raise it) and makes
-        the checkpointer refuse further saves, so it is never lost (invariant 3)."""
+        the checkpointer refuse further saves, so it is never lost (invariant 3).
+
+        Shielded: the save was accepted when ``save()`` returned its handle, so
+        closing flushes it like any other pending save (S18); only a close that
+        gives up after ``close_timeout_s`` cancels it."""
         try:
-            with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True) as scope, self.abandonable(scope):
                 await self._snapshot(save)
         except Exception as exc:  # already the handle's and the checkpointer's failure
             logger.error("lazy save of step %d failed while staging: %r", save.handle.step, exc)
@@ -297,12 +365,7 @@ class Saver:
                 await job.stage(self, step, save.ready, functools.partial(self._early_tmp, save))
             finally:
                 self._end_stage_turn(save.stage_seq)
-            if not self.accepting:
-                raise CheckpointerClosedError(
-                    f"the Checkpointer for {self.root} closed while step {step} was staging",
-                    step=step,
-                    path=self.root,
-                )
+            self.check_flushing(step)
         except BaseException as exc:
             if (
                 self.coord.world_size == 1
@@ -362,10 +425,19 @@ class Saver:
         # Whoever shares this handle (a duplicate save() of the same step, or a
         # close waiting for it) must hear of it: nothing else will resolve it.
         step, handle, job = save.handle.step, save.handle, save.job
-        error = SaveFailedError(
-            f"save() of step {step} ended before its snapshot was taken: {exc!r}",
-            step=step,
-        )
+        error: SaveFailedError
+        if not self.accepting:  # close gave up on it (see check_flushing)
+            error = CheckpointTimeoutError(
+                f"save of step {step} was abandoned when close_timeout_s="
+                f"{self.options.close_timeout_s} ran out, before its snapshot was taken",
+                step=step,
+                path=self.root,
+            )
+        else:
+            error = SaveFailedError(
+                f"save() of step {step} ended before its snapshot was taken: {exc!r}",
+                step=step,
+            )
         error.__cause__ = exc
         if save.lazy:
             # Nobody is in save() to hear of it: the checkpointer refuses further

@@ -6,10 +6,15 @@ leaves are encoded to JSON right here, so later mutation of the caller's dicts a
 lists cannot leak into the checkpoint; tensors are captured by reference and copied
 by the stager.
 
-Tensors that share a storage (tied weights, views of one buffer) are grouped: the
-group's covering byte span is stored once as a "blob" entry and each tensor is
-recorded as a view (offset, shape, stride) into it, so they come back sharing one
-storage. A tensor alone on its storage is stored as its own contiguous bytes.
+Tensors that share memory are grouped by *region*: tensors on one storage object
+(tied weights, views of one buffer) and tensors whose bytes overlap in memory,
+whatever storage objects hold them (a NumPy slice, ``torch.frombuffer``,
+``torch.from_dlpack``, a storage that starts at the same address as another but is
+shorter: huggingface/safetensors PR #264, transformers PR #23871, S19). A region's
+covering byte range is stored once as a "blob" entry and each tensor is recorded as
+a view (offset, shape, stride) into it, so they come back as views of one storage,
+at the same distances from each other. A tensor alone in its region is stored as
+its own contiguous bytes.
 """
 
 from __future__ import annotations
@@ -60,6 +65,12 @@ class Entry:
     same-size integer view, so every dtype is copied bit-exactly), or for a blob a
     ``uint8`` view of the storage span. ``nbytes`` may exceed the source's bytes for
     a blob (zero padding to a multiple of 16, which keeps the next entry aligned).
+
+    ``parts`` (blobs only) says where a blob's bytes come from when that is not just
+    ``source`` at offset 0: ``(offset in the entry, 1-D contiguous uint8 tensor)``,
+    in offset order, not overlapping. A region of memory held by several storage
+    objects has one part per storage, and leading alignment padding; bytes no part
+    covers are zeros (see :meth:`segments`). ``source`` is then the first part.
     """
 
     name: str
@@ -75,6 +86,30 @@ class Entry:
     staging_offset: int = -1  # offset in the save's staging buffer
     # Filled in by the writer:
     digest: str = ""  # XXH3-64 hex digest of the bytes written
+    parts: tuple[tuple[int, torch.Tensor], ...] = ()  # dropped once staged
+
+    def segments(self) -> list[tuple[int, int, torch.Tensor | None]]:
+        """A blob's bytes ``[0, nbytes)`` as runs ``(start, end, source)``, in
+        order, covering every byte once; ``source`` is a ``uint8`` tensor of
+        ``end - start`` bytes, or ``None`` for a run of zeros (padding)."""
+        parts = self.parts or ((0, self.source),)
+        out: list[tuple[int, int, torch.Tensor | None]] = []
+        pos = 0
+        for offset, src in parts:
+            assert src is not None
+            if offset > pos:
+                out.append((pos, offset, None))
+            out.append((offset, offset + src.numel(), src))
+            pos = offset + src.numel()
+        if pos < self.nbytes:
+            out.append((pos, self.nbytes, None))
+        return out
+
+    def sources(self) -> list[torch.Tensor]:
+        """Every tensor the entry copies from (none once released)."""
+        if self.parts:
+            return [src for _, src in self.parts]
+        return [] if self.source is None else [self.source]
 
 
 @dataclasses.dataclass
@@ -110,6 +145,7 @@ class Plan:
         not when the save commits."""
         for e in self.entries:
             e.source = None
+            e.parts = ()
         for leaf in self.leaves:
             leaf.tensor = None
 
@@ -385,52 +421,158 @@ def _is_numpy_scalar(obj: Any) -> bool:
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """(device, storage data pointer): tensors with equal keys share memory."""
+    """(device, storage data pointer): tensors with equal keys share a storage's
+    first byte (not necessarily a storage: see ``_regions`` for how tensors that
+    share memory are grouped)."""
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
 _storage_key = storage_key
 
 
+@dataclasses.dataclass(slots=True)
+class _Span:
+    """The bytes ``[start, end)`` (absolute addresses) of one storage object that
+    the tensors ``members`` on it can touch; ``device``: -1 for CPU, else the CUDA
+    device index."""
+
+    device: int
+    start: int
+    end: int
+    storage: torch.UntypedStorage
+    members: list[int]
+
+
+def _regions(ts: list[torch.Tensor]) -> list[list[_Span]]:
+    """Group the non-empty tensors ``ts`` by the memory they share.
+
+    Tensors on one storage object (same device, address and length) form one span;
+    spans whose byte ranges overlap are one region, whatever storage objects hold
+    them. Sorting the spans by start address and sweeping once finds the regions
+    (O(n log n) for n tensors): a span joins the current region when it starts
+    before the region's end. Spans that only touch (one ends where the next starts)
+    share no byte and stay apart. Each region's spans come in start order.
+    """
+    spans: dict[tuple[int, int, int], _Span] = {}
+    for i, t in enumerate(ts):
+        n = t.numel()
+        if n == 0:
+            continue
+        storage = t.untyped_storage()
+        key = (t.get_device(), storage.data_ptr(), storage.nbytes())
+        lo = t.data_ptr()  # strides are never negative: the first element is lowest
+        size = t.element_size()
+        if t.is_contiguous():
+            hi = lo + n * size
+        else:
+            hi = lo + size * (
+                1 + sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True))
+            )
+        span = spans.get(key)
+        if span is None:
+            spans[key] = _Span(key[0], lo, hi, storage, [i])
+        else:
+            span.start = min(span.start, lo)
+            span.end = max(span.end, hi)
+            span.members.append(i)
+    regions: list[list[_Span]] = []
+    end = 0
+    for span in sorted(spans.values(), key=_span_order):
+        if regions and regions[-1][0].device == span.device and span.start < end:
+            regions[-1].append(span)
+            end = max(end, span.end)
+        else:
+            regions.append([span])
+            end = span.end
+    return regions
+
+
+def _span_order(span: _Span) -> tuple[int, int]:
+    return span.device, span.start
+
+
+def _origin(leaves: list[TensorLeaf], ts: list[torch.Tensor], members: list[int], lo: int) -> int:
+    """The address where a region's blob starts: at or before ``lo`` (the region's
+    first byte), at a distance from every member's first element that is a
+    multiple of the member's element size, so each member is a view of one
+    ``uint8`` storage and lands aligned when the blob is loaded (blobs start at a
+    multiple of 16 bytes in their file). Element sizes are powers of two, so
+    checking every member against the widest one is enough.
+
+    :raises UnsupportedTensorError: two members of the region sit at a distance
+        that no such address allows (two ``float32`` views one byte apart): torch
+        has no storage that holds both as views.
+    """
+    anchor = max(members, key=lambda i: ts[i].element_size())
+    widest = ts[anchor].element_size()  # element sizes are powers of two
+    ref = ts[anchor].data_ptr()
+    for i in members:
+        size = ts[i].element_size()
+        if (ts[i].data_ptr() - ref) % size:
+            key = leaves[i].key
+            raise UnsupportedTensorError(
+                f"tensor at key {key!r} ({ts[i].dtype}) shares memory with the tensor at "
+                f"key {leaves[anchor].key!r} ({ts[anchor].dtype}) at a distance of "
+                f"{ts[i].data_ptr() - ref} bytes, which is not a multiple of its element "
+                f"size ({size}): no torch storage can hold both as views; save a .clone() "
+                "of one of them",
+                key=key,
+            )
+    return lo - (lo - ref) % widest
+
+
 def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]:
-    """Turn leaves into entries: one per lone tensor, one blob per shared storage."""
+    """Turn leaves into entries: one per lone tensor, one blob per shared region.
+
+    :raises UnsupportedTensorError: overlapping tensors that no single storage can
+        hold as views (see :func:`_origin`).
+    """
     ts: list[torch.Tensor] = []
     for leaf in leaves:
         assert leaf.tensor is not None
         ts.append(leaf.tensor)
-    by_storage: dict[tuple[str, int], list[int]] = {}
-    for i, t in enumerate(ts):
-        if t.numel() > 0:
-            by_storage.setdefault(_storage_key(t), []).append(i)
 
     entries: list[Entry] = []
     records: list[dict[str, Any]] = [{} for _ in leaves]
     names: set[str] = set()
     grouped: set[int] = set()
-    for members in by_storage.values():
+    for region in _regions(ts):
+        if len(region) == 1:
+            members = region[0].members  # in leaf order already
+        else:
+            members = sorted(i for span in region for i in span.members)
         lone = ts[members[0]]
         # A lone CUDA view that is not contiguous is staged as the raw span of its
         # storage: gathering it would allocate device memory (S12).
         if len(members) < 2 and not (lone.is_cuda and not lone.is_contiguous()):
             continue
         grouped.update(members)
-        spans = [_byte_span(ts[i]) for i in members]
-        start = min(s for s, _ in spans) // _BLOB_ALIGN * _BLOB_ALIGN
-        end = max(e for _, e in spans)
-        base = ts[members[0]]
-        source = torch.empty(0, dtype=torch.uint8, device=base.device).set_(
-            base.untyped_storage(), start, (end - start,), (1,)
-        )
-        nbytes = -(-(end - start) // _BLOB_ALIGN) * _BLOB_ALIGN
+        lo, hi = region[0].start, max(span.end for span in region)
+        origin = _origin(leaves, ts, members, lo)
+        # One part per storage, each from where the previous one ended: the spans
+        # come in start order and each starts before the bytes covered so far end.
+        parts: list[tuple[int, torch.Tensor]] = []
+        covered = lo
+        for span in region:
+            if span.end <= covered:
+                continue
+            base = span.storage.data_ptr()
+            part = torch.empty(0, dtype=torch.uint8, device=lone.device).set_(
+                span.storage, covered - base, (span.end - covered,), (1,)
+            )
+            parts.append((covered - origin, part))
+            covered = span.end
+        nbytes = -(-(hi - origin) // _BLOB_ALIGN) * _BLOB_ALIGN
         entries.append(
             Entry(
                 name=_unique(leaves[members[0]].key + "#storage", names),
-                source=source,
+                source=parts[0][1],
                 nbytes=nbytes,
                 align=_BLOB_ALIGN,
                 is_blob=True,
                 dtype=torch.uint8,
                 shape=(nbytes,),
+                parts=tuple(parts),
             )
         )
         for i in members:
@@ -439,7 +581,7 @@ def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]
                 leaves[i],
                 t,
                 entry=len(entries) - 1,
-                offset=int(t.storage_offset()) * t.element_size() - start,
+                offset=t.data_ptr() - origin,
                 stride=list(t.stride()),
             )
     for i, leaf in enumerate(leaves):
@@ -459,14 +601,6 @@ def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]
         )
         records[i] = _record(leaf, t, entry=len(entries) - 1, offset=0, stride=None)
     return entries, records
-
-
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """[start, end) bytes of ``t``'s storage that ``t`` can touch."""
-    size = t.element_size()
-    start = int(t.storage_offset())
-    last = start + sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if n > 0)
-    return start * size, (last + 1) * size
 
 
 def _record(

@@ -64,7 +64,7 @@ async def load_latest(
             saver.committed.pop(step, None)
             if saver.coord.world_size == 1 and saver.fs.atomic_rename:
                 await anyio.to_thread.run_sync(
-                    saver.under_final_lock, move_aside, saver.fs, saver.root, path, step
+                    saver.under_final_lock, _move_damaged_aside, saver, path, step, str(exc)
                 )
             older = await anyio.to_thread.run_sync(
                 older_committed, saver.fs, saver.root, saver.layout, step
@@ -80,3 +80,9 @@ async def load_latest(
     saver.resumed_step = info.step
     saver.committed.setdefault(info.step, info)
     return Restored(state, info)
+
+
+def _move_damaged_aside(saver: Saver, path: Any, step: int, reason: str) -> None:
+    """Move the damaged checkpoint ``path`` aside, durably (raises what fails)."""
+    if move_aside(saver.fs, saver.root, path, "damaged", step, reason, quiet=False):
+        saver.fs.fsync_dir(saver.root)

@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from ._commit import discard
 from ._fs import LocalFileSystem
 from ._load import read_checkpoint, scan_steps
 from ._paths import Layout, is_retired_name, retired_dir_name
@@ -29,6 +30,8 @@ from ._paths import Layout, is_retired_name, retired_dir_name
 __all__ = ["Candidate", "KeepBest", "KeepEvery", "KeepLast", "Retention", "apply_retention"]
 
 logger = logging.getLogger("asyncsave")
+
+_RETRY = "retried by the next pass"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,15 +196,24 @@ def apply_retention(
     under a final name. On object stores (no atomic rename) its commit marker is
     deleted first instead, with the same effect (``_marker``).
 
-    Leftovers of an earlier pass whose removal failed are removed first.
+    A checkpoint that is a symlink (to another run's checkpoint, S22) is retired by
+    renaming and unlinking the link; its target is never touched, and a symlink
+    inside a checkpoint is removed as a link (``fs.remove_tree``).
 
-    :returns: the steps deleted, ascending.
-    :raises OSError: a rename or removal failed (the checkpoint is then either
-        intact under its final name or under a temporary name).
+    Each deletion is independent: one whose rename or removal fails is logged at
+    WARNING and retried by the next pass (a leftover under a retired name) or
+    stays under its final name (a failed rename); the others go on. Leftovers of
+    an earlier pass are removed first.
+
+    :returns: the steps retired (no longer under their final names), ascending.
+    :raises OSError: the root cannot be listed, or a checkpoint not read.
     """
-    for name in fs.listdir(root):
-        if is_retired_name(name):
-            fs.remove_tree(root / name)
+    leftovers = [root / name for name in fs.listdir(root) if is_retired_name(name)]
+    if leftovers:
+        fs.fsync_dir(root)  # their renames are durable before their files go
+    for path in leftovers:
+        if discard(fs, path, _RETRY, by="retention"):
+            logger.info("retention removed the leftover %s", path.name)
     candidates: list[Candidate] = []
     for step, path in sorted(scan_steps(fs, root, layout).items()):
         try:
@@ -214,18 +226,30 @@ def apply_retention(
         return []
     guard = protected() if callable(protected) else protected
     keep = rule.keep(candidates) | set(guard) | {candidates[-1].step}
-    retired = [c.step for c in candidates if c.step not in keep]
-    for step in retired:
+    retired: list[int] = []
+    for step in (c.step for c in candidates if c.step not in keep):
         final = root / layout.dir_name(step)
         if not fs.atomic_rename:
             # Object stores (``_marker``): a rename would copy every object; deleting
             # the commit marker first (remove_tree does) uncommits it in one request.
-            fs.remove_tree(final)
-            logger.info("retention removed %s", final)
+            if discard(fs, final, _RETRY, by="retention"):
+                retired.append(step)
+                logger.info("retention removed %s", final)
             continue
         doomed = root / retired_dir_name(step)
-        fs.rename(final, doomed)
-        fs.fsync_dir(root)
-        fs.remove_tree(doomed)
-        logger.info("retention removed %s", final)
+        try:
+            fs.rename(final, doomed)
+        except OSError as exc:
+            logger.warning(
+                "retention failed to retire %s (retried by the next pass): %r", final, exc
+            )
+            continue
+        retired.append(step)
+        try:
+            fs.fsync_dir(root)  # the rename is durable before any file goes
+        except OSError as exc:
+            logger.warning("retention left %s for the next pass: %r", doomed, exc)
+            continue
+        if discard(fs, doomed, _RETRY, by="retention"):
+            logger.info("retention removed %s", final)
     return retired

@@ -24,7 +24,12 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._errors import CheckpointTimeoutError, SaveFailedError, StagingBudgetError
+from ._errors import (
+    CheckpointerClosedError,
+    CheckpointTimeoutError,
+    SaveFailedError,
+    StagingBudgetError,
+)
 from ._plan import Entry, Plan, storage_key
 
 __all__ = [
@@ -95,6 +100,7 @@ class StagingPool:
         self._pinned = False
         self._busy = anyio.Semaphore(1)
         self._poisoned = False
+        self._closed = False
         self.allocations = 0  # how many times an arena was allocated (S10)
 
     @property
@@ -117,6 +123,11 @@ class StagingPool:
         """Wait until the arena is free, then lease its first ``nbytes`` bytes.
 
         Cancellation while waiting leaves the pool unchanged.
+
+        :raises SaveFailedError: the arena was poisoned (see :class:`Lease`).
+        :raises CheckpointerClosedError: the pool was closed while this waited (a
+            checkpointer whose close gave up after ``close_timeout_s``): nothing is
+            allocated after ``aclose()``.
         """
         self.check(nbytes)
         await self._busy.acquire()
@@ -124,6 +135,12 @@ class StagingPool:
             self._busy.release()  # wake the next waiter to the same error
             raise SaveFailedError(
                 "the staging memory was lost to device copies that never finished"
+            )
+        if self._closed:
+            self._busy.release()
+            raise CheckpointerClosedError(
+                "the staging pool was closed (the checkpointer's close gave up) while "
+                "this save waited for it"
             )
         try:
             need = max(nbytes, self.budget_bytes or 0)
@@ -163,6 +180,7 @@ class StagingPool:
         self._pinned = False
 
     async def aclose(self) -> None:
+        self._closed = True
         if self._busy.value == 0 and self._pinned and not self._poisoned:
             # A save still staging (close timed out): never unregister under it.
             self._poisoned = True
@@ -199,14 +217,21 @@ def _destination(buffer: torch.Tensor, e: Entry) -> torch.Tensor:
     return raw.view(e.dtype).view(e.shape)
 
 
+def _copy_blob(dst: torch.Tensor, e: Entry, *, non_blocking: bool) -> None:
+    """Copy a blob's parts into ``dst`` (``uint8``, ``e.nbytes``); zero the rest."""
+    for start, end, src in e.segments():
+        if src is None:
+            dst[start:end].zero_()
+        else:
+            dst[start:end].copy_(src, non_blocking=non_blocking)
+
+
 def _copy_cpu(buffer: torch.Tensor, entries: list[Entry]) -> None:
     for e in entries:
         assert e.source is not None
         dst = _destination(buffer, e)
         if e.is_blob:
-            n = e.source.numel()
-            dst[:n].copy_(e.source)
-            dst[n:].zero_()
+            _copy_blob(dst, e, non_blocking=False)
         else:
             as_bits(dst).copy_(as_bits(e.source))
 
@@ -227,19 +252,29 @@ def snapshot_eager_entries(plan: Plan, ready: dict[torch.device, Any] | None) ->
     staged). Returns the bytes copied."""
     copied = 0
     cloned_on: set[torch.device] = set()
+
+    def clone(src: torch.Tensor) -> torch.Tensor:
+        if not src.is_cuda:
+            return src.clone()
+        device = src.device
+        if device not in cloned_on and ready and device in ready:
+            torch.cuda.current_stream(device).wait_event(ready[device])
+        cloned_on.add(device)
+        with torch.cuda.device(device):
+            return src.clone()
+
     for e in plan.entries:
         if e.source is None:
             continue
-        if e.nbytes <= LAZY_EAGER_MAX_BYTES or storage_key(e.source) in plan.buffer_storages:
-            if e.source.is_cuda:
-                device = e.source.device
-                if device not in cloned_on and ready and device in ready:
-                    torch.cuda.current_stream(device).wait_event(ready[device])
-                cloned_on.add(device)
-                with torch.cuda.device(device):
-                    e.source = e.source.clone()
+        sources = e.sources()
+        if e.nbytes <= LAZY_EAGER_MAX_BYTES or any(
+            storage_key(src) in plan.buffer_storages for src in sources
+        ):
+            if e.parts:  # a blob over several storages: each part
+                e.parts = tuple((offset, clone(src)) for offset, src in e.parts)
+                e.source = e.parts[0][1]
             else:
-                e.source = e.source.clone()
+                e.source = clone(e.source)
             copied += e.nbytes
     if ready is not None:
         for device in cloned_on:
@@ -307,9 +342,7 @@ def _enqueue_cuda(
                     assert e.source is not None
                     dst = _destination(buffer, e)
                     if e.is_blob:
-                        n = e.source.numel()
-                        dst[:n].copy_(e.source, non_blocking=True)
-                        dst[n:].zero_()
+                        _copy_blob(dst, e, non_blocking=True)
                     else:
                         as_bits(dst).copy_(as_bits(e.source), non_blocking=True)
         finally:

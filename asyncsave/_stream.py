@@ -28,7 +28,6 @@ from ._errors import StagingBudgetError
 from ._format import HEADER_ALIGN, FileLayout
 from ._fs import LocalFileSystem
 from ._plan import Entry
-from ._stage import as_bits
 from ._write import CHUNK_BYTES, _close_quietly, _write_all
 
 __all__ = ["Piece", "StreamWriter", "plan_rounds", "piece_entries"]
@@ -118,10 +117,13 @@ def plan_rounds(entries: list[Entry], layouts: list[FileLayout], budget: int) ->
 
 
 def _flat_bytes(src: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a 1-D ``uint8`` view (no copy)."""
-    if src.dtype == torch.uint8:
-        return src.reshape(-1)
-    return as_bits(src).reshape(-1).view(torch.uint8)
+    """A contiguous tensor's bytes as a 1-D ``uint8`` view (no copy), made from its
+    storage: a contiguous tensor may still have odd strides on dimensions of size 1
+    (``t[::2]`` of two elements), which ``view(torch.uint8)`` refuses."""
+    size = src.element_size()
+    return torch.empty(0, dtype=torch.uint8, device=src.device).set_(
+        src.untyped_storage(), src.storage_offset() * size, (src.numel() * size,), (1,)
+    )
 
 
 def piece_entries(entries: list[Entry], pieces: list[Piece]) -> list[Entry]:
@@ -136,23 +138,30 @@ def piece_entries(entries: list[Entry], pieces: list[Piece]) -> list[Entry]:
         if not _splittable(e):
             out.append(dataclasses.replace(e, staging_offset=p.arena_offset))
             continue
-        flat = _flat_bytes(e.source)
-        have = flat.numel()  # a blob's entry may be longer (zero padding)
-        src = flat[min(p.start, have) : min(p.end, have)]
-        n = p.end - p.start
-        out.append(
-            Entry(
-                name=e.name,
-                source=src,
-                nbytes=n,
-                align=1,
-                is_blob=True,  # copied as bytes; the rest of a short source is zeroed
-                dtype=torch.uint8,
-                shape=(n,),
-                staging_offset=p.arena_offset,
+        # A blob's runs: its parts (several storages, S19) and zero padding.
+        runs = e.segments() if e.is_blob else [(0, e.nbytes, _flat_bytes(e.source))]
+        for start, end, src in runs:
+            a, b = max(start, p.start), min(end, p.end)
+            if a >= b:
+                continue
+            n = b - a
+            out.append(
+                Entry(
+                    name=e.name,
+                    # copied as bytes; an empty source is n zero bytes
+                    source=_NO_BYTES if src is None else _flat_bytes(src)[a - start : b - start],
+                    nbytes=n,
+                    align=1,
+                    is_blob=True,
+                    dtype=torch.uint8,
+                    shape=(n,),
+                    staging_offset=p.arena_offset + a - p.start,
+                )
             )
-        )
     return out
+
+
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)
 
 
 class StreamWriter:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from types import TracebackType
@@ -21,7 +22,7 @@ import anyio.from_thread
 import torch
 
 from ._engine import Checkpointer, SaveHandle
-from ._errors import CheckpointerClosedError, WaitTimeoutError
+from ._errors import CheckpointerClosedError, CheckpointWarning, WaitTimeoutError
 from ._options import CheckpointOptions
 from ._policy import AgreedPolicy, SavePolicy
 from ._stage import producer_events
@@ -159,10 +160,14 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         finally:
             self._stack = None
 
-    def _call(self, func: Any, *args: Any) -> Any:
-        if self._portal is None:
+    def _running_portal(self) -> anyio.from_thread.BlockingPortal:
+        portal = self._portal
+        if portal is None:
             raise CheckpointerClosedError("use the SyncCheckpointer inside `with`")
-        return self._portal.call(func, *args)
+        return portal
+
+    def _call(self, func: Any, *args: Any) -> Any:
+        return self._running_portal().call(func, *args)
 
     def save(
         self,
@@ -180,8 +185,18 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         # The caller's CUDA streams are per thread: mark what this thread queued
         # before the call crosses to the portal's thread.
         ready = producer_events()
-        handle = self._call(
-            lambda: self._ckpt._save(
+        # The portal of this call: another thread may begin the exit while this
+        # save is in flight; the save, once accepted, is flushed by that exit (S18)
+        # and its handle is returned all the same.
+        portal = self._running_portal()
+        ckpt = self._ckpt
+
+        async def save(vetted: bool) -> SaveHandle | list[CheckpointWarning]:
+            if not vetted:
+                _, notes = ckpt._vet(step, overwrite)
+                if notes:  # for the caller's thread to issue first
+                    return notes
+            return await ckpt._save(
                 step,
                 state,
                 overwrite=overwrite,
@@ -189,9 +204,18 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
                 training_info=training_info,
                 lazy=lazy,
             )
-        )
-        assert self._portal is not None
-        return SyncSaveHandle(self._portal, handle)
+
+        handle = portal.call(save, False)
+        if isinstance(handle, list):
+            # Issued here, not on the portal's thread: the caller's filters apply
+            # (an error filter raises before anything is saved) and the warning
+            # names the caller's line. The checks are repeated (not warned) by
+            # _save; a save of another thread in between may make these stale.
+            for note in handle:
+                warnings.warn(note, stacklevel=2)
+            handle = portal.call(save, True)
+        assert isinstance(handle, SaveHandle)
+        return SyncSaveHandle(portal, handle)
 
     def wait(self) -> None:
         """Block until every pending save has committed or failed."""

@@ -3,7 +3,12 @@
 The tracker holds the step as a bare decimal with no newline, the format Megatron
 and verl write and read (``int(f.read().strip())``). It is replaced atomically
 (temp file, fsync, ``rename(2)``, fsync of the directory) and only after the
-checkpoint it names is committed; callers never move it backwards (see the engine).
+checkpoint it names is committed; it never moves backwards. A
+:class:`~asyncsave.Checkpointer` holds the root's saver lock for its whole life and
+keeps the step it last wrote (:class:`TrackerWriter`); a writer that commits from
+outside one (the standalone DCP writer) takes the same lock around its commit and
+calls :func:`advance_tracker`, which reads the step on disk first. Both apply one
+rule: write only a step above the highest one known.
 """
 
 from __future__ import annotations
@@ -20,7 +25,14 @@ from ._write import write_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_TRACKER_BYTES", "TrackerWriter", "parse_tracker", "read_tracker", "write_tracker"]
+__all__ = [
+    "MAX_TRACKER_BYTES",
+    "TrackerWriter",
+    "advance_tracker",
+    "parse_tracker",
+    "read_tracker",
+    "write_tracker",
+]
 
 MAX_TRACKER_BYTES = 64
 _MAX_STEP = 2**63 - 1
@@ -114,3 +126,23 @@ class TrackerWriter:
             write_tracker(self._fs, self._path, step)
             self.highest = step
             return True
+
+
+def advance_tracker(fs: LocalFileSystem, path: Path, step: int) -> bool:
+    """Make the tracker at ``path`` name ``step`` if that is forward of the step it
+    names now; durable on return.
+
+    Read, compare and write are one step only if the caller holds the root's saver
+    lock (``_commit.hold_root``): then writers finishing in any order, in any
+    threads or processes, leave the tracker at the highest step (S20). A tracker
+    that is not a step is rewritten, with a warning.
+
+    :returns: whether the tracker was written.
+    :raises OSError: from reading or writing the tracker.
+    """
+    try:
+        highest = read_tracker(fs, path)
+    except CorruptCheckpointError as exc:
+        logger.warning("%s; rewriting it", exc)
+        highest = None
+    return TrackerWriter(fs, path, highest).advance(step)

@@ -102,12 +102,25 @@ def rewrite_item(
     """Replace top-level item ``key`` of the checkpoint at ``final`` by the item
     planned in ``plan`` (a plan of ``{key: value}``, staged into ``buffer``).
 
+    A final name that is a symlink (a checkpoint of another run linked in, S22) is
+    refused: the swap would put a new directory under the name and leave the
+    link to be deleted, and update() rewrites only what this run wrote in place.
+
     :returns: the checkpoint's tensor bytes and tensor count after the update.
+    :raises ProtectedCheckpointError: ``final`` is a symlink (nothing changes).
     :raises MissingItemError: the checkpoint has no top-level item ``key``.
     :raises CorruptCheckpointError: the committed checkpoint does not read.
     :raises OSError: an I/O step failed (the committed checkpoint is untouched).
     """
     step = read_checkpoint(fs, final).step  # validates everything first
+    if fs.is_link(final):
+        raise ProtectedCheckpointError(
+            f"{final} is a symlink: update() rewrites only a checkpoint this run wrote "
+            "in place (the link and its target are left as they are); save the step "
+            "with overwrite=True to replace the link by a directory of this run",
+            path=final,
+            step=step,
+        )
     doc = json.loads(fs.read_bytes(final / MANIFEST_NAME))
     doc.pop(SELF_CHECKSUM, None)
     tree = doc["tree"]
@@ -192,9 +205,7 @@ async def update(saver: Saver, step: int, key: str, value: Any) -> CheckpointInf
             step=step,
             path=path,
         )
-    while (pending := saver.pending.get(step)) is not None:
-        await pending._done.wait()
-        saver.check_usable()
+    await saver.queue_behind(step, "update")
     old = saver.committed.get(step)
     if old is None and not await anyio.to_thread.run_sync(saver.fs.exists, path):
         raise CheckpointNotFoundError(

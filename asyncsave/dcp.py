@@ -11,46 +11,74 @@ what changes is where the bytes go and when they become a checkpoint::
     dcp.load(state, storage_reader=StorageReader("runs/exp1"))   # latest committed
 
 The call sequence (DCP's, see ``torch.distributed.checkpoint.storage``) and who does
-what:
+what. DCP runs every call of one save in one thread (the caller's, or the
+background thread of ``dcp.async_save``); the writer keeps each save's state per
+thread, so one writer object serves saves one after another or overlapping.
 
-1. (all ranks) ``set_up_storage_writer``: remember the rank.
-2. (all ranks) ``prepare_local_plan``: unchanged.
-3. (coordinator) ``prepare_global_plan``: create ``root`` and a fresh temporary
-   directory under it (a name no resolver takes for a checkpoint), and tell every
-   rank its name and rank through ``SavePlan.storage_data``.
-4. (all ranks) ``write_data``: every item of the rank's plan into one safetensors
-   file ``data-r<rank>-000.safetensors`` in the temporary directory, checksummed
-   (XXH3-64) on the way and fsynced before the future resolves. Tensors keep their
-   dtype in the safetensors header where safetensors has one; byte items (DCP's
-   ``BytesIO`` entries) and other dtypes are ``U8`` runs.
+0. (all ranks, only when ``dcp.save`` gets a ``checkpoint_id``) ``reset``: a final
+   name under a root (``runs/exp1/step_40``) names this save's root and step; any
+   other path is the root.
+1. (all ranks) ``storage_meta``, ``set_up_storage_writer``: the save begins; its
+   root, step and a fresh save id are fixed.
+2. (all ranks) ``prepare_local_plan``: a step that is committed already is refused
+   here, before anything is written.
+3. (coordinator) ``prepare_global_plan``: unchanged. No plan carries anything of
+   one save: DCP's plan caching (``DefaultSavePlanner(enable_plan_caching=True)``)
+   hands a rank its first save's plan again in later saves.
+4. (all ranks) ``write_data``: a rank with items creates a temporary directory of
+   its own under ``root`` (a name no resolver takes for a checkpoint) and writes
+   every item into one safetensors file ``data-r<rank>-000.safetensors`` there,
+   checksummed (XXH3-64) on the way and fsynced before the future resolves. Tensors
+   keep their dtype in the safetensors header where safetensors has one; byte items
+   (DCP's ``BytesIO`` entries) and other dtypes are ``U8`` runs. The directory's
+   name travels to the coordinator in the write results.
 5. (coordinator, after DCP gathered every rank's results, i.e. after every rank's
-   files are durable) ``finish``: DCP's ``Metadata`` into ``.metadata`` (pickled,
-   as DCP's own ``FileSystemWriter`` does), asyncsave's ``manifest.json`` (every data
+   files are durable) ``finish``: the other ranks' files move (``rename``) into the
+   coordinator's directory; DCP's ``Metadata`` (with ``storage_meta``: the final
+   directory as ``checkpoint_id`` and the save id) into ``.metadata`` (pickled, as
+   DCP's own ``FileSystemWriter`` does); asyncsave's ``manifest.json`` (every data
    file with its size, every item with its checksum, and the size and checksum of
-   ``.metadata``), then the commit: fsync, ``rename`` to ``step_<N>``, fsync the
-   root, move the tracker forward. A crash at any point before the rename leaves
-   only a temporary directory, which the next :class:`~asyncsave.Checkpointer`
-   open removes; nothing half-written ever carries a final name.
+   ``.metadata``); then the commit under the root's saver lock (``.asyncsave.lock``,
+   the lock an open :class:`~asyncsave.Checkpointer` holds): refuse a final name
+   that exists, fsync, ``rename`` to ``step_<N>``, fsync the root, and move the
+   tracker forward only (read, compare, write, all under the lock: writers that
+   finish in any order, in any threads or processes, leave it at the highest step).
+   A refusal or failure before the rename removes every rank's temporary
+   directory; a crash leaves only temporary directories, which the next
+   :class:`~asyncsave.Checkpointer` open removes; nothing half-written ever carries
+   a final name.
 
 Both classes are plain picklable dataclasses (paths and ints), so DCP's process
 executor (``async_checkpointer_type=AsyncCheckpointerType.PROCESS``) can ship the
 writer to its background process.
 
-The standalone writer does not take the root's saver lock (that belongs to a
-:class:`~asyncsave.Checkpointer`); do not run a ``Checkpointer`` that opens the same
-root while a ``dcp.save`` into it is in flight: its recovery removes temporary
-directories. To save DTensor / FSDP2 state from a ``Checkpointer`` instead, pass it
-to :meth:`Checkpointer.save` (see ``asyncsave._dist``): it routes through DCP's
-planner and this writer under asyncsave's own collective commit.
+The standalone writer holds the root's saver lock only for its commit: a ``finish``
+while a :class:`~asyncsave.Checkpointer` has the same root open waits up to
+``lock_timeout_s`` and then raises ``RootInUseError`` (nothing committed, nothing
+left). A ``Checkpointer`` may be opened on the root while a ``dcp.save`` into it is
+in flight (in any thread or process): every temporary directory the writer makes
+is ``flock``-ed from its creation to its commit or removal, and recovery leaves
+those it cannot lock (a crashed writer's lock is gone with it, so its leftovers are
+removed). To save DTensor / FSDP2 state
+from a ``Checkpointer`` instead, pass it to :meth:`Checkpointer.save` (see
+``asyncsave._dist``): it routes through DCP's planner and this writer under
+asyncsave's own collective commit (one shared temporary directory, committed by the
+engine).
 
-Reading: :class:`StorageReader` checks the manifest (and the checksum of
-``.metadata`` before unpickling it) and every item's checksum while reading, then
-hands tensors to DCP's planner, which reshards: a checkpoint written by N ranks
-loads on M ranks.
+Reading: :class:`StorageReader` resolves a root with the writer's ``layout`` (a root
+of another layout is a ``CheckpointNotFoundError`` naming the one to pass), checks
+the manifest (and the checksum of ``.metadata`` before unpickling it) and every
+item's checksum while reading, sets ``storage_meta.load_id``, then hands tensors to
+DCP's planner, which reshards: a checkpoint written by N ranks loads on M ranks.
+
+Sources: thinking-machines-lab/tinker-cookbook PR #687 (an older async save that
+finished late was recorded as the latest; asyncsave issue 10, S20), and PyTorch's
+own DCP tests run against this backend (issue 10, item 8).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -58,12 +86,16 @@ import io
 import json
 import os
 import pickle
+import threading
 import time
+import uuid
+import weakref
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -79,7 +111,7 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ._commit import commit_dir, make_temp_dir
+from ._commit import commit_dir, discard, hold_root, make_held_temp_dir
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -88,14 +120,14 @@ from ._errors import (
     SaveFailedError,
 )
 from ._format import SAFETENSORS_DTYPES, layout_files, staging_nbytes
-from ._fs import LocalFileSystem
+from ._fs import _LOCK_FDS, LocalFileSystem
 from ._jobs import Job, Services
 from ._load import latest, read_checkpoint
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest, torch_dtype
 from ._paths import LAYOUTS, MANIFEST_NAME
 from ._plan import Entry
 from ._stage import Lease, _copy_cpu, _destination
-from ._track import TrackerWriter, read_tracker
+from ._track import advance_tracker
 from ._write import write_bytes, write_data_file
 
 __all__ = ["DCP_METADATA_NAME", "DTensorJob", "ItemLocation", "StorageReader", "StorageWriter"]
@@ -106,8 +138,8 @@ _BLOB_ALIGN = 16
 
 @dataclasses.dataclass(frozen=True)
 class ItemLocation:
-    """Where one DCP item lives: ``WriteResult.storage_data`` and the values of
-    ``Metadata.storage_data``.
+    """Where one DCP item lives: the values of ``Metadata.storage_data`` (and, with
+    the rank's temporary directory, of ``WriteResult.storage_data``).
 
     :param name: the item's name in the data file's safetensors header.
     :param file: data file name in the checkpoint directory.
@@ -130,15 +162,6 @@ class ItemLocation:
     dtype: str | None
     shape: tuple[int, ...] | None
     file_nbytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _Part:
-    """``SavePlan.storage_data`` from the coordinator: the shared temporary
-    directory (a name under ``root``) and the rank this plan belongs to."""
-
-    tmp: str
-    rank: int
 
 
 def _entry_of(name: str, t: torch.Tensor) -> tuple[Entry, int]:
@@ -264,120 +287,417 @@ def _resolve_item(planner: SavePlanner, item: Any) -> torch.Tensor:
 
 
 @dataclasses.dataclass
+class _Save:
+    """One save in flight through a :class:`StorageWriter`, kept per thread
+    (``threading.local``): DCP runs every call of one save in the thread that called
+    ``dcp.save`` (the background thread of ``dcp.async_save``), so saves that
+    overlap through one writer object never share this state."""
+
+    root: Path
+    step: int
+    save_id: str
+    started: bool = False  # set_up_storage_writer ran: this save's calls follow
+    rank: int = 0
+    is_coordinator: bool = True
+    tmp: str | None = None  # the temporary directory this rank wrote into
+    # Locks held on this save's temporary directories (``lock_dir``), released
+    # after the commit or the removal: recovery at a Checkpointer open skips them.
+    held: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Written:
+    """``WriteResult.storage_data`` on its way from ``write_data`` (every rank) to
+    ``finish`` (the coordinator): the item's location and the temporary directory
+    the rank wrote it into (``None``: the shared one of asyncsave's own collective
+    commit). Only ``loc`` is recorded in DCP's ``Metadata``."""
+
+    loc: ItemLocation
+    tmp: str | None
+
+
+@dataclasses.dataclass
 class StorageWriter(_DcpStorageWriter):
-    """DCP storage writer: files into a temporary directory under ``root``,
+    """DCP storage writer: files into temporary directories under ``root``,
     committed as ``<root>/step_<step>`` (rename + tracker) in :meth:`finish`.
+
+    One writer object may serve any number of saves, one after another or
+    overlapping (``dcp.async_save``): name each save's step by setting :attr:`step`
+    before a blocking ``dcp.save``, or (overlapping saves: the step travels with the
+    call) by ``checkpoint_id=<root>/<final name>``, e.g. ``runs/exp1/step_40``.
 
     :param root: the checkpoint root (local or shared file system path).
     :param step: the training step this checkpoint is named after.
     :param layout: asyncsave layout preset of the final name and tracker.
     :param filesystem: the I/O layer (tests inject faults through it).
-    :raises CheckpointError: from :meth:`finish` when ``step_<step>`` exists already
-        (a checkpoint is never replaced by a DCP save).
+    :param lock_timeout_s: how long :meth:`finish` waits for the root's saver lock
+        (held for the rename and tracker update by each committing writer, and for
+        its whole life by an open :class:`~asyncsave.Checkpointer`), in seconds.
+    :raises CheckpointError: (from ``prepare_local_plan``, before anything is
+        written, or from :meth:`finish`) ``step_<step>`` exists already: a DCP save
+        never replaces a checkpoint. Nothing is left in ``root`` then.
+    :raises RootInUseError: (from :meth:`finish`) the root's lock stayed held for
+        ``lock_timeout_s``; nothing was committed, nothing is left in ``root``.
+    :raises CheckpointError: (from ``set_up_storage_writer``) ``dcp.save(...,
+        use_collectives=False)`` on several ranks (each rank would commit alone;
+        DCP's own writer then writes per-rank metadata instead).
     """
 
     root: str
     step: int
     layout: str = "asyncsave"
     filesystem: LocalFileSystem = dataclasses.field(default_factory=LocalFileSystem)
+    lock_timeout_s: float = 60.0
     # Set by asyncsave's own collective commit (Checkpointer.save of DTensor state):
     # write into this existing temporary directory and do not commit in finish().
     _tmp: str | None = None
     _commit: bool = True
-    rank: int = 0
-    is_coordinator: bool = False
     manifest_doc: dict[str, Any] | None = None
+    # This thread's save in flight (see _Save).
+    _local: threading.local = dataclasses.field(
+        default_factory=threading.local, init=False, repr=False, compare=False
+    )
+
+    # Locks of temporary directories this process wrote as a rank other than the
+    # coordinator: held until the coordinator has moved the files out and removed
+    # the directory, which no call of DCP tells this rank; released at this
+    # writer's next save (those whose directory is gone) and when it is collected.
+    _handed: dict[str, int] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _handed_lock: Any = dataclasses.field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         self.root = os.fspath(self.root)
-        if type(self.step) is not int or self.step < 0:
-            raise ValueError(f"step={self.step!r} must be a non-negative int")
+        _check_step(self.step)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}")
+        if not self.lock_timeout_s > 0:
+            raise ValueError(f"lock_timeout_s={self.lock_timeout_s!r} must be > 0")
+        weakref.finalize(self, _release_all, self.filesystem, self._handed)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Saves in flight and their locks stay with this process (DCP's process
+        # executor pickles the writer to run the save in another process).
+        skip = ("_local", "_handed", "_handed_lock")
+        return {k: v for k, v in self.__dict__.items() if k not in skip}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+        self._handed = {}
+        self._handed_lock = threading.Lock()
+        weakref.finalize(self, _release_all, self.filesystem, self._handed)
+
+    def _release(self, save: _Save) -> None:
+        while save.held:
+            self.filesystem.unlock(save.held.pop())
+
+    def _hand_over(self, save: _Save) -> None:
+        """Keep this rank's directory locked after its last call (see ``_handed``)."""
+        if save.tmp is not None and save.held:
+            with self._handed_lock:
+                self._handed[os.fspath(save.root / save.tmp)] = save.held.pop()
+        self._release(save)
+
+    def _release_handed(self) -> None:
+        """Release the locks of handed-over directories that are gone (committed or
+        removed by the coordinator)."""
+        with self._handed_lock:
+            gone = [p for p in self._handed if not self.filesystem.exists(Path(p))]
+            for p in gone:
+                self.filesystem.unlock(self._handed.pop(p))
+
+    # -- one save's state ---------------------------------------------------------
+    def _final(self, save: _Save) -> Path:
+        return save.root / LAYOUTS[self.layout].dir_name(save.step)
+
+    def _fresh(self, root: str | None = None, step: int | None = None) -> _Save:
+        """A new save of ``root`` and ``step`` (default: :attr:`root`, :attr:`step`)."""
+        root = self.root if root is None else root
+        step = self.step if step is None else step
+        _check_step(step)
+        return _Save(Path(root), step, str(uuid.uuid4()))
+
+    def _upcoming(self) -> _Save:
+        """This thread's save that has not begun yet (made by :meth:`reset` or
+        :meth:`storage_meta`), or a new one from :attr:`root` and :attr:`step`
+        (replacing one that began and failed)."""
+        save: _Save | None = getattr(self._local, "save", None)
+        if save is None or save.started:
+            save = self._local.save = self._fresh()
+        return save
+
+    def _current(self) -> _Save:
+        save: _Save | None = getattr(self._local, "save", None)
+        if save is None or not save.started:
+            raise CheckpointError(
+                "asyncsave.dcp.StorageWriter: a write without set_up_storage_writer in "
+                "this thread (use it through dcp.save / dcp.async_save)"
+            )
+        return save
+
+    def _end(self) -> None:
+        self._local.save = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The directory the current (or next) save of this thread commits."""
+        save: _Save | None = getattr(self._local, "save", None)
+        return os.fspath(self._final(save if save is not None else self._fresh()))
 
     # 0
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """A new save begins; a ``checkpoint_id`` given to ``dcp.save`` is the root."""
+        """A new save begins (DCP calls this only when ``dcp.save`` is given a
+        ``checkpoint_id``).
+
+        :param checkpoint_id: a final name of :attr:`layout` under a root
+            (``runs/exp1/step_40``: the root and the step of this save), or a root
+            (the step stays :attr:`step`).
+        """
+        root, step = self.root, self.step
         if checkpoint_id is not None:
-            self.root = os.fspath(checkpoint_id)
+            path = Path(os.fspath(checkpoint_id))
+            parsed = LAYOUTS[self.layout].parse_dir_name(path.name)
+            if parsed is None:
+                root = os.fspath(path)
+            else:
+                root, step = os.fspath(path.parent), parsed
+            # Kept for the saves that follow without a checkpoint_id (as DCP's own
+            # writer does); this save's state is built from the parsed values,
+            # never read back from these shared attributes, which another thread's
+            # reset may have overwritten in between (S20).
+            self.root, self.step = root, step
         self.manifest_doc = None
+        self._local.save = self._fresh(root, step)
+
+    def storage_meta(self) -> StorageMeta | None:
+        """What DCP records in ``Metadata.storage_meta``: ``checkpoint_id`` is the
+        final directory of this save, ``save_id`` a fresh UUID per save."""
+        save = self._upcoming()  # DCP asks before set_up_storage_writer
+        return StorageMeta(checkpoint_id=os.fspath(self._final(save)), save_id=save.save_id)
 
     # 1
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-        self.rank = int(kwargs.get("rank", self.rank))
+        """Begin this thread's save: its root and step are fixed from here on.
+
+        :raises CheckpointError: ``use_collectives=False`` on several ranks (every
+            rank would commit a checkpoint of its own items only).
+        """
+        save = self._upcoming()
+        rank = kwargs.get("rank")
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if not kwargs.get("use_collectives", True) and (rank != 0 or _several_ranks()):
+            raise CheckpointError(
+                "asyncsave.dcp.StorageWriter commits one checkpoint for all ranks: "
+                "use_collectives=False is not supported on several ranks (each would "
+                "commit its own items only); to save one process's state alone, pass "
+                "no_dist=True and leave use_collectives at its default",
+                rank=rank,
+            )
+        save.started, save.rank, save.is_coordinator = True, int(rank), is_coordinator
+        self._release_handed()
+        if self._commit:
+            self.manifest_doc = None
 
     # 2
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Refuse a step that is committed already, before anything is written."""
+        save = self._current()
+        final = self._final(save)
+        if self._tmp is None and self.filesystem.exists(final):
+            raise _exists(final, save.step)
         return plan
 
     # 3
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        fs, root = self.filesystem, Path(self.root)
-        if self._tmp is None:
-            fs.makedirs(root)
-            self._tmp = make_temp_dir(fs, root, self.step).name
-        return [
-            dataclasses.replace(p, storage_data=_Part(self._tmp, r)) for r, p in enumerate(plans)
-        ]
+        """Unchanged: no plan carries anything of one save (DCP's plan caching
+        replays a rank's first plan in later saves)."""
+        return plans
 
     # 4
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        part = plan.storage_data
-        if not isinstance(part, _Part):
-            raise CheckpointError("asyncsave.dcp.StorageWriter got a plan it did not prepare")
-        self._tmp = part.tmp
-        items = [
-            (f"{i:06d}:{_item_name(it.index)}", _resolve_item(planner, it))
-            for i, it in enumerate(plan.items)
-        ]
-        locs = write_part(self.filesystem, Path(self.root) / part.tmp, part.rank, items)
+        """This rank's items into one data file, fsynced, in a temporary directory
+        of its own (or asyncsave's shared one); nothing when it has no items. A
+        failure removes the directory."""
+        save = self._current()
+        try:
+            items = [
+                (f"{i:06d}:{_item_name(it.index)}", _resolve_item(planner, it))
+                for i, it in enumerate(plan.items)
+            ]
+            fs = self.filesystem
+            locs: list[ItemLocation] = []
+            if items and self._tmp is not None:
+                locs = write_part(fs, save.root / self._tmp, save.rank, items)
+            elif items:
+                fs.makedirs(save.root)
+                tmp, fd = make_held_temp_dir(fs, save.root, save.step)
+                save.held.append(fd)
+                save.tmp = tmp.name
+                try:
+                    locs = write_part(fs, tmp, save.rank, items)
+                except BaseException:
+                    discard(fs, tmp)
+                    self._release(save)
+                    save.tmp = None
+                    raise
+        finally:
+            if not save.is_coordinator:
+                self._hand_over(save)
+                self._end()  # the coordinator's finish() is this save's last call
         results = []
         for it, loc in zip(plan.items, locs, strict=True):
             if it.type == WriteItemType.BYTE_IO:
                 loc = dataclasses.replace(loc, dtype=None, shape=None)
-            results.append(WriteResult(index=it.index, size_in_bytes=loc.nbytes, storage_data=loc))
+            results.append(
+                WriteResult(
+                    index=it.index, size_in_bytes=loc.nbytes, storage_data=_Written(loc, save.tmp)
+                )
+            )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     # 5
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        assert self._tmp is not None
-        fs, root = self.filesystem, Path(self.root)
-        tmp = root / self._tmp
-        metadata.storage_data = {wr.index: wr.storage_data for rr in results for wr in rr}
+        """Commit: every rank's files into one directory, DCP's ``.metadata``, the
+        manifest, then under the root's lock the rename and the tracker (forward
+        only). A refusal or failure before the rename removes every rank's
+        temporary directory.
+
+        :raises CheckpointError: the step is committed already (by another writer
+            since this save began).
+        :raises RootInUseError: the root's lock stayed held for ``lock_timeout_s``.
+        """
+        save = self._current()
+        try:
+            self._finish(save, metadata, results)
+        finally:
+            self._release(save)  # committed (renamed) or removed by now
+            self._end()
+
+    def _finish(self, save: _Save, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        fs, root = self.filesystem, save.root
+        # Every rank's own temporary directory (none in asyncsave's collective
+        # commit, whose shared directory the engine owns and removes on failure).
+        temps = sorted(
+            {
+                root / wr.storage_data.tmp
+                for rank_results in results
+                for wr in rank_results
+                if isinstance(wr.storage_data, _Written) and wr.storage_data.tmp is not None
+            }
+        )
+        try:
+            self._commit_save(save, metadata, results, temps)
+        except BaseException:
+            # Before the rename: every rank's files go. After it (the tracker
+            # failed) the checkpoint is under its final name, no temporary one.
+            for path in temps:
+                discard(fs, path)
+            raise
+
+    def _commit_save(
+        self,
+        save: _Save,
+        metadata: Metadata,
+        results: list[list[WriteResult]],
+        temps: list[Path],
+    ) -> None:
+        """:meth:`finish` proper; appends the directory it creates to ``temps``."""
+        fs, root, step = self.filesystem, save.root, save.step
+        located: list[list[WriteResult]] = []
+        for rank_results in results:
+            located.append([])
+            for wr in rank_results:
+                if not isinstance(wr.storage_data, _Written):
+                    raise CheckpointError(f"write result {wr.index} has no asyncsave location")
+                located[-1].append(dataclasses.replace(wr, storage_data=wr.storage_data.loc))
+        metadata.storage_data = {wr.index: wr.storage_data for rr in located for wr in rr}
+        metadata.storage_meta = StorageMeta(
+            checkpoint_id=os.fspath(self._final(save)), save_id=save.save_id
+        )
         blob = pickle.dumps(metadata)
-        write_bytes(fs, tmp / DCP_METADATA_NAME, blob)
-        doc = dcp_manifest_doc(self.step, results, blob)
+        doc = dcp_manifest_doc(step, located, blob)
         if not self._commit:
+            assert self._tmp is not None
+            write_bytes(fs, root / self._tmp / DCP_METADATA_NAME, blob)
             self.manifest_doc = doc
             return
-        write_bytes(fs, tmp / MANIFEST_NAME, encode_manifest(doc))
         layout = LAYOUTS[self.layout]
-        final = root / layout.dir_name(self.step)
-        try:
-            commit_dir(fs, tmp, final, overwrite=False)
-        except FileExistsError as exc:
-            raise CheckpointError(
-                f"{final} exists already; a DCP save never replaces a checkpoint",
-                step=self.step,
-                path=final,
-            ) from exc
-        if layout.tracker_name is not None:
-            tracker = root / layout.tracker_name
+        final = root / layout.dir_name(step)
+        if fs.exists(final):
+            raise _exists(final, step)
+        if save.tmp is None:  # this rank wrote nothing
+            fs.makedirs(root)
+            made, fd = make_held_temp_dir(fs, root, step)
+            save.held.append(fd)
+            temps.append(made)
+        tmp = root / save.tmp if save.tmp is not None else temps[-1]
+        for other in temps:
+            if other != tmp:  # another rank's directory: its files move in
+                for name in fs.listdir(other):
+                    fs.rename(other / name, tmp / name)
+        write_bytes(fs, tmp / DCP_METADATA_NAME, blob)
+        write_bytes(fs, tmp / MANIFEST_NAME, encode_manifest(doc))
+        with hold_root(fs, root, timeout_s=self.lock_timeout_s):
+            if fs.exists(final):
+                raise _exists(final, step)
             try:
-                highest = read_tracker(fs, tracker)
-            except CorruptCheckpointError:
-                highest = None
-            TrackerWriter(fs, tracker, highest).advance(self.step)
-
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.root)
+                commit_dir(fs, tmp, final, overwrite=False)
+            except OSError as exc:
+                if fs.exists(tmp) or not fs.exists(final):
+                    raise  # before the rename: nothing committed, every directory goes
+                raise CheckpointError(
+                    f"{final} is committed (renamed to its final name), but making the "
+                    f"rename durable (fsync of {root}) failed: {exc!r}; the tracker was "
+                    "not moved, the next Checkpointer open moves it",
+                    step=step,
+                    path=final,
+                ) from exc
+            if layout.tracker_name is not None:
+                try:
+                    advance_tracker(fs, root / layout.tracker_name, step)
+                except OSError as exc:
+                    raise CheckpointError(
+                        f"{final} is committed, but moving the tracker failed: {exc!r}; "
+                        "the next Checkpointer open moves it",
+                        step=step,
+                        path=final,
+                    ) from exc
+        for other in temps:
+            if other != tmp:
+                discard(fs, other)  # another rank's, emptied above
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # never picked automatically: construct it explicitly
+
+
+def _release_all(fs: LocalFileSystem, handed: dict[str, int]) -> None:
+    """Release every handed-over lock of a writer that is collected."""
+    while handed:
+        fd = handed.popitem()[1]
+        if fd in _LOCK_FDS:  # not closed already (a forked child closes its copies)
+            with contextlib.suppress(OSError):
+                fs.unlock(fd)
+
+
+def _check_step(step: Any) -> None:
+    if type(step) is not int or step < 0:
+        raise ValueError(f"step={step!r} must be a non-negative int")
+
+
+def _exists(final: Path, step: int) -> CheckpointError:
+    return CheckpointError(
+        f"{final} exists already; a DCP save never replaces a checkpoint",
+        step=step,
+        path=final,
+    )
 
 
 @dataclasses.dataclass
@@ -390,9 +710,21 @@ class StorageReader(_DcpStorageReader):
     against a forged checkpoint: read only checkpoints you trust, as with DCP.
 
     :param path: a checkpoint directory (``runs/exp1/step_40``), or a root, which
-        resolves to the checkpoint its tracker names (:func:`asyncsave.latest`).
+        resolves to the checkpoint its tracker names (:func:`asyncsave.latest`) each
+        time a load begins (``read_metadata``), so a reader kept across loads follows
+        new commits.
     :param verify: check every item's XXH3-64 checksum while reading.
-    :raises CheckpointNotFoundError: (from ``read_metadata``) nothing committed there.
+    :param layout: the layout preset a root was written with (the writer's
+        ``layout``); a checkpoint directory is read whatever its layout.
+    :param fallback: as for :func:`asyncsave.latest`: a tracker naming a missing or
+        damaged checkpoint resolves to the newest committed one instead of raising.
+    :param load_id: DCP's id of this load, recorded in
+        ``read_metadata().storage_meta.load_id`` (as ``FileSystemReader`` does); a
+        fresh UUID at construction and at every ``reset``.
+    :raises ValueError: an unknown ``layout``.
+    :raises CheckpointNotFoundError: (from ``read_metadata``) nothing committed
+        there; a root holding another layout's checkpoints names the ``layout`` to
+        pass (as :func:`asyncsave.latest` does: never read as empty).
     :raises CorruptCheckpointError: damaged manifest, ``.metadata`` or data file;
         :class:`ChecksumMismatchError` for altered bytes.
     """
@@ -400,24 +732,38 @@ class StorageReader(_DcpStorageReader):
     path: str
     verify: bool = True
     filesystem: LocalFileSystem = dataclasses.field(default_factory=LocalFileSystem)
+    layout: str = "asyncsave"
+    fallback: bool = False
     _metadata: Metadata | None = None
     _dir: str | None = None
+    load_id: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
 
     def __post_init__(self) -> None:
         self.path = os.fspath(self.path)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}")
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A new load begins (a fresh ``load_id``); a ``checkpoint_id`` is the path."""
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
         self._dir = None
         self._metadata = None
+        self.load_id = str(uuid.uuid4())
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The path this reader was given (a checkpoint directory or a root)."""
+        return self.path
 
     def checkpoint_dir(self) -> Path:
         """The checkpoint directory this reader reads (a root resolves to its latest)."""
         if self._dir is None:
             p = Path(self.path)
             if not self.filesystem.exists(p / MANIFEST_NAME):
-                info = latest(p, filesystem=self.filesystem)
+                info = latest(
+                    p, layout=self.layout, fallback=self.fallback, filesystem=self.filesystem
+                )
                 if info is None:
                     raise CheckpointNotFoundError(f"no committed checkpoint in {p}", path=p)
                 p = Path(info.path)
@@ -425,6 +771,7 @@ class StorageReader(_DcpStorageReader):
         return Path(self._dir)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self._dir = None  # a load begins: a root resolves to its latest now
         fs, path = self.filesystem, self.checkpoint_dir()
         read_checkpoint(fs, path)  # validates the manifest and every file's size
         doc = json.loads(fs.read_bytes(path / MANIFEST_NAME))
@@ -449,6 +796,9 @@ class StorageReader(_DcpStorageReader):
         metadata = pickle.loads(blob)
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{mpath} holds no DCP Metadata", path=mpath)
+        if metadata.storage_meta is None:  # written before asyncsave recorded it
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(
@@ -507,6 +857,12 @@ class StorageReader(_DcpStorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+def _several_ranks() -> bool:
+    """Whether this process is one of several ranks of an initialised process group."""
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -9,8 +9,9 @@ on an open, distributed :class:`~asyncsave.Checkpointer` instead::
 
     saver = asyncsave.megatron.MegatronSaver(ckpt)          # ckpt: distributed
     tmp = await saver.prepare(step)                         # every rank
-    request = dist_checkpointing.save(sharded_state_dict, tmp,
-                                      sharded_strategy, async_sharded_save=True)
+    with saver.building(step):                              # no Manager (S23)
+        request = dist_checkpointing.save(sharded_state_dict, tmp,
+                                          sharded_strategy, async_sharded_save=True)
     handle = await saver.save(step, request)                # returns once staged
     ...                                                     # training goes on
     await handle                                            # committed, tracked
@@ -53,14 +54,52 @@ saver does not call them; it does their work itself:
 
 Finalize functions added by the caller (``request.add_finalize_fn``) run as they
 are, in order, from a worker thread: they must not use the trainer's process group.
+
+Processes (S23). megatron-core 0.16.1 can leave three kinds of process behind:
+
+* ``FileSystemWriterAsync`` collects write results in a ``multiprocessing``
+  ``Manager().Queue()`` (``filesystem_async._get_write_results_queue``): a server
+  process *spawned* (about 270 MB, plus its resource tracker) at the first request
+  built in a process and kept in a module global for the life of that process. Only
+  ``multiprocessing``'s exit hook shuts it down, so a rank that ends by
+  ``os._exit``, a signal or a crash leaves it running with parent 1.
+* ``AsyncCallsQueue(persistent=True)`` spawns a persistent worker
+  (``PersistentAsyncCaller``) that lives until ``AsyncCallsQueue.close()``.
+* ``write_preloaded_data_multiproc`` forks one writer per bucket for each write and
+  joins them before it returns.
+
+:class:`MegatronSaver` starts no long-lived process. It runs the write function in
+this process (a worker thread), so it needs no queue between processes. Inside
+:meth:`~MegatronSaver.building` (the ``with`` block around the request build, and
+nothing longer) megatron-core's ``_get_write_results_queue`` is replaced by one
+that gives the building thread an in-process queue, so megatron-core spawns no
+``Manager`` for it, and gives every other thread megatron-core's own answer;
+megatron-core's getter is back on every way out of the block, an exception
+included, and its ``_results_queue`` global is never written. (megatron-core
+0.16.1 takes no queue from the caller: ``FileSystemWriterAsync`` is made inside
+``TorchDistSaveShardedStrategy.async_save`` and calls the module's getter in
+``prepare_write_data``.) Every request then reports its write results through a
+queue of its own. It never creates an
+``AsyncCallsQueue``. The forked writers are megatron-core's and end with each
+write. A ``Manager`` or persistent worker that the trainer started by using
+megatron-core's own async caller in the same process is the trainer's: the saver
+neither uses nor stops it (close the caller with ``AsyncCallsQueue.close()``, and
+end the process with ``sys.exit`` rather than ``os._exit`` so that the ``Manager``
+is shut down).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import inspect
+import logging
 import os
+import queue
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +117,12 @@ from ._stage import Lease, _destination, lease_and_stage
 
 __all__ = ["MegatronSaver"]
 
+logger = logging.getLogger(__name__)
+
 _ALIGN = 64
 _STRATEGY_FINALIZE = "_get_save_and_finalize_callbacks.<locals>.finalize_fn"
 _METADATA_FINALIZE = "save.<locals>.metadata_finalize_fn"
+_FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 
 
 class MegatronSaver:
@@ -150,6 +192,30 @@ class MegatronSaver:
         self._prepared = (step, ticket, name)
         return ckpt.root / name
 
+    @contextlib.contextmanager
+    def building(self, step: int) -> Iterator[None]:
+        """Build the request of ``step`` inside this ``with`` block (after
+        :meth:`prepare`, before :meth:`save`)::
+
+            with saver.building(step):
+                request = dist_checkpointing.save(..., async_sharded_save=True)
+
+        While it lasts, megatron-core's ``FileSystemWriterAsync`` gets an in-process
+        results queue in this thread instead of spawning its ``Manager`` process
+        (S23); other threads, and this one after the block, get megatron-core's own
+        behaviour. Nothing of megatron-core is left changed on any way out of the
+        block, an exception included; a failed build leaves the prepared save as
+        it was (build again, then :meth:`save`). A request built outside the block
+        works too, but megatron-core then starts its ``Manager`` (the process's,
+        not the saver's to stop).
+
+        :raises CheckpointError: no :meth:`prepare` of ``step`` came first.
+        """
+        if self._prepared is None or self._prepared[0] != step:
+            raise CheckpointError(f"building({step}) needs prepare({step}) first", step=step)
+        with _in_process_results_queue():
+            yield
+
     async def save(self, step: int, request: Any) -> SaveHandle:
         """Stage ``request``'s tensors and run it in the background (see the module
         docstring for the order). Returns once the snapshot is taken; ``await`` the
@@ -182,6 +248,17 @@ class MegatronJob(Job):
         self.buckets: list[Any] = []
         self.lease: Lease | None = None
         self.steps = _finalize_steps(request.finalize_fns)
+        # The write runs in this process: its results come back through a queue
+        # of this request's own, never through megatron-core's process-wide one.
+        self.results: queue.Queue[Any] = queue.Queue()
+        for kind, *rest in self.steps:
+            if kind == "strategy" and getattr(rest[0], "results_queue", None) is not None:
+                if not isinstance(rest[0].results_queue, queue.Queue):
+                    logger.warning(
+                        "a megatron request built outside MegatronSaver.building(): "
+                        "megatron-core started its results Manager process for it"
+                    )
+                rest[0].results_queue = self.results  # None: nothing to write on this rank
 
     async def stage(
         self, saver: Services, step: int, ready: dict[Any, Any] | None, make_tmp: Any
@@ -233,6 +310,7 @@ class MegatronJob(Job):
         if req.async_fn is not None:
             args = list(req.async_fn_args)
             args[1] = self.buckets
+            args[2] = self.results
             await anyio.to_thread.run_sync(
                 functools.partial(req.async_fn, *args, **req.async_fn_kwargs),
                 abandon_on_cancel=True,
@@ -313,3 +391,55 @@ def _finalize_steps(fns: list[Any]) -> list[tuple[Any, ...]]:
         else:
             steps.append(("call", fn))
     return steps
+
+
+# The threads inside MegatronSaver.building() (by thread id, how deep), and the
+# getter of megatron-core they replace, while any is: under _scope_lock.
+_scope_lock = threading.Lock()
+_builders: dict[int, int] = {}
+_megatron_getter: Any = None
+
+
+def _scoped_results_queue() -> Any:
+    """Stands for megatron-core's ``_get_write_results_queue`` while some thread is
+    inside :meth:`MegatronSaver.building`: that thread gets an in-process queue,
+    every other thread what megatron-core's own getter gives (its ``Manager``
+    queue), as if nothing were in place."""
+    if threading.get_ident() in _builders:
+        return queue.Queue()
+    return _megatron_getter()
+
+
+@contextlib.contextmanager
+def _in_process_results_queue() -> Iterator[None]:
+    """Put :func:`_scoped_results_queue` in megatron-core's place for the ``with``
+    block only, and take megatron-core's getter back on every way out (exceptions
+    included) once no thread is inside any more. Its ``_results_queue`` (the
+    ``Manager`` queue, or ``None``) is never touched."""
+    global _megatron_getter
+    try:
+        fs_async = importlib.import_module(_FS_ASYNC)
+    except ImportError:
+        yield
+        return
+    me = threading.get_ident()
+    with _scope_lock:
+        if not _builders:
+            getter = getattr(fs_async, "_get_write_results_queue", None)
+            if getter is None:  # not megatron-core 0.16's layout: nothing to scope
+                _megatron_getter = None
+            else:
+                _megatron_getter = getter
+                setattr(fs_async, "_get_write_results_queue", _scoped_results_queue)  # noqa: B010
+        _builders[me] = _builders.get(me, 0) + 1
+    try:
+        yield
+    finally:
+        with _scope_lock:
+            _builders[me] -= 1
+            if not _builders[me]:
+                del _builders[me]
+            if not _builders and _megatron_getter is not None:
+                if getattr(fs_async, "_get_write_results_queue", None) is _scoped_results_queue:
+                    setattr(fs_async, "_get_write_results_queue", _megatron_getter)  # noqa: B010
+                _megatron_getter = None

@@ -1,4 +1,8 @@
-"""Shared fixtures: every async test runs on asyncio, asyncio+uvloop and trio."""
+"""Shared fixtures: every async test runs on asyncio, asyncio+uvloop and trio.
+
+The ``leakcheck`` plugin fails the run when a process the suite started is still
+alive at its end (S23; see ``tests/leakcheck.py``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import settings
+
+pytest_plugins = ["leakcheck"]
 
 
 @pytest.fixture(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +84,75 @@ def test_the_installed_command_runs(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "step_2" in proc.stdout
+
+
+# -- through the installed console script and `python -m asyncsave` -------------------
+
+ENTRY_POINTS = {
+    "console-script": [os.path.join(os.path.dirname(sys.executable), "asyncsave")],
+    "python-m": [sys.executable, "-m", "asyncsave"],
+}
+
+
+@pytest.fixture(params=sorted(ENTRY_POINTS))
+def command(request: pytest.FixtureRequest) -> list[str]:
+    argv = ENTRY_POINTS[request.param]
+    assert os.path.exists(argv[0]), f"{argv[0]} missing: pip install -e . puts it there"
+    return argv
+
+
+def cli(command: list[str], *argv: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*command, *map(str, argv)], capture_output=True, text=True, timeout=120)
+
+
+def test_version_prints_the_installed_distributions_version(command: list[str]) -> None:
+    proc = cli(command, "--version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"asyncsave {importlib.metadata.version('asyncsave')}"
+    assert importlib.metadata.version("asyncsave") == asyncsave.__version__
+
+
+@pytest.mark.parametrize("target", ["step_2", "step_2/manifest.json"])
+def test_ls_of_one_checkpoint_names_inspect_verify_and_the_root(
+    tmp_path: Path, command: list[str], target: str
+) -> None:
+    make_root(tmp_path)
+    proc = cli(command, "ls", tmp_path / target)
+    assert proc.returncode == 2, proc.stdout
+    assert "is one checkpoint, not a root" in proc.stderr
+    assert f"asyncsave inspect {tmp_path / 'step_2'}" in proc.stderr
+    assert f"asyncsave verify {tmp_path / 'step_2'}" in proc.stderr
+    assert f"asyncsave ls {tmp_path}`" in proc.stderr
+
+
+def test_inspect_of_a_root_names_ls_and_its_newest_checkpoint(
+    tmp_path: Path, command: list[str]
+) -> None:
+    make_root(tmp_path)
+    proc = cli(command, "inspect", tmp_path)
+    assert proc.returncode == 2, proc.stdout
+    assert f"{tmp_path} is a root of checkpoints (steps 1, 2)" in proc.stderr
+    assert f"asyncsave ls {tmp_path}`" in proc.stderr
+    assert f"asyncsave inspect {tmp_path / 'step_2'}`" in proc.stderr
+
+
+@pytest.mark.parametrize("layout", ["verl", "megatron", "skyrl"])
+def test_a_root_of_another_layout_gets_the_layout_named(tmp_path: Path, layout: str) -> None:
+    async def go() -> None:
+        async with asyncsave.Checkpointer(tmp_path, layout=layout) as ckpt:
+            await (await ckpt.save(3, {"w": torch.ones(2)}))
+
+    anyio.run(go)
+    final = asyncsave.latest(tmp_path, layout=layout).path  # type: ignore[union-attr]
+    rc, text = run("ls", str(tmp_path))
+    assert f"pass --layout {layout}" in text and "--layout asyncsave" not in text
+    rc, _ = run("ls", str(tmp_path), "--layout", layout)
+    assert rc == 0
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "stderr", err)
+        assert run("verify", str(tmp_path))[0] == 1
+        assert run("inspect", str(tmp_path))[0] == 2
+    assert f"pass --layout {layout}" in err.getvalue()
+    assert f"asyncsave ls {tmp_path} --layout {layout}`" in err.getvalue()
+    assert f"asyncsave inspect {final}`" in err.getvalue()

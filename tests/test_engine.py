@@ -123,16 +123,19 @@ async def test_stale_temp_dirs_are_removed_when_a_checkpointer_opens(tmp_path: P
 
 async def test_steps_are_honest_no_step_zero_no_duplicates(tmp_path: Path) -> None:
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
-        h0 = await ckpt.save(0, small_state(0))
+        with pytest.warns(asyncsave.CheckpointWarning, match="not saving step 0"):
+            h0 = await ckpt.save(0, small_state(0))
         assert h0.skipped and await h0 is None
         h1 = await ckpt.save(1, small_state(1))
         h2 = await ckpt.save(2, small_state(2))
-        again = await ckpt.save(2, small_state(99))  # pending or committed: a no-op
+        with pytest.warns(asyncsave.CheckpointWarning, match="step 2 is already"):
+            again = await ckpt.save(2, small_state(99))  # pending or committed: a no-op
         assert again is h2 or (await again) == (await h2)
         await h1
         info2 = await h2
         mtime = (tmp_path / "step_2" / "manifest.json").stat().st_mtime_ns
-        later = await ckpt.save(2, small_state(123))
+        with pytest.warns(asyncsave.CheckpointWarning, match="step 2 is already committed"):
+            later = await ckpt.save(2, small_state(123))
         assert (await later) == info2
     assert [n for n in entries(tmp_path) if n.startswith("step_")] == ["step_1", "step_2"]
     assert (tmp_path / "step_2" / "manifest.json").stat().st_mtime_ns == mtime
@@ -143,7 +146,8 @@ async def test_a_step_committed_by_an_earlier_process_is_not_rewritten(tmp_path:
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         await (await ckpt.save(4, small_state(4)))
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
-        info = await (await ckpt.save(4, small_state(40)))
+        with pytest.warns(asyncsave.CheckpointWarning, match="step 4 is already committed"):
+            info = await (await ckpt.save(4, small_state(40)))
     assert info is not None and info.step == 4
     assert asyncsave.load(tmp_path / "step_4")["meta"]["value"] == 4
 
@@ -454,6 +458,7 @@ def test_garbage_collection_with_saves_in_flight_only_warns(tmp_path: Path) -> N
 # -- concurrency and cancellation ------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore::asyncsave.CheckpointWarning")  # duplicates on purpose
 async def test_a_shared_handle_fails_instead_of_hanging_when_its_owner_is_cancelled(
     tmp_path: Path,
 ) -> None:
@@ -483,6 +488,7 @@ async def test_a_shared_handle_fails_instead_of_hanging_when_its_owner_is_cancel
     assert asyncsave.load(tmp_path / "step_2")["meta"]["value"] == 2
 
 
+@pytest.mark.filterwarnings("ignore::asyncsave.CheckpointWarning")  # duplicates on purpose
 async def test_a_duplicate_save_returns_only_once_the_snapshot_is_taken(tmp_path: Path) -> None:
     gate = threading.Event()
     fs = FaultyFS("write", pause(gate), where=lambda p: p.endswith(".safetensors"))

@@ -9,15 +9,18 @@ megatron-core is imported once here, in the parent, so the forked ranks share it
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import anyio
+import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fs_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 import asyncsave
@@ -45,8 +48,29 @@ def sharded(t: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, Any]
     }
 
 
-def _megatron_save(rank: int, world: int, root: str, fail_rank: int, device: str) -> dict[str, Any]:
+class _TrainersOwnQueue:
+    """Stands for the results queue of a Manager the trainer started itself."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the saver used the trainer's queue ({name})")
+
+
+def _children() -> list[str]:
+    """This process's live descendants (zombies are already gone)."""
+    return [
+        " ".join(p.cmdline())
+        for p in psutil.Process().children(recursive=True)
+        if p.status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+def _megatron_save(
+    rank: int, world: int, root: str, fail_rank: int, device: str, trainers_queue: bool = False
+) -> dict[str, Any]:
     seen: dict[str, Any] = {"finalize_saw": []}
+    own = _TrainersOwnQueue()
+    if trainers_queue:
+        fs_async._results_queue = own
 
     def caller_finalize() -> None:
         # Runs after every rank's write is durable, before commit and tracker.
@@ -65,12 +89,13 @@ def _megatron_save(rank: int, world: int, root: str, fail_rank: int, device: str
             saver = MegatronSaver(ckpt)
             live = weights(rank, device)
             tmp = await saver.prepare(10)
-            request = dist_checkpointing.save(
-                sharded(live, rank, world),
-                str(tmp),
-                TorchDistSaveShardedStrategy("torch_dist", 1),
-                async_sharded_save=True,
-            )
+            with saver.building(10):
+                request = dist_checkpointing.save(
+                    sharded(live, rank, world),
+                    str(tmp),
+                    TorchDistSaveShardedStrategy("torch_dist", 1),
+                    async_sharded_save=True,
+                )
             request.add_finalize_fn(caller_finalize)
             handle = await saver.save(10, request)
             for t in live.values():
@@ -84,6 +109,12 @@ def _megatron_save(rank: int, world: int, root: str, fail_rank: int, device: str
                 (Path(root) / TRACKER).read_text().strip()
                 if (Path(root) / TRACKER).exists()
                 else None
+            )
+            # S23: megatron-core spawned no Manager for the saver, and its
+            # process-wide queue is as it was before prepare().
+            seen["children"] = _children()
+            seen["global_queue"] = (
+                "trainer's" if fs_async._results_queue is own else fs_async._results_queue
             )
 
     try:
@@ -103,6 +134,7 @@ def test_megatron_request_runs_on_the_engine_finalize_before_commit_and_tracker(
         assert s["tracker"] == "10"
         # Megatron's finalize ran before the rename and before the tracker.
         assert s["finalize_saw"] == [(False, None)]
+        assert s["children"] == [] and s["global_queue"] is None
     final = root / "iter_0000010"
     names = sorted(p.name for p in final.iterdir())
     assert {".metadata", "common.pt", "metadata.json", "manifest.json"} <= set(names)
@@ -124,8 +156,90 @@ def test_failed_megatron_finalize_on_one_rank_commits_nothing(tmp_path: Path) ->
     for s in seen:
         assert list(s["error"]) == [1] and "injected finalize failure" in s["error"][1]
         assert s["tracker"] is None and s["close"] == "RankFailedError"
+        assert s["children"] == [] and s["global_queue"] is None
     assert not (root / "iter_0000010").exists()
     assert [p.name for p in root.iterdir() if p.name.startswith(".asyncsave-tmp")] == []
+
+
+def test_a_results_queue_the_trainer_started_is_left_alone_and_unused(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    seen = values(run_ranks(_megatron_save, 2, tmp_path, str(root), -1, "cpu", True, timeout_s=240))
+    for s in seen:
+        assert s["committed"] == (10, 2) and s["tracker"] == "10"
+        assert s["global_queue"] == "trainer's" and s["children"] == []
+    assert asyncsave.verify(root / "iter_0000010").world_size == 2
+
+
+def _prepare_then_fail(rank: int, world: int, root: str) -> dict[str, Any]:
+    """prepare(), then a request build that fails, then a build that works and
+    save(): megatron-core's results-queue globals are its own at every point
+    outside ``building()``, and inside it only the building thread sees a change."""
+    own = _TrainersOwnQueue()
+    getter = fs_async._get_write_results_queue
+    seen: dict[str, Any] = {}
+
+    def globals_now() -> tuple[bool, bool]:
+        return (fs_async._results_queue is None, fs_async._get_write_results_queue is getter)
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(
+            root, layout="megatron", distributed=True, dist_timeout_s=60, save_timeout_s=120
+        ) as ckpt:
+            saver = MegatronSaver(ckpt)
+            tmp = await saver.prepare(10)
+            seen["after prepare"] = globals_now()
+            other: list[Any] = []
+            try:
+                with saver.building(10):
+                    # As if the trainer had started megatron-core's Manager (so
+                    # megatron-core's getter spawns nothing here).
+                    fs_async._results_queue = own
+                    mine = fs_async._get_write_results_queue()
+                    t = threading.Thread(
+                        target=lambda: other.append(fs_async._get_write_results_queue())
+                    )
+                    t.start()
+                    t.join()
+                    fs_async._results_queue = None
+                    seen["inside"] = (type(mine).__name__, other[0] is own)
+                    raise RuntimeError("injected failure while building the request")
+            except RuntimeError:
+                pass
+            seen["after a failed build"] = globals_now()
+            with saver.building(10):
+                request = dist_checkpointing.save(
+                    sharded(weights(rank), rank, world),
+                    str(tmp),
+                    TorchDistSaveShardedStrategy("torch_dist", 1),
+                    async_sharded_save=True,
+                )
+            seen["after the build"] = globals_now()
+            info = await (await saver.save(10, request))
+            seen["committed"] = info.step
+            seen["children"] = _children()
+        seen["after close"] = globals_now()
+
+    try:
+        anyio.run(main)
+    finally:
+        fs_async._results_queue = None
+    return seen
+
+
+def test_megatron_globals_are_left_as_they_were_when_a_request_build_fails(
+    tmp_path: Path,
+) -> None:
+    """S23: prepare() touches no global of megatron-core; building() changes its
+    results-queue getter only for the building thread and only inside the block,
+    an exception included."""
+    root = tmp_path / "run"
+    seen = values(run_ranks(_prepare_then_fail, 2, tmp_path, str(root), timeout_s=240))
+    for s in seen:
+        for when in ("after prepare", "after a failed build", "after the build", "after close"):
+            assert s[when] == (True, True), when
+        assert s["inside"] == ("Queue", True)  # this thread in-process, others megatron's
+        assert s["committed"] == 10 and s["children"] == []
+    assert asyncsave.verify(root / "iter_0000010").world_size == 2
 
 
 @pytest.mark.cuda

@@ -296,7 +296,8 @@ async def test_s3_overwrite_of_a_committed_step_is_refused_and_keeps_it(s3: Any)
         with pytest.raises(asyncsave.CheckpointError, match="cannot overwrite step 1"):
             await ckpt.save(1, state_of(7), overwrite=True)
         # A plain duplicate stays a no-op; the checkpointer keeps working.
-        assert (await (await ckpt.save(1, state_of(7)))) is not None
+        with pytest.warns(asyncsave.CheckpointWarning, match="step 1 is already committed"):
+            assert (await (await ckpt.save(1, state_of(7)))) is not None
         await (await ckpt.save(2, state_of(2)))
     assert_same(asyncsave.load(f"{root}/step_1", storage_options=options), state_of(1))
 

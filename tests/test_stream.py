@@ -113,6 +113,25 @@ async def test_state_four_times_the_budget_streams_and_loads_back_equal(tmp_path
     assert_same(state, asyncsave.load(tmp_path / "step_1"))
 
 
+async def test_contiguous_tensors_with_odd_strides_on_size_one_dims_stream(
+    tmp_path: Path,
+) -> None:
+    # Found by tests/test_aliasing.py: such a tensor is contiguous (so it is cut at
+    # byte boundaries) but view(torch.uint8) refuses its last stride.
+    t = torch.arange(8, dtype=torch.int16)
+    state = {
+        "one": t[::8],  # shape (1,), stride (8,)
+        "col": torch.randn(3).as_strided((3, 1), (1, 5)),  # stride (1, 5)
+        "f": torch.randn(300),
+    }
+    assert all(v.is_contiguous() for v in state.values())
+    async with asyncsave.Checkpointer(tmp_path, budget_bytes=1024) as ckpt:
+        await (await ckpt.save(1, state))
+    loaded = asyncsave.load(tmp_path / "step_1")
+    for k, v in state.items():
+        assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v), k
+
+
 @pytest.mark.parametrize("writer_threads", [1, 3])
 async def test_every_dtype_and_shared_storage_stream_through_a_tiny_budget(
     tmp_path: Path, writer_threads: int, monkeypatch: pytest.MonkeyPatch

@@ -110,7 +110,8 @@ async def test_a_save_of_the_same_step_waits_for_the_update(tmp_path: Path) -> N
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         await (await ckpt.save(5, _state()))
         await ckpt.update(5, "step", 55)
-        h = await ckpt.save(5, _state())  # committed: a no-op returning its info
+        with pytest.warns(asyncsave.CheckpointWarning, match="already committed"):
+            h = await ckpt.save(5, _state())  # committed: a no-op returning its info
         assert (await h).step == 5  # type: ignore[union-attr]
         await (await ckpt.save(5, {**_state(), "step": 77}, overwrite=True))
     assert asyncsave.load(tmp_path / "step_5")["step"] == 77

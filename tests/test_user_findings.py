@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
+import warnings
 from pathlib import Path
 
+import anyio
+import anyio.to_thread
 import numpy as np
 import pytest
 import torch
-from faults import FaultyFS, raise_errno
+from faults import FaultyFS, pause, raise_errno
 
 import asyncsave
 
@@ -53,8 +57,6 @@ async def test_opening_a_root_with_the_wrong_layout_never_starts_from_scratch(
 
 
 def test_load_tensors_refuses_an_ambiguous_key_path(tmp_path: Path) -> None:
-    import anyio
-
     async def save() -> None:
         async with asyncsave.Checkpointer(tmp_path) as ckpt:
             await ckpt.save(1, {"a/b": torch.ones(1), "a": {"b": torch.zeros(1)}})
@@ -79,18 +81,103 @@ async def test_a_tracker_failure_after_the_rename_says_the_step_is_committed(
         assert ckpt.tracked_step == 4  # as the message says
 
 
-async def test_integer_like_steps_and_a_warning_below_the_tracked_step(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_integer_like_steps_and_a_warning_below_the_tracked_step(tmp_path: Path) -> None:
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         await (await ckpt.save(np.int64(4), {"w": torch.ones(2)}))  # type: ignore[arg-type]
         await (await ckpt.save(torch.tensor(6), {"w": torch.ones(2)}))  # type: ignore[arg-type]
-        with caplog.at_level(logging.WARNING, logger="asyncsave"):
+        with pytest.warns(asyncsave.CheckpointWarning, match="below the tracked step 6") as w:
             await (await ckpt.save(5, {"w": torch.ones(2)}))
-        assert "below the tracked step 6" in caplog.text
+        assert w[0].filename == __file__  # points at the caller's save()
+        assert w[0].message.step == 5  # type: ignore[union-attr]
         for bad in (True, 2.0, np.float32(3)):
             with pytest.raises(asyncsave.InvalidStepError):
                 await ckpt.save(bad, {})  # type: ignore[arg-type]
         with pytest.raises(asyncsave.CheckpointNotFoundError, match="no checkpoint of step 99"):
             await ckpt.update(99, "w", torch.zeros(2))
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_4", "step_5", "step_6"]
+
+
+# -- save() calls that do not do what was probably meant warn (issue 10, item 7) -------
+
+
+async def test_a_save_of_a_step_committed_before_this_run_warns_and_keeps_the_old_bytes(
+    tmp_path: Path,
+) -> None:
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(3, {"w": torch.zeros(2)}))
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:  # a run that did not resume
+        with pytest.warns(asyncsave.CheckpointWarning, match="step 3 is already committed") as w:
+            info = await (await ckpt.save(3, {"w": torch.ones(2)}))
+        assert w[0].filename == __file__
+        assert info is not None and info.step == 3
+    assert torch.equal(asyncsave.load(tmp_path / "step_3")["w"], torch.zeros(2))
+
+
+async def test_a_second_save_of_a_step_in_this_run_warns_committed_or_in_flight(
+    tmp_path: Path,
+) -> None:
+    gate = threading.Event()
+    fs = FaultyFS("rename", pause(gate), where=lambda p: p.endswith("step_4"))
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+        await (await ckpt.save(2, {"w": torch.zeros(2)}))
+        with pytest.warns(asyncsave.CheckpointWarning, match="step 2 is already committed"):
+            await ckpt.save(2, {"w": torch.ones(2)})  # the step counter did not advance
+        first = await ckpt.save(4, {"w": torch.zeros(2)})
+        await anyio.to_thread.run_sync(fs.fired.wait, 60)  # held before its rename
+        with pytest.warns(asyncsave.CheckpointWarning, match="step 4 is already in flight"):
+            again = await ckpt.save(4, {"w": torch.ones(2)})
+        assert again is first
+        gate.set()
+        await first
+        # overwrite=True is the way to replace it: no warning
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", asyncsave.CheckpointWarning)
+            await (await ckpt.save(4, {"w": torch.ones(2)}, overwrite=True))
+    assert torch.equal(asyncsave.load(tmp_path / "step_2")["w"], torch.zeros(2))
+    assert torch.equal(asyncsave.load(tmp_path / "step_4")["w"], torch.ones(2))
+
+
+async def test_a_save_of_the_resumed_step_is_logged_not_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(5, {"w": torch.zeros(2)}))
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        restored = await ckpt.load_latest()
+        assert restored is not None and restored.info.step == 5
+        with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="asyncsave"):
+            warnings.simplefilter("error", asyncsave.CheckpointWarning)
+            await (await ckpt.save(5, restored.state))
+        assert "step 5 is the checkpoint this run resumed from" in caplog.text
+
+
+async def test_a_skipped_save_of_step_zero_warns(tmp_path: Path) -> None:
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        with pytest.warns(asyncsave.CheckpointWarning, match="save_step_zero=True"):
+            await (await ckpt.save(0, {"w": torch.zeros(2)}))
+    assert not (tmp_path / "step_0").exists()
+    async with asyncsave.Checkpointer(tmp_path, save_step_zero=True) as ckpt:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", asyncsave.CheckpointWarning)
+            await (await ckpt.save(0, {"w": torch.zeros(2)}))
+    assert (tmp_path / "step_0").is_dir()
+
+
+def test_the_sync_facade_warns_too(tmp_path: Path) -> None:
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(3, {"w": torch.zeros(2)}).result()
+        with pytest.warns(asyncsave.CheckpointWarning, match="step 3 is already committed"):
+            ckpt.save(3, {"w": torch.ones(2)}).result()
+        with pytest.warns(asyncsave.CheckpointWarning, match="below the tracked step 3"):
+            ckpt.save(2, {"w": torch.ones(2)}).result()
+
+
+def test_the_budget_bytes_doc_says_a_larger_state_streams(tmp_path: Path) -> None:
+    doc = asyncsave.CheckpointOptions.__doc__ or ""
+    budget = doc.split(":param budget_bytes:")[1].split(":param ")[0]
+    assert "streams" in budget and "smaller than one save raises" not in budget
+    # ... and it does: four times the budget, committed whole.
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    with asyncsave.SyncCheckpointer(tmp_path, budget_bytes=4096) as ckpt:
+        ckpt.save(1, state).result()
+    assert torch.equal(asyncsave.load(tmp_path / "step_1")["w"], state["w"])
