@@ -84,6 +84,17 @@ def _layout_hint(fs: LocalFileSystem, root: Path, layout_name: str) -> str | Non
     )
 
 
+def _layout_option(dir_name: str) -> str:
+    """`` --layout NAME`` for a checkpoint directory named by another preset than
+    the default (``iter_0000040``: megatron), else ``""``."""
+    if LAYOUTS["asyncsave"].parse_dir_name(dir_name) is not None:
+        return ""
+    for name, layout in LAYOUTS.items():
+        if layout.parse_dir_name(dir_name) is not None:
+            return f" --layout {name}"
+    return ""
+
+
 def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
     layout = LAYOUTS[layout_name]
     if not fs.exists(root):
@@ -94,7 +105,8 @@ def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
         print(
             f"asyncsave: {root} is one checkpoint, not a root of checkpoints: "
             f"`asyncsave inspect {one}` prints its state tree, `asyncsave verify {one}` "
-            f"checks it, `asyncsave ls {one.parent}` lists the root it is in",
+            f"checks it, `asyncsave ls {one.parent}{_layout_option(one.name)}` lists the "
+            "root it is in",
             file=sys.stderr,
         )
         return 2

@@ -435,17 +435,9 @@ class Checkpointer:
         if type(step) is not int or not 0 <= step <= _MAX_STEP:
             raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
         notes: list[CheckpointWarning] = []
-        if self.tracked_step is not None and step < self.tracked_step:
-            # The user's intent is likely wrong: a warning (decisions.md).
-            notes.append(
-                CheckpointWarning(
-                    f"saving step {step} below the tracked step {self.tracked_step}: the "
-                    f"tracker stays at {self.tracked_step} and resume loads that (did the "
-                    "run skip load_latest()?)",
-                    step=step,
-                    path=self.root / self.layout.dir_name(self.tracked_step),
-                )
-            )
+        path = self.root / self.layout.dir_name(step)
+        # One warning per call, for what happens to it: skipped (step 0), a no-op
+        # (in flight or committed), or saved but never resumed (below the tracker).
         if step == 0 and not self.options.save_step_zero:
             notes.append(
                 CheckpointWarning(
@@ -455,12 +447,19 @@ class Checkpointer:
                 )
             )
         elif not overwrite and step in self._pending:
-            notes.append(
-                _not_saved_again(step, "in flight", self.root / self.layout.dir_name(step))
-            )
+            notes.append(_not_saved_again(step, "in flight", path))
         elif not overwrite and step in self._committed and step != self._resumed_step:
+            notes.append(_not_saved_again(step, "committed", path))
+        elif self.tracked_step is not None and step < self.tracked_step:
+            # The user's intent is likely wrong: a warning (decisions.md).
             notes.append(
-                _not_saved_again(step, "committed", self.root / self.layout.dir_name(step))
+                CheckpointWarning(
+                    f"saving step {step} below the tracked step {self.tracked_step}: the "
+                    f"tracker stays at {self.tracked_step} and resume loads that (did the "
+                    "run skip load_latest()?)",
+                    step=step,
+                    path=self.root / self.layout.dir_name(self.tracked_step),
+                )
             )
         return step, notes
 

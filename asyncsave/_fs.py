@@ -227,14 +227,8 @@ class LocalFileSystem:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
                 raise exc from None  # could not create it: the first error says why
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        if not _flock_or_close(fd):
             return None
-        except BaseException:
-            os.close(fd)
-            raise
         _LOCK_FDS.add(fd)
         return fd
 
@@ -255,14 +249,8 @@ class LocalFileSystem:
             ``ENOTDIR``), or cannot be opened.
         """
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        if not _flock_or_close(fd):
             return None
-        except BaseException:
-            os.close(fd)
-            raise
         try:
             now = os.stat(path, follow_symlinks=False)
         except BaseException:
@@ -286,3 +274,17 @@ class LocalFileSystem:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+
+def _flock_or_close(fd: int) -> bool:
+    """Take an exclusive ``flock`` on ``fd`` without waiting; when it is held
+    elsewhere (``False``) or fails (raised), ``fd`` is closed."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    except BaseException:
+        os.close(fd)
+        raise
+    return True

@@ -829,10 +829,15 @@ def resolve(
             return info_of(path, read_checkpoint(fs, path, expect_step=tracked))
         except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
             if not fallback:
+                # Another preset's directories here (the tracker name is shared by
+                # several presets): the layout is the fix, not the fallback.
+                hint = _layout_hint(fs, root, layout)
+                advice = hint or (
+                    "; pass fallback=True to resume from the newest committed checkpoint instead"
+                )
                 raise CheckpointNotFoundError(
                     f"the tracker in {root} names step {tracked}, but {path} is not a "
-                    f"loadable checkpoint ({exc}); pass fallback=True to resume from "
-                    f"the newest committed checkpoint instead{_layout_hint(fs, root, layout)}",
+                    f"loadable checkpoint ({exc}){advice}",
                     path=path,
                     step=tracked,
                 ) from exc

@@ -156,3 +156,20 @@ def test_a_root_of_another_layout_gets_the_layout_named(tmp_path: Path, layout: 
     assert f"pass --layout {layout}" in err.getvalue()
     assert f"asyncsave ls {tmp_path} --layout {layout}`" in err.getvalue()
     assert f"asyncsave inspect {final}`" in err.getvalue()
+
+
+@pytest.mark.parametrize("layout", ["verl", "megatron"])
+def test_ls_of_one_checkpoint_of_another_layout_names_its_layout(
+    tmp_path: Path, layout: str
+) -> None:
+    async def go() -> None:
+        async with asyncsave.Checkpointer(tmp_path, layout=layout) as ckpt:
+            await (await ckpt.save(40, {"w": torch.ones(2)}))
+
+    anyio.run(go)
+    final = asyncsave.latest(tmp_path, layout=layout).path  # type: ignore[union-attr]
+    err = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "stderr", err)
+        assert run("ls", str(final))[0] == 2
+    assert f"asyncsave ls {tmp_path} --layout {layout}`" in err.getvalue()

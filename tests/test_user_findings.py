@@ -181,3 +181,41 @@ def test_the_budget_bytes_doc_says_a_larger_state_streams(tmp_path: Path) -> Non
     with asyncsave.SyncCheckpointer(tmp_path, budget_bytes=4096) as ckpt:
         ckpt.save(1, state).result()
     assert torch.equal(asyncsave.load(tmp_path / "step_1")["w"], state["w"])
+
+
+# -- second fresh-user trial (issue 10) ----------------------------------------------
+
+
+async def test_each_save_call_gets_one_warning_for_what_happens_to_it(tmp_path: Path) -> None:
+    """Step 0 after step 10 is skipped, not "saved below the tracked step"; a
+    committed step below the tracker is a no-op, not a save below it."""
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        for step in (5, 10):
+            await (await ckpt.save(step, {"w": torch.ones(2)}))
+        cases = {0: "not saving step 0", 5: "step 5 is already committed", 7: "below the tracked"}
+        for step, what in cases.items():
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                await (await ckpt.save(step, {"w": torch.zeros(2)}))
+            notes = [str(w.message) for w in seen if w.category is asyncsave.CheckpointWarning]
+            assert len(notes) == 1 and what in notes[0], (step, notes)
+
+
+@pytest.mark.parametrize("written_as", ["megatron", "verl", "skyrl"])
+def test_a_tracked_root_of_another_layout_names_the_layout_not_the_fallback(
+    tmp_path: Path, written_as: str
+) -> None:
+    """megatron and verl share the default's tracker name: the tracker names a step
+    whose ``step_N`` is missing, and the fix is the layout, not ``fallback=True``."""
+
+    async def go() -> None:
+        async with asyncsave.Checkpointer(tmp_path, layout=written_as) as ckpt:
+            await (await ckpt.save(7, {"w": torch.ones(2)}))
+
+    anyio.run(go)
+    with pytest.raises(asyncsave.CheckpointNotFoundError) as err:
+        asyncsave.latest(tmp_path)
+    assert f"pass layout={written_as!r}" in str(err.value) or (
+        written_as in str(err.value) and "pass layout=" in str(err.value)
+    )
+    assert "fallback=True" not in str(err.value)
