@@ -296,42 +296,37 @@ class GlooGroup(Coordinator):
         self, what: str, func: Callable[[Any], Any], obj: Any, step: int | None
     ) -> Any:
         """Run one collective in a daemon thread while the peers' heartbeats are
-        watched: a peer that dies ends the wait (the thread is abandoned)."""
-        out: dict[str, Any] = {}
-        liveness = self.liveness
-        async with anyio.create_task_group() as tg:
-
-            async def run() -> None:
-                try:
-                    out["value"] = await _in_daemon(func, obj)
-                except Exception as exc:  # gloo: connection closed, timeout
-                    out["error"] = exc
-                tg.cancel_scope.cancel()
-
-            async def watch() -> None:
-                assert liveness is not None
-                out["gone"] = await liveness.watch()
-                tg.cancel_scope.cancel()
-
-            tg.start_soon(run)
-            if liveness is not None:
-                tg.start_soon(watch)
-        if "value" in out:
-            return out["value"]
-        gone: dict[int, str] = out.get("gone", {})
-        if not gone and liveness is not None:
-            # gloo saw it first (a closed connection): tell the dead from the slow.
-            with anyio.move_on_after(liveness.window + 2 * liveness.interval):
-                gone = await liveness.watch()
-        raise self._translate(what, step, out.get("error"), gone)
+        watched: a peer that dies ends the wait (the thread is abandoned). Any
+        failure is a :class:`RankFailedError` (:meth:`_translate`)."""
+        box, gone = await self._race_liveness(func, obj)
+        if "value" in box:
+            return box["value"]
+        error = box.get("error")
+        if error is not None and not isinstance(error, Exception):
+            raise error  # KeyboardInterrupt and the like: not a rank's failure
+        raise self._translate(what, step, error, gone)
 
     async def watched(self, what: str, func: Callable[[], Any], step: int | None) -> Any:
+        box, gone = await self._race_liveness(func)
+        if "value" in box:
+            return box["value"]
+        if gone:
+            raise self._translate(what, step, box.get("error"), gone)
+        raise box["error"]
+
+    async def _race_liveness(
+        self, func: Callable[..., Any], *args: Any
+    ) -> tuple[dict[str, Any], dict[int, str]]:
+        """``func(*args)`` in a daemon thread (:func:`_boxed`) raced against the
+        peers' heartbeats: its box, and the ranks found gone. When the call failed
+        first (gloo saw a closed connection), the heartbeats are watched one window
+        more, to tell the dead from the slow."""
         out: dict[str, Any] = {}
         liveness = self.liveness
         async with anyio.create_task_group() as tg:
 
             async def run() -> None:
-                out["box"] = await _boxed(func)
+                out["box"] = await _boxed(func, *args)
                 tg.cancel_scope.cancel()
 
             async def watch() -> None:
@@ -343,15 +338,11 @@ class GlooGroup(Coordinator):
             if liveness is not None:
                 tg.start_soon(watch)
         box: dict[str, Any] = out.get("box", {})
-        if "value" in box:
-            return box["value"]
         gone: dict[int, str] = out.get("gone", {})
-        if not gone and liveness is not None:
+        if "value" not in box and not gone and liveness is not None:
             with anyio.move_on_after(liveness.window + 2 * liveness.interval):
                 gone = await liveness.watch()
-        if gone:
-            raise self._translate(what, step, box.get("error"), gone)
-        raise box["error"]
+        return box, gone
 
     def _translate(
         self, what: str, step: int | None, exc: BaseException | None, gone: dict[int, str]
