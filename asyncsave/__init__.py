@@ -44,7 +44,7 @@ from ._fs import LocalFileSystem
 from ._fsspec import FsspecFileSystem
 from ._lazy import stage_before_step
 from ._load import latest, load, load_tensors, verify
-from ._options import CheckpointOptions
+from ._options import CheckpointOptions, Tier
 from ._policy import (
     AgreedPolicy,
     SaveAtStep,
@@ -100,6 +100,7 @@ __all__ = [
     "SyncCheckpointer",
     "SyncSaveHandle",
     "Tagged",
+    "Tier",
     "UnsafeLoadError",
     "UnsupportedFormatError",
     "UnsupportedTensorError",

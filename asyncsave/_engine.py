@@ -10,6 +10,7 @@ Megatron) are jobs; this module imports none of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 import os
@@ -56,6 +57,7 @@ from ._plan import make_plan
 from ._policy import AgreedPolicy, SavePolicy
 from ._stage import StagingPool, producer_events
 from ._stream import plan_rounds
+from ._tiers import Persister, load_nearest
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
 
@@ -166,6 +168,8 @@ class Checkpointer:
                 "the final name) could be a save in flight; use a layout with a tracker"
             )
         self._saver = Saver(fs, self.root, self.layout, self.options)
+        tier = self.options.persistent
+        self._tiers = None if tier is None else Persister(tier, self._saver)
         self._lock_fd: int | None = None
         self._loop_thread: int | None = None  # the thread running the event loop
         self._final_lock = self._saver.final_lock
@@ -204,6 +208,15 @@ class Checkpointer:
         # Rank 0 alone locks and recovers; the others wait for its result.
         committed, tracked = await saver.coord.open_root(self._open_root, self.root)
         saver.committed.update(dict.fromkeys(committed))
+        if self._tiers is not None:
+            try:
+                await self._tiers.open()
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await self._unlock()
+                saver.coord.close()
+                self._tiers.close()
+                raise
         # Forward only, even past a tracker that names a checkpoint that is gone:
         # saves below it commit but do not move it (resume then needs fallback=True).
         steps = [s for s in (tracked, *committed) if s is not None]
@@ -280,13 +293,15 @@ class Checkpointer:
         saver = self._saver
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(self.options.close_timeout_s):
-                while self._pending or saver.queued:
+                while self._pending or saver.queued or saver.held:
                     if self._pending:
                         await next(iter(self._pending.values()))._done.wait()
-                    else:  # an admitted overwrite about to become pending
+                    elif saver.queued:  # an admitted overwrite about to become pending
                         await next(iter(saver.queued)).wait()
-            if self._pending:
-                steps = sorted(self._pending)
+                    else:  # a copy to the persistent tier (asyncsave._tiers)
+                        await next(iter(saver.held.values()))._persisted.wait()
+            if self._pending or saver.held:
+                steps = sorted(self._pending or saver.held)
                 saver.set_failure(
                     CheckpointTimeoutError(
                         f"saves of steps {steps} were still running after "
@@ -311,6 +326,8 @@ class Checkpointer:
                 await saver.pool.aclose()
                 await self._unlock()
             saver.coord.close()
+            if self._tiers is not None:
+                self._tiers.close()
             self._state = "closed"
         return saver.failure
 
@@ -534,7 +551,8 @@ class Checkpointer:
             if cuda_devices:
                 # The copies run later: they must see only what was queued before now.
                 ready = producer_events(cuda_devices)
-        return await saver.dispatch(
+        start = functools.partial(
+            saver.dispatch,
             step,
             job,
             t0=t0,
@@ -543,6 +561,9 @@ class Checkpointer:
             lazy=lazy,
             training_info=info_doc,
         )
+        if self._tiers is not None:  # a slot in the persisting queue first
+            return await self._tiers.dispatch(step, start, overwrite=overwrite)
+        return await start()
 
     def _job_of(self, state: Any) -> Job:
         """The job that snapshots ``state`` on this rank: DTensor state of several
@@ -668,6 +689,10 @@ class Checkpointer:
         :raises CorruptCheckpointError: the checkpoint's bytes are damaged and
             ``fallback`` is false.
         """
+        if self._tiers is not None:
+            return await load_nearest(
+                self._saver, self._tiers, template, device=device, required=required
+            )
         return await _resume.load_latest(
             self._saver, template, device=device, fallback=fallback, required=required
         )

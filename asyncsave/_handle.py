@@ -7,6 +7,7 @@ them); it knows nothing of either.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Generator
 from typing import Any
@@ -41,6 +42,12 @@ class SaveHandle:
         self._info: CheckpointInfo | None = None
         self._error: BaseException | None = None
         self._staged_error: BaseException | None = None  # failed before the snapshot
+        # The persistent tier (``asyncsave._tiers``): whether this save is due to be
+        # copied there, and the outcome of that copy.
+        self.due_to_persist = False
+        self._persisted = anyio.Event()
+        self._persisted_info: CheckpointInfo | None = None
+        self._persist_error: BaseException | None = None
 
     @classmethod
     def resolved(
@@ -123,6 +130,40 @@ class SaveHandle:
         if self._error is not None:
             raise self._error
         return self._info
+
+    async def persisted(self, timeout_s: float | None = None) -> CheckpointInfo | None:
+        """Wait until the checkpoint is committed on the persistent tier as well
+        (``Checkpointer(..., persistent=asyncsave.Tier(...))``): copied from the
+        local tier's committed directory, committed there (rename, or the marker
+        on object stores) and named by that tier's tracker. ``await handle`` (or
+        :meth:`wait`) returns earlier, at the local commit.
+
+        :param timeout_s: an extra bound in seconds.
+        :returns: the persistent copy's :class:`CheckpointInfo` (its ``path`` is on
+            the persistent tier), or ``None`` when this save is not due to persist
+            (no persistent tier, or its policy skips this step; see
+            ``due_to_persist``).
+        :raises SaveFailedError: the local save or the copy failed; ``__cause__``
+            is the original error.
+        :raises WaitTimeoutError: ``timeout_s`` passed first (the copy goes on).
+        """
+        if not self.due_to_persist:
+            return None
+        with anyio.move_on_after(math.inf if timeout_s is None else timeout_s):
+            await self._persisted.wait()
+        if not self._persisted.is_set():
+            raise WaitTimeoutError(
+                f"step {self.step} was not persisted within {timeout_s} s (the copy goes on)",
+                step=self.step,
+            )
+        if self._persist_error is not None:
+            raise self._persist_error
+        return self._persisted_info
+
+    def _persist_done(self, info: CheckpointInfo | None, error: BaseException | None) -> None:
+        if not self._persisted.is_set():
+            self._persisted_info, self._persist_error = info, error
+            self._persisted.set()
 
     def _commit(self, info: CheckpointInfo) -> None:
         self._info = info

@@ -9,9 +9,67 @@ from typing import Any
 
 from ._fs import LocalFileSystem
 from ._paths import LAYOUTS
+from ._policy import SavePolicy
 from ._retention import Retention, as_retention
 
-__all__ = ["CheckpointOptions"]
+__all__ = ["CheckpointOptions", "Tier"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """The persistent tier behind a checkpointer's (local) root.
+
+    ::
+
+        ckpt = asyncsave.Checkpointer(
+            "/local_nvme/run1",                       # every save commits here first
+            retention=asyncsave.KeepLast(2),          # local: keep the last 2
+            persistent=asyncsave.Tier(
+                "s3://bucket/run1",                   # or a shared file system path
+                policy=asyncsave.SaveEvery(500),      # persist every 500th step
+                retention=asyncsave.KeepBest(3, metric="eval/loss", mode="min"),
+            ),
+        )
+
+    :param root: the persistent root: a local or shared file-system path, or an
+        fsspec URL (``s3://bucket/prefix``). Same layout as the local root.
+    :param policy: which saves are persisted: asked once per accepted ``save()``
+        (with that save's step, not once per trained step), before its snapshot.
+        ``None``: every save. On several ranks it must answer the same on every
+        rank (step-based policies do).
+    :param retention: which persistent checkpoints to keep (as the ``retention``
+        option); ``None`` keeps all. Never retires the newest, the tracked, the
+        resumed-from or an in-flight persistent checkpoint.
+    :param queue_size: how many saves may be due to persist and not yet persisted
+        (a positive int); one more ``save()`` due to persist waits (back-pressure,
+        counted in its ``blocked_s``). Each holds only its local directory, no
+        host memory.
+    :param filesystem: the I/O layer of ``root`` (see ``CheckpointOptions``).
+    :param storage_options: fsspec options of a URL ``root`` (see
+        ``CheckpointOptions``).
+    :param timeout_s: seconds one copy may take (its local commit excluded)
+        before it fails with :class:`CheckpointTimeoutError`.
+    :raises ValueError: a field is invalid (named).
+    """
+
+    root: Any
+    policy: SavePolicy | None = None
+    retention: Retention | None = None
+    queue_size: int = 2
+    filesystem: LocalFileSystem | None = None
+    storage_options: Mapping[str, Any] | None = None
+    timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and not isinstance(self.policy, SavePolicy):
+            raise ValueError(f"Tier.policy={self.policy!r} must be a SavePolicy or None")
+        object.__setattr__(self, "retention", as_retention(self.retention))
+        q = self.queue_size
+        if isinstance(q, bool) or not isinstance(q, int) or q < 1:
+            raise ValueError(f"Tier.queue_size={q!r} must be a positive int")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"Tier.timeout_s={t!r} must be a positive finite number")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +144,12 @@ class CheckpointOptions:
         it must exceed the spread of write times between ranks. A rank that dies
         makes the others' collective fail at once (gloo sees the connection close)
         or, at the latest, after this timeout.
+    :param persistent: a :class:`Tier`: ``root`` becomes the fast local tier
+        (node-local disk, ``/dev/shm``) where every save commits first, and the
+        saves its policy picks are copied, in the background, from the committed
+        local directory to the tier's root with the same commit protocol;
+        ``handle.persisted()`` waits for that copy, ``load_latest()`` resumes from
+        the nearest valid tier. See ``asyncsave._tiers``. ``None``: one tier.
     """
 
     layout: str = "asyncsave"
@@ -102,6 +166,7 @@ class CheckpointOptions:
     storage_options: Mapping[str, Any] | None = None
     distributed: bool | None = None
     dist_timeout_s: float = 1800.0
+    persistent: Tier | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -123,6 +188,8 @@ class CheckpointOptions:
             raise ValueError(
                 f"storage_options={self.storage_options!r} must be a mapping of keyword arguments"
             )
+        if self.persistent is not None and not isinstance(self.persistent, Tier):
+            raise ValueError(f"persistent={self.persistent!r} must be an asyncsave.Tier or None")
         if self.distributed not in (None, True, False):
             raise ValueError(f"distributed={self.distributed!r} must be None, True or False")
         for name in ("save_timeout_s", "close_timeout_s", "poll_interval_s", "dist_timeout_s"):

@@ -122,6 +122,9 @@ class Saver:
         self.staging_scopes: set[anyio.CancelScope] = set()
         self.committed: dict[int, CheckpointInfo | None] = {}
         self.lazy: dict[int, SaveHandle] = {}  # lazy saves not yet staged
+        # Saves due to persist whose persistent copy is not committed yet
+        # (``asyncsave._tiers``): retention keeps them, close waits for them.
+        self.held: dict[int, SaveHandle] = {}
         self.failure: SaveFailedError | None = None
         self.resumed_step: int | None = None
         # Held inside worker threads by everything that renames or removes a final
@@ -268,7 +271,7 @@ class Saver:
         def protected() -> set[int]:
             # Read under the final-directory lock, in the worker thread: a save or
             # update that starts later commits under the same lock, after this pass.
-            steps = {step, *self.pending}
+            steps = {step, *self.pending, *self.held}
             if self.tracked_step is not None:
                 steps.add(self.tracked_step)
             return steps

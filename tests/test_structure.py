@@ -191,6 +191,7 @@ PUBLIC = [
     "SyncCheckpointer",
     "SyncSaveHandle",
     "Tagged",
+    "Tier",
     "UnsafeLoadError",
     "UnsupportedFormatError",
     "UnsupportedTensorError",
@@ -233,7 +234,7 @@ def test_public_surface_is_pinned() -> None:
         ),
         (
             asyncsave.SaveHandle,
-            ["done", "is_staged", "resolved", "result", "staged", "wait"],
+            ["done", "is_staged", "persisted", "resolved", "result", "staged", "wait"],
         ),
     ],
 )

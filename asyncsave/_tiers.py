@@ -1,0 +1,488 @@
+"""Two tiers: commit to fast local storage first, persist behind it, resume from
+the nearest valid tier.
+
+A :class:`~asyncsave.Checkpointer` given ``persistent=Tier(root, ...)`` saves as
+always into its own (local) root: node-local disk or ``/dev/shm``, committed by
+the usual protocol, and ``await handle`` returns at that local commit. A save that
+the tier's policy marks as due is then *persisted* in the background by a
+:class:`Persister`: the committed local directory (files, never the trainer's
+memory) is copied to the persistent root (a shared file system or an object-store
+URL) with the same commit protocol there: every file fsynced into a temporary
+directory renamed last (or, on object stores, written under the final prefix with
+``commit_success.txt`` last, ``_marker``), then that tier's tracker moved forward
+and that tier's retention applied. ``await handle.persisted()`` returns then.
+
+Rules (docs/decisions.md, "Tiers"):
+
+- **Back-pressure.** At most ``Tier.queue_size`` saves are due to persist and not
+  yet persisted (the one being copied included). A ``save()`` due to persist
+  while that many are outstanding waits for a slot *before* its snapshot; the
+  wait counts in its ``blocked_s``. Saves not due to persist never wait for the
+  persistent tier.
+- **Retention.** A local checkpoint due to persist is protected from the local
+  retention until its persistent copy is committed (``Saver.held``).
+- **Order.** Copies run one at a time, in ``save()`` order.
+- **Errors.** A failed copy fails ``handle.persisted()`` with a
+  :class:`SaveFailedError` (the cause chained) and, like a failed save, makes the
+  checkpointer refuse further saves and raise at ``wait()``/close (invariant 3).
+- **Close** waits for outstanding copies within ``close_timeout_s``; past it they
+  are cancelled (their temporary directories are removed at the next open of the
+  persistent root) and close raises :class:`CheckpointTimeoutError`.
+- **Resume** (:func:`load_nearest`): the newest step that loads (every byte
+  verified) wins; for one step, the local copy before the persistent one. On
+  several ranks a local step counts only if every rank has it; every rank loads
+  the same step, and if any rank's load fails the candidate is dropped on every
+  rank and the next is tried.
+- **Several ranks.** Rank 0 copies (the local root is shared by the ranks of a
+  save, as without tiers) and broadcasts the outcome on a gloo group of the
+  persister's own, so copies never interleave with the saves' collectives; every
+  rank's ``persisted()`` resolves after that broadcast. The tier's policy must
+  answer the same on every rank (a step-based policy such as ``SaveEvery``).
+
+Sources: Orbax's emergency checkpointing (local and persistent managers), NVIDIA
+Resiliency Extension's local checkpointing, Gemini (SOSP'23): checkpoints kept
+close to the trainer for frequent saves, persisted less often.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+
+from ._commit import commit_dir, discard, lock_root, make_temp_dir, move_aside, recover
+from ._coord import Coordinator, GlooGroup, Solo
+from ._dist import load_rank
+from ._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    CorruptCheckpointError,
+    SaveFailedError,
+)
+from ._fs import LocalFileSystem
+from ._fsspec import open_root
+from ._handle import SaveHandle
+from ._load import _apply_template, _check_required, info_of, load, read_checkpoint, scan_steps
+from ._marker import is_committed
+from ._options import Tier
+from ._paths import COMMIT_MARKER_NAME, MANIFEST_NAME, Layout
+from ._pipeline import Saver
+from ._retention import apply_retention
+from ._track import TrackerWriter
+from ._types import CheckpointInfo, Restored
+
+__all__ = ["Persister", "committed_steps", "copy_checkpoint", "load_nearest"]
+
+logger = logging.getLogger(__name__)
+
+_CHUNK_BYTES = 8 << 20
+
+
+def _files(fs: LocalFileSystem, directory: Path, prefix: str = "") -> list[str]:
+    """Every file under ``directory``, as relative paths (subdirectories walked)."""
+    out: list[str] = []
+    for name in sorted(fs.listdir(directory)):
+        path = directory / name
+        if fs.is_link(path):
+            raise CheckpointError(f"{path} is a symlink: not copied to a tier", path=path)
+        if fs.is_dir(path):
+            out.extend(_files(fs, path, f"{prefix}{name}/"))
+        else:
+            out.append(prefix + name)
+    return out
+
+
+def _copy_file(sfs: LocalFileSystem, src: Path, dfs: LocalFileSystem, dst: Path) -> int:
+    """Copy one file in chunks of 8 MiB and fsync it; returns its bytes."""
+    nbytes = 0
+    fd = dfs.create(dst)
+    try:
+        view = memoryview(bytearray(_CHUNK_BYTES))
+        with sfs.open_read(src) as f:
+            while n := f.readinto(view):
+                data = view[:n]
+                while data:
+                    w = dfs.write(fd, data)
+                    if w <= 0:
+                        raise OSError(f"write returned {w}")
+                    data = data[w:]
+                nbytes += n
+        dfs.fsync(fd)
+    except BaseException:
+        dfs.close(fd)  # inside the except: an object-store upload is discarded
+        raise
+    dfs.close(fd)
+    return nbytes
+
+
+def copy_checkpoint(
+    sfs: LocalFileSystem,
+    src: Path,
+    dfs: LocalFileSystem,
+    root: Path,
+    layout: Layout,
+    step: int,
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Copy the committed checkpoint ``src`` into ``root`` as step ``step``, with
+    the commit protocol of ``dfs``: files into a temporary directory (or, without
+    an atomic rename, under the final prefix), each fsynced, the manifest last,
+    then the commit (rename and parent fsync, or the marker). Blocking (a worker
+    thread). A failure removes what was written (nothing is committed).
+
+    With ``overwrite``, a committed ``step`` is replaced atomically (rename
+    exchange; refused where ``dfs`` has no atomic rename).
+
+    :returns: the committed copy's path.
+    :raises FileExistsError: step ``step`` exists under ``root`` and not ``overwrite``.
+    :raises CheckpointError: ``overwrite`` on an object store.
+    :raises OSError: reading or writing failed.
+    """
+    final = root / layout.dir_name(step)
+    if dfs.exists(final) and not overwrite:
+        raise FileExistsError(f"{final} exists already")
+    if overwrite and not dfs.atomic_rename:
+        raise CheckpointError(
+            f"cannot overwrite {final} on {dfs!r}: without an atomic rename the new files "
+            "would replace the committed ones before the new commit",
+            step=step,
+            path=final,
+        )
+    names = [n for n in _files(sfs, src) if n not in (MANIFEST_NAME, COMMIT_MARKER_NAME)]
+    tmp = make_temp_dir(dfs, root, step, final=final)
+    try:
+        made: set[str] = set()
+        for name in [*names, MANIFEST_NAME]:  # the manifest last
+            parent = name.rpartition("/")[0]
+            if parent and parent not in made:
+                dfs.makedirs(tmp / parent)
+                made.add(parent)
+            _copy_file(sfs, src / name, dfs, tmp / name)
+        for parent in sorted(made, reverse=True):
+            dfs.fsync_dir(tmp / parent)
+        commit_dir(dfs, tmp, final, overwrite=overwrite)
+    except BaseException:
+        discard(dfs, tmp)
+        raise
+    return final
+
+
+def committed_steps(fs: LocalFileSystem, root: Path, layout: Layout) -> dict[int, Path]:
+    """The committed checkpoints under ``root`` by step (under a final name, and
+    on object stores with their commit marker); their bytes are not checked."""
+    if not fs.exists(root):
+        return {}
+    return {s: p for s, p in scan_steps(fs, root, layout).items() if is_committed(fs, p)}
+
+
+class Persister:
+    """The persistent tier of one checkpointer: admits saves due to persist,
+    copies them in order, resumes from the nearest tier. Created by the
+    checkpointer; see the module docstring for the rules.
+
+    Call sequence (the checkpointer's): :meth:`open` after the local root is
+    open; :meth:`dispatch` around each ``save()``'s dispatch; close waits on
+    ``saver.held`` and then calls :meth:`close`.
+    """
+
+    def __init__(self, tier: Tier, saver: Saver) -> None:
+        self.tier = tier
+        self.saver = saver
+        self.layout = saver.layout
+        if not saver.fs.atomic_rename:
+            raise ValueError(
+                f"the local tier {saver.root} must be a POSIX directory (node-local disk, "
+                "/dev/shm); an object store is a persistent tier"
+            )
+        self.fs, self.root = open_root(
+            tier.root, filesystem=tier.filesystem, storage_options=tier.storage_options
+        )
+        if not self.fs.atomic_rename and self.layout.tracker_name is None:
+            raise ValueError(
+                f"layout={self.layout.name!r} has no tracker, which a persistent tier on "
+                f"{self.fs!r} (commit by marker) needs"
+            )
+        self.coord: Coordinator = Solo()
+        self.tracker: TrackerWriter | None = None
+        self.committed: dict[int, Path] = {}
+        self._lock_fd: int | None = None
+        self._slots: anyio.Semaphore | None = None
+        self._turn = 0  # copies run one at a time, in admission order
+        self._next = 0
+        self._turn_changed = anyio.Event()
+
+    def __repr__(self) -> str:
+        return f"Persister({str(self.root)!r})"
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def open(self) -> None:
+        """Lock and recover the persistent root (rank 0), as a checkpointer opens
+        its own root; on several ranks, create the persister's gloo group."""
+        self._slots = anyio.Semaphore(self.tier.queue_size)
+        if self.saver.coord.world_size > 1:
+            self.coord = await GlooGroup.create(self.saver.options.dist_timeout_s)
+        committed, tracked = await self.coord.open_root(self._open_root, self.root)
+        self.committed = {s: self.root / self.layout.dir_name(s) for s in committed}
+        if self.layout.tracker_name is not None and self.coord.leader:
+            baseline = max([s for s in (tracked, *committed) if s is not None], default=None)
+            self.tracker = TrackerWriter(self.fs, self.root / self.layout.tracker_name, baseline)
+
+    async def _open_root(self) -> tuple[list[int], int | None]:
+        def run() -> tuple[list[int], int | None]:
+            fd = lock_root(self.fs, self.root)
+            try:
+                recovered = recover(self.fs, self.root, self.layout)
+            except BaseException:
+                self.fs.unlock(fd)
+                raise
+            self._lock_fd = fd
+            return list(recovered.committed), recovered.tracked
+
+        result: tuple[list[int], int | None] = await anyio.to_thread.run_sync(run)
+        return result
+
+    def close(self) -> None:
+        """Release the persistent root's lock and the gloo group (idempotent)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            self.fs.unlock(fd)
+        self.coord.close()
+
+    # -- saving -------------------------------------------------------------------
+    async def dispatch(
+        self, step: int, start: Callable[[], Awaitable[SaveHandle]], *, overwrite: bool = False
+    ) -> SaveHandle:
+        """Run ``start`` (the save's dispatch); if ``step`` is due to persist, take a
+        queue slot first (waiting while ``queue_size`` copies are outstanding)
+        and persist the save once it is committed locally."""
+        policy = self.tier.policy
+        if policy is not None and not policy.should_save(step):
+            return await start()
+        assert self._slots is not None
+        await self._slots.acquire()
+        try:
+            handle = await start()
+        except BaseException:
+            self._slots.release()
+            raise
+        if handle.skipped or handle.due_to_persist:  # nothing (more) to copy
+            self._slots.release()
+            return handle
+        handle.due_to_persist = True
+        self.saver.held[step] = handle
+        turn, self._next = self._next, self._next + 1
+        assert self.saver.tg is not None
+        self.saver.tg.start_soon(self._persist, step, handle, turn, overwrite)
+        return handle
+
+    async def _persist(self, step: int, handle: SaveHandle, turn: int, overwrite: bool) -> None:
+        scope = anyio.CancelScope(shield=True)  # only a close that gives up cancels it
+        info: CheckpointInfo | None = None
+        error: BaseException | None = None
+        try:
+            with scope, self.saver.abandonable(scope):
+                try:
+                    await handle._done.wait()
+                    while self._turn != turn:
+                        await self._turn_changed.wait()
+                    local = handle.result()  # raises the local save's own error
+                    assert local is not None
+                    with anyio.fail_after(self.tier.timeout_s):
+                        path = await self._copy(step, local.path, overwrite)
+                    info = dataclasses.replace(local, path=path)
+                except SaveFailedError as exc:
+                    error = exc
+                except TimeoutError as exc:
+                    error = CheckpointTimeoutError(
+                        f"persisting step {step} to {self.root} took over "
+                        f"Tier.timeout_s={self.tier.timeout_s}",
+                        step=step,
+                        path=self.root,
+                    )
+                    error.__cause__ = exc
+                except Exception as exc:
+                    error = SaveFailedError(
+                        f"persisting step {step} to {self.root} failed: {exc!r} (the local "
+                        "checkpoint is committed and kept)",
+                        step=step,
+                        path=getattr(exc, "filename", None) or self.root,
+                    )
+                    error.__cause__ = exc
+            if scope.cancelled_caught:
+                error = CheckpointTimeoutError(
+                    f"persisting step {step} was abandoned when close_timeout_s ran out",
+                    step=step,
+                    path=self.root,
+                )
+        finally:
+            if error is not None and not handle._error:
+                assert isinstance(error, SaveFailedError)
+                self.saver.set_failure(error)
+                logger.error("%s", error, exc_info=error.__cause__)
+            handle._persist_done(info, error)
+            if self.saver.held.get(step) is handle:
+                del self.saver.held[step]
+            assert self._slots is not None
+            self._slots.release()
+            self._end_turn(turn)
+
+    def _end_turn(self, turn: int) -> None:
+        if turn == self._turn:
+            self._turn += 1
+            event, self._turn_changed = self._turn_changed, anyio.Event()
+            event.set()
+
+    async def _copy(self, step: int, src: Path, overwrite: bool) -> Path:
+        """Rank 0 copies and commits, moves the tracker, applies retention; every
+        rank hears the outcome."""
+        t0 = time.perf_counter()
+        final = self.root / self.layout.dir_name(step)
+        outcome: str | None = None
+        if self.coord.leader:
+            try:
+                await self._run(self._copy_sync, step, src, overwrite)
+            except Exception as exc:
+                outcome = repr(exc)
+                if self.coord.world_size == 1:
+                    raise
+        if self.coord.world_size > 1:
+            outcome = await self.coord.broadcast("persisted", outcome, step)
+        if outcome is not None:
+            raise SaveFailedError(f"rank 0: {outcome}", step=step, path=final, rank=0)
+        self.committed[step] = final
+        logger.info("persisted step %d to %s in %.3f s", step, final, time.perf_counter() - t0)
+        return final
+
+    async def _run(self, func: Any, *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(func, *args, abandon_on_cancel=True)
+
+    def _copy_sync(self, step: int, src: Path, overwrite: bool) -> None:
+        final = self.root / self.layout.dir_name(step)
+        there = self.fs.exists(final) and is_committed(self.fs, final)
+        if there and not overwrite:
+            # Resumed from this tier and saved again: the same step, kept as is.
+            logger.info("step %d is on the persistent tier already: not copied again", step)
+        else:
+            copy_checkpoint(
+                self.saver.fs, src, self.fs, self.root, self.layout, step, overwrite=there
+            )
+        if self.tracker is not None:
+            self.tracker.advance(step)
+        rule = self.tier.retention
+        if rule is None:
+            return
+
+        def protected() -> Iterable[int]:
+            steps = {step, *self.saver.held}
+            for s in (self.tracker.highest if self.tracker else None, self.saver.resumed_step):
+                if s is not None:
+                    steps.add(s)
+            return steps
+
+        try:
+            for gone in apply_retention(self.fs, self.root, self.layout, rule, protected):
+                self.committed.pop(gone, None)
+        except OSError as exc:
+            logger.warning("persistent retention failed (re-applied next time): %r", exc)
+
+
+# -- resuming -----------------------------------------------------------------------
+async def load_nearest(
+    saver: Saver,
+    persister: Persister,
+    template: Any,
+    *,
+    device: str | torch.device,
+    required: Iterable[str | Sequence[Any]],
+) -> Restored | None:
+    """Resume from the nearest valid tier (see the module docstring): the body of
+    :meth:`asyncsave.Checkpointer.load_latest` with a persistent tier.
+
+    :returns: the restored state, or ``None`` when neither tier holds a
+        committed checkpoint.
+    :raises CheckpointNotFoundError: committed checkpoints exist but none loads
+        (the last failure is ``__cause__``).
+    """
+    coord = persister.coord
+    mine = await anyio.to_thread.run_sync(committed_steps, saver.fs, saver.root, saver.layout)
+    remote: dict[int, Path] = {}
+    if coord.leader:
+        remote = await anyio.to_thread.run_sync(
+            committed_steps, persister.fs, persister.root, persister.layout
+        )
+    views = await coord.all_gather("resume-local", sorted(mine))
+    remote_steps: list[int] = await coord.broadcast("resume-persistent", sorted(remote))
+    local_ok = set(views[0]).intersection(*views[1:])
+    remote_ok = set(remote_steps)
+    last_error: BaseException | None = None
+    while local_ok or remote_ok:
+        best_local = max(local_ok, default=-1)
+        best_remote = max(remote_ok, default=-1)
+        if best_local >= best_remote:
+            step, where, fs, root = best_local, "local", saver.fs, saver.root
+        else:
+            step, where, fs, root = best_remote, "persistent", persister.fs, persister.root
+        path = root / saver.layout.dir_name(step)
+        reader: Any = functools.partial(load, path)
+        if coord.world_size > 1:
+            reader = functools.partial(load_rank, path, coord.rank, coord.world_size)
+        state: Any = None
+        failure: str | None = None
+        try:
+            state = await anyio.to_thread.run_sync(
+                functools.partial(
+                    reader, device=device, allow_pickle=saver.options.allow_pickle, filesystem=fs
+                )
+            )
+        except (CorruptCheckpointError, CheckpointNotFoundError, OSError) as exc:
+            last_error, failure = exc, repr(exc)
+        failures = [f for f in await coord.all_gather("resume-load", failure, step) if f]
+        if not failures:
+            _check_required(state, required, path)
+            state = _apply_template(state, template, (), path)
+            saver.resumed_step = step
+            info = await anyio.to_thread.run_sync(_info, fs, path)
+            if where == "local":
+                saver.committed.setdefault(step, None)
+            logger.info("resumed step %d from the %s tier (%s)", step, where, path)
+            return Restored(state, info)
+        logger.warning(
+            "cannot resume step %d from the %s tier (%s): %s; trying the next candidate",
+            step,
+            where,
+            path,
+            "; ".join(failures),
+        )
+        (local_ok if where == "local" else remote_ok).discard(step)
+        if where == "local" and coord.world_size == 1 and failure is not None:
+            saver.committed.pop(step, None)
+            await anyio.to_thread.run_sync(
+                saver.under_final_lock, _aside, saver, path, step, failure
+            )
+    if last_error is None and not any(views) and not remote_steps:
+        return None
+    raise CheckpointNotFoundError(
+        f"no checkpoint on the local tier {saver.root} or the persistent tier "
+        f"{persister.root} loads",
+        path=saver.root,
+    ) from last_error
+
+
+def _info(fs: LocalFileSystem, path: Path) -> CheckpointInfo:
+    return info_of(path, read_checkpoint(fs, path))
+
+
+def _aside(saver: Saver, path: Path, step: int, reason: str) -> None:
+    """Move a damaged local checkpoint aside (its step can be saved again)."""
+    if move_aside(saver.fs, saver.root, path, "damaged", step, reason, quiet=True):
+        saver.fs.fsync_dir(saver.root)

@@ -1,0 +1,283 @@
+"""Two tiers (issue 15): a save commits to the local root first and is persisted
+from that committed copy to the persistent tier behind it; per-tier policies and
+retention; back-pressure; close flushes; resume from the nearest valid tier."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from faults import FaultyFS, block, pause, raise_errno
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import asyncsave
+from asyncsave import Tier
+
+pytestmark = pytest.mark.anyio
+
+
+def state_of(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, generator=g), "b": torch.arange(step, step + 8), "step": step}
+
+
+def same(a: Any, b: Any) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def steps(root: Path) -> list[int]:
+    if not root.exists():
+        return []
+    return sorted(int(p.name[5:]) for p in root.iterdir() if p.name.startswith("step_"))
+
+
+def tracker(root: Path) -> int:
+    return int((root / "latest_checkpointed_iteration.txt").read_text())
+
+
+def flip_byte(ckpt: Path) -> None:
+    data = max(
+        (p for p in ckpt.iterdir() if p.name != "manifest.json"), key=lambda p: p.stat().st_size
+    )
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+async def test_a_save_commits_locally_then_persists_the_committed_copy(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    async with asyncsave.Checkpointer(local, persistent=Tier(remote)) as ckpt:
+        handle = await ckpt.save(10, state_of(10))
+        assert handle.due_to_persist
+        info = await handle
+        assert info is not None and info.path == local / "step_10"
+        persisted = await handle.persisted()
+        assert persisted is not None and persisted.path == remote / "step_10"
+        assert persisted.step == 10 and persisted.nbytes == info.nbytes
+    assert steps(local) == steps(remote) == [10]
+    assert tracker(local) == tracker(remote) == 10
+    assert [p.name for p in remote.iterdir() if p.name.startswith(".")] in ([], [".asyncsave.lock"])
+    same(asyncsave.load(remote / "step_10"), state_of(10))
+    asyncsave.verify(remote / "step_10")
+
+
+async def test_per_tier_policies_and_retention(tmp_path: Path) -> None:
+    """Local every save, keep 2; persist every 4th, keep the best 2 by a metric."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    tier = Tier(
+        remote,
+        policy=asyncsave.SaveEvery(4),
+        retention=asyncsave.KeepBest(2, metric="loss", mode="min"),
+    )
+    losses = {4: 0.5, 8: 0.2, 12: 0.9, 16: 0.3}
+    handles = []
+    async with asyncsave.Checkpointer(
+        local, retention=asyncsave.KeepLast(2), persistent=tier
+    ) as ckpt:
+        for step in range(1, 17):
+            h = await ckpt.save(step, state_of(step), training_info={"loss": losses.get(step, 1.0)})
+            handles.append(h)
+            assert h.due_to_persist == (step % 4 == 0)
+        for h in handles:
+            if h.due_to_persist:
+                assert (await h.persisted()) is not None
+            else:
+                assert await h.persisted() is None
+    assert steps(local) == [15, 16]
+    # Best two by loss (8, 16), plus the newest (16) and the tracked one (16).
+    assert steps(remote) == [8, 16]
+    assert tracker(remote) == 16
+
+
+class _PausedFS(FaultyFS):
+    """The persistent tier's file system, paused at its first ``rename`` (the
+    commit of the first copy) until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        super().__init__("rename", pause(self.release))
+
+
+async def test_a_local_checkpoint_due_to_persist_is_kept_until_its_copy_commits(
+    tmp_path: Path,
+) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    fs = _PausedFS()
+    tier = Tier(remote, policy=asyncsave.SaveEvery(2), filesystem=fs, queue_size=4)
+    async with asyncsave.Checkpointer(
+        local, retention=asyncsave.KeepLast(1), persistent=tier
+    ) as ckpt:
+        h2 = await ckpt.save(2, state_of(2))
+        await h2
+        await anyio.to_thread.run_sync(fs.fired.wait, 30)  # the copy of 2 is committing
+        for step in (3, 5, 7):  # not due: each commit runs retention (keep last 1)
+            await (await ckpt.save(step, state_of(step)))
+            assert 2 in steps(local), step  # still waiting for its persistent copy
+        assert steps(remote) == []
+        fs.release.set()
+        assert (await h2.persisted()).path == remote / "step_2"  # type: ignore[union-attr]
+        await (await ckpt.save(9, state_of(9)))
+        assert steps(local) == [9]  # 2 is persisted now: retired like any other
+    assert steps(remote) == [2]
+
+
+async def test_back_pressure_save_waits_for_a_slot_in_the_persist_queue(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    fs = _PausedFS()
+    tier = Tier(remote, filesystem=fs, queue_size=1)
+    returned = anyio.Event()
+    async with asyncsave.Checkpointer(local, persistent=tier) as ckpt:
+        h1 = await ckpt.save(1, state_of(1))
+        await anyio.to_thread.run_sync(fs.fired.wait, 30)  # copy of 1 in progress
+
+        async def second() -> None:
+            await ckpt.save(2, state_of(2))
+            returned.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(second)
+            for _ in range(20):  # give it every chance to return early
+                await anyio.sleep(0.01)
+            assert not returned.is_set()
+            assert ckpt.pending_steps == []  # waiting before its snapshot: not admitted
+            fs.release.set()
+        assert returned.is_set()
+        await h1.persisted()
+    assert steps(remote) == [1, 2]
+
+
+async def test_close_flushes_persisting(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    async with asyncsave.Checkpointer(local, persistent=Tier(remote, queue_size=3)) as ckpt:
+        for step in (1, 2, 3):
+            await ckpt.save(step, state_of(step))
+    assert steps(remote) == [1, 2, 3] and tracker(remote) == 3
+    for step in (1, 2, 3):
+        same(asyncsave.load(remote / f"step_{step}"), state_of(step))
+
+
+async def test_close_gives_up_on_a_stuck_copy_after_close_timeout(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    release = threading.Event()
+    fs = FaultyFS("rename", block(release))
+    ckpt = asyncsave.Checkpointer(
+        local, close_timeout_s=0.5, persistent=Tier(remote, filesystem=fs)
+    )
+    try:
+        with pytest.raises(asyncsave.CheckpointTimeoutError) as err:
+            async with ckpt:
+                handle = await ckpt.save(1, state_of(1))
+                await handle
+                await anyio.to_thread.run_sync(fs.fired.wait, 30)
+        assert err.value.step == 1
+        with pytest.raises(asyncsave.CheckpointTimeoutError):
+            await handle.persisted()
+    finally:
+        release.set()
+    assert steps(local) == [1] and steps(remote) == []
+
+
+async def test_a_failed_copy_is_raised_by_persisted_the_next_save_and_close(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    fs = FaultyFS("create", raise_errno(errno.ENOSPC), where=lambda p: "manifest" in p)
+    with pytest.raises(asyncsave.SaveFailedError) as at_close:
+        async with asyncsave.Checkpointer(local, persistent=Tier(remote, filesystem=fs)) as ckpt:
+            handle = await ckpt.save(1, state_of(1))
+            assert (await handle).path == local / "step_1"  # type: ignore[union-attr]
+            with pytest.raises(asyncsave.SaveFailedError) as err:
+                await handle.persisted()
+            assert isinstance(err.value.__cause__, OSError)
+            assert err.value.__cause__.errno == errno.ENOSPC
+            with pytest.raises(asyncsave.SaveFailedError):
+                await ckpt.save(2, state_of(2))
+    assert at_close.value is err.value
+    assert steps(local) == [1]  # the local checkpoint is committed and kept
+    assert steps(remote) == [] and [p.name for p in remote.iterdir()] == [".asyncsave.lock"]
+
+
+def test_tier_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="queue_size"):
+        Tier("/x", queue_size=0)
+    with pytest.raises(ValueError, match="policy"):
+        Tier("/x", policy=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout_s"):
+        Tier("/x", timeout_s=float("nan"))
+    with pytest.raises(ValueError, match="persistent"):
+        asyncsave.CheckpointOptions(persistent="/x")  # type: ignore[arg-type]
+
+
+# -- resume from the nearest valid tier ------------------------------------------------
+
+
+async def _run(local: Path, remote: Path, saves: list[int], every: int = 2) -> None:
+    tier = Tier(remote, policy=asyncsave.SaveEvery(every), queue_size=8)
+    async with asyncsave.Checkpointer(local, persistent=tier) as ckpt:
+        for step in saves:
+            await ckpt.save(step, state_of(step))
+
+
+async def _resume(local: Path, remote: Path) -> int | None:
+    async with asyncsave.Checkpointer(local, persistent=Tier(remote)) as ckpt:
+        restored = await ckpt.load_latest()
+        if restored is None:
+            return None
+        same(restored.state, state_of(restored.info.step))
+        assert ckpt.resumed_step == restored.info.step
+        return restored.info.step
+
+
+async def test_resume_prefers_the_newest_step_local_when_it_has_it(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    await _run(local, remote, [1, 2, 3])
+    assert steps(remote) == [2]
+    assert await _resume(local, remote) == 3
+
+
+async def test_a_wiped_local_tier_resumes_from_the_persistent_one(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    await _run(local, remote, [1, 2, 3, 4, 5])
+    shutil.rmtree(local)
+    assert await _resume(local, remote) == 4
+
+
+async def test_nothing_on_either_tier_resumes_none(tmp_path: Path) -> None:
+    assert await _resume(tmp_path / "local", tmp_path / "remote") is None
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    saved=st.sets(st.integers(1, 8), min_size=1, max_size=5),
+    damaged=st.sets(st.tuples(st.sampled_from(["local", "remote"]), st.integers(1, 8)), max_size=4),
+)
+async def test_resume_takes_the_newest_step_that_verifies_on_the_nearest_tier(
+    tmp_path_factory: pytest.TempPathFactory, saved: set[int], damaged: set[tuple[str, int]]
+) -> None:
+    """Any mix of steps on both tiers and damaged copies: the step resumed is the
+    newest with a copy that verifies, local first."""
+    tmp = tmp_path_factory.mktemp("tiers")
+    local, remote = tmp / "local", tmp / "remote"
+    await _run(local, remote, sorted(saved))
+    roots = {"local": local, "remote": remote}
+    for where, step in damaged:
+        path = roots[where] / f"step_{step}"
+        if path.exists():
+            flip_byte(path)
+    good = {s for where, root in roots.items() for s in steps(root) if (where, s) not in damaged}
+    assert await _resume(local, remote) == max(good, default=None) if good else True
+    if not good:
+        with pytest.raises(asyncsave.CheckpointNotFoundError):
+            await _resume(local, remote)
