@@ -332,6 +332,11 @@ class Persister:
             handle._persist_done(info, error)
             if self.saver.held.get(step) is handle:
                 del self.saver.held[step]
+                if info is not None and self.coord.leader and not scope.cancel_called:
+                    # Released: the local rule may retire it now, not only after
+                    # the next local commit (a small /dev/shm tier).
+                    with anyio.CancelScope(shield=True):
+                        await self.saver.retain(self.saver.tracked_step or step)
             assert self._slots is not None
             self._slots.release()
             self._end_turn(turn)

@@ -281,3 +281,117 @@ async def test_resume_takes_the_newest_step_that_verifies_on_the_nearest_tier(
     if not good:
         with pytest.raises(asyncsave.CheckpointNotFoundError):
             await _resume(local, remote)
+
+
+# -- an object store as the persistent tier (moto's S3 server) --------------------------
+import test_objstore  # noqa: E402
+
+s3_endpoint = test_objstore.s3_endpoint  # the fixtures, shared
+s3 = test_objstore.s3
+
+
+async def test_persisting_to_s3_and_resuming_from_it_after_the_local_tier_is_wiped(
+    tmp_path: Path, s3: Any
+) -> None:
+    root, options, fs = s3
+    local = tmp_path / "local"
+    tier = Tier(root, storage_options=options, policy=asyncsave.SaveEvery(2), queue_size=4)
+    async with asyncsave.Checkpointer(
+        local, retention=asyncsave.KeepLast(1), persistent=tier
+    ) as ckpt:
+        handles = [await ckpt.save(step, state_of(step)) for step in (1, 2, 3, 4, 5)]
+        persisted = [await h.persisted() for h in handles]
+    assert [p is not None for p in persisted] == [False, True, False, True, False]
+    assert str(persisted[3].path) == f"{root}/step_4"  # type: ignore[union-attr]
+    assert steps(local) == [5]
+    bucket_key = root.removeprefix("s3://")
+    # Committed by marker, the tracker after it.
+    assert fs.exists(f"{bucket_key}/step_4/commit_success.txt")
+    assert fs.cat_file(f"{bucket_key}/latest_checkpointed_iteration.txt").strip() == b"4"
+    assert asyncsave.latest(root, storage_options=options).step == 4  # type: ignore[union-attr]
+    same(asyncsave.load(f"{root}/step_2", storage_options=options), state_of(2))
+    shutil.rmtree(local)  # a replaced node
+    async with asyncsave.Checkpointer(local, persistent=tier) as ckpt:
+        restored = await ckpt.load_latest()
+        assert restored is not None and restored.info.step == 4
+        same(restored.state, state_of(4))
+        # Saving on: the resumed step is on the persistent tier already.
+        await (await ckpt.save(6, state_of(6))).persisted()
+    assert asyncsave.latest(root, storage_options=options).step == 6  # type: ignore[union-attr]
+
+
+# -- two ranks ---------------------------------------------------------------------------
+def rank_state(rank: int, step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return {"w": torch.randn(512, generator=g), "t": {"step": step, "rank": rank}}
+
+
+def _ranks_save(rank: int, world: int, backend: str, local: Path, remote: str, opts: Any) -> Any:
+    async def main() -> list[str | None]:
+        tier = Tier(remote, policy=asyncsave.SaveEvery(2), queue_size=4, storage_options=opts)
+        async with asyncsave.Checkpointer(local, persistent=tier) as ckpt:
+            handles = [await ckpt.save(s, rank_state(rank, s)) for s in (1, 2, 3)]
+            out = []
+            for h in handles:
+                p = await h.persisted()
+                out.append(None if p is None else str(p.path))
+            return out
+
+    return anyio.run(main, backend=backend)
+
+
+def _ranks_resume(
+    rank: int, world: int, backend: str, locals_: list[Path], remote: str, opts: Any
+) -> Any:
+    async def main() -> int | None:
+        tier = Tier(remote, storage_options=opts)
+        async with asyncsave.Checkpointer(locals_[rank], persistent=tier) as ckpt:
+            restored = await ckpt.load_latest()
+            if restored is None:
+                return None
+            step = restored.info.step
+            want = rank_state(rank, step)
+            assert torch.equal(restored.state["w"], want["w"]), (rank, step)
+            assert restored.state["t"] == want["t"]
+            return step
+
+    return anyio.run(main, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_two_ranks_persist_and_agree_on_the_step_to_resume(tmp_path: Path, backend: str) -> None:
+    from distributed import run_ranks, values
+
+    local, remote = tmp_path / "local", str(tmp_path / "remote")
+    out = values(run_ranks(_ranks_save, 2, tmp_path, backend, local, remote, None))
+    assert out[0] == out[1] == [None, f"{remote}/step_2", None]
+    assert steps(local) == [1, 2, 3] and steps(Path(remote)) == [2]
+    # Every rank has the local tier: the newest step, 3, from it.
+    both = [local, local]
+    assert values(run_ranks(_ranks_resume, 2, tmp_path, backend, both, remote, None)) == [3, 3]
+    # Rank 1's node was replaced and kept only step 1: local 3 is not on every rank,
+    # so both resume the newest persistent step, 2 (not local 1, not local 3).
+    other = tmp_path / "replaced"
+    shutil.copytree(local, other)
+    shutil.rmtree(other / "step_3")
+    shutil.rmtree(other / "step_2")
+    mixed = [local, other]
+    assert values(run_ranks(_ranks_resume, 2, tmp_path, backend, mixed, remote, None)) == [2, 2]
+    # Rank 0's copy of step 3 is damaged (rank 1's is fine): every rank drops it.
+    flip_byte(local / "step_3")
+    assert values(run_ranks(_ranks_resume, 2, tmp_path, backend, both, remote, None)) == [2, 2]
+    # Every local tier wiped: the persistent tier.
+    shutil.rmtree(local)
+    assert values(run_ranks(_ranks_resume, 2, tmp_path, backend, both, remote, None)) == [2, 2]
+
+
+def test_two_ranks_persist_to_s3(tmp_path: Path, s3: Any) -> None:
+    from distributed import run_ranks, values
+
+    root, options, _ = s3
+    local = tmp_path / "local"
+    out = values(run_ranks(_ranks_save, 2, tmp_path, "asyncio", local, root, options))
+    assert out[0] == out[1] == [None, f"{root}/step_2", None]
+    shutil.rmtree(local)
+    both = [local, local]
+    assert values(run_ranks(_ranks_resume, 2, tmp_path, "trio", both, root, options)) == [2, 2]
