@@ -64,6 +64,19 @@ class SyncSaveHandle:
         if self._handle._staged_error is not None:
             raise self._handle._staged_error
 
+    def persisted(self, timeout_s: float | None = None) -> CheckpointInfo | None:
+        """Block until the checkpoint is committed on the persistent tier too; see
+        :meth:`SaveHandle.persisted` for what is returned and raised. Works after
+        the ``with`` block too (close flushed every copy by then)."""
+        handle = self._handle
+        if not handle.due_to_persist:
+            return None
+        if not handle._persisted.is_set():
+            return self._portal.call(handle.persisted, timeout_s)
+        if handle._persist_error is not None:
+            raise handle._persist_error
+        return handle._persisted_info
+
     def result(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         """Block until the checkpoint is committed and tracked; see
         :meth:`SaveHandle.wait` for what is raised. Works after the ``with`` block

@@ -395,3 +395,17 @@ def test_two_ranks_persist_to_s3(tmp_path: Path, s3: Any) -> None:
     shutil.rmtree(local)
     both = [local, local]
     assert values(run_ranks(_ranks_resume, 2, tmp_path, "trio", both, root, options)) == [2, 2]
+
+
+def test_the_synchronous_facade_persists_and_resumes_too(tmp_path: Path) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with asyncsave.SyncCheckpointer(local, persistent=Tier(remote)) as ckpt:
+        handle = ckpt.save(3, state_of(3))
+        assert handle.result().path == local / "step_3"  # type: ignore[union-attr]
+        assert handle.persisted().path == remote / "step_3"  # type: ignore[union-attr]
+    assert handle.persisted().path == remote / "step_3"  # type: ignore[union-attr]
+    shutil.rmtree(local)
+    with asyncsave.SyncCheckpointer(local, persistent=Tier(remote)) as ckpt:
+        restored = ckpt.load_latest()
+        assert restored is not None and restored.info.step == 3
+        same(restored.state, state_of(3))
