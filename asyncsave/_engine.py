@@ -228,6 +228,8 @@ class Checkpointer:
         saver.tg = tg
         saver.accepting = True
         saver.state = "open"
+        if self._tiers is not None:  # what an earlier run left unpersisted
+            self._tiers.catch_up()
         return self
 
     async def _open_root(self) -> tuple[list[int], int | None]:

@@ -73,7 +73,15 @@ from ._errors import (
 from ._fs import LocalFileSystem
 from ._fsspec import open_root
 from ._handle import SaveHandle
-from ._load import _apply_template, _check_required, info_of, load, read_checkpoint, scan_steps
+from ._load import (
+    _apply_template,
+    _check_required,
+    info_of,
+    load,
+    read_checkpoint,
+    scan_steps,
+    verify,
+)
 from ._marker import is_committed
 from ._options import Tier
 from ._paths import COMMIT_MARKER_NAME, MANIFEST_NAME, Layout
@@ -243,6 +251,35 @@ class Persister:
             baseline = max([s for s in (tracked, *committed) if s is not None], default=None)
             self.tracker = TrackerWriter(self.fs, self.root / self.layout.tracker_name, baseline)
 
+    def catch_up(self) -> list[int]:
+        """Persist the local checkpoints a previous run left due but not persisted
+        (it crashed, or its copy failed): the local steps newer than the newest
+        persistent one that the tier's policy picks, the newest ``queue_size`` of
+        them, in step order. Called once the checkpointer is open; every rank
+        decides from the same lists (rank 0's, broadcast at open).
+
+        :returns: the steps queued.
+        """
+        newest = max(self.committed, default=-1)
+        policy = self.tier.policy
+        due = [
+            s
+            for s in sorted(self.saver.committed)
+            if s > newest and (policy is None or policy.should_save(s))
+        ][-self.tier.queue_size :]
+        assert self._slots is not None and self.saver.tg is not None
+        for step in due:
+            self._slots.acquire_nowait()
+            path = self.saver.root / self.layout.dir_name(step)
+            handle = SaveHandle.resolved(step, _bare_info(step, path))
+            handle.due_to_persist = True
+            self.saver.held[step] = handle
+            turn, self._next = self._next, self._next + 1
+            self.saver.tg.start_soon(self._persist, step, handle, turn, False, True)
+        if due:
+            logger.info("persisting local steps %s left unpersisted by an earlier run", due)
+        return due
+
     async def _open_root(self) -> tuple[list[int], int | None]:
         def run() -> tuple[list[int], int | None]:
             fd = lock_root(self.fs, self.root)
@@ -291,7 +328,9 @@ class Persister:
         self.saver.tg.start_soon(self._persist, step, handle, turn, overwrite)
         return handle
 
-    async def _persist(self, step: int, handle: SaveHandle, turn: int, overwrite: bool) -> None:
+    async def _persist(
+        self, step: int, handle: SaveHandle, turn: int, overwrite: bool, check: bool = False
+    ) -> None:
         scope = anyio.CancelScope(shield=True)  # only a close that gives up cancels it
         info: CheckpointInfo | None = None
         error: BaseException | None = None
@@ -304,8 +343,9 @@ class Persister:
                     local = handle.result()  # raises the local save's own error
                     assert local is not None
                     with anyio.fail_after(self.tier.timeout_s):
-                        path = await self._copy(step, local.path, overwrite)
-                    info = dataclasses.replace(local, path=path)
+                        path = await self._copy(step, local.path, overwrite, check)
+                    if path is not None:
+                        info = dataclasses.replace(local, path=path)
                 except SaveFailedError as exc:
                     error = exc
                 except TimeoutError as exc:
@@ -353,21 +393,25 @@ class Persister:
             event, self._turn_changed = self._turn_changed, anyio.Event()
             event.set()
 
-    async def _copy(self, step: int, src: Path, overwrite: bool) -> Path:
+    async def _copy(self, step: int, src: Path, overwrite: bool, check: bool) -> Path | None:
         """Rank 0 copies and commits, moves the tracker, applies retention; every
-        rank hears the outcome."""
+        rank hears the outcome. ``None``: not copied (``check`` found ``src``
+        damaged; logged)."""
         t0 = time.perf_counter()
         final = self.root / self.layout.dir_name(step)
         outcome: str | None = None
         if self.coord.leader:
             try:
-                await self._run(self._copy_sync, step, src, overwrite)
+                if not await self._run(self._copy_sync, step, src, overwrite, check):
+                    outcome = "skipped"
             except Exception as exc:
                 outcome = repr(exc)
                 if self.coord.world_size == 1:
                     raise
         if self.coord.world_size > 1:
             outcome = await self.coord.broadcast("persisted", outcome, step)
+        if outcome == "skipped":
+            return None
         if outcome is not None:
             raise SaveFailedError(f"rank 0: {outcome}", step=step, path=final, rank=0)
         self.committed[step] = final
@@ -377,7 +421,17 @@ class Persister:
     async def _run(self, func: Any, *args: Any) -> Any:
         return await anyio.to_thread.run_sync(func, *args, abandon_on_cancel=True)
 
-    def _copy_sync(self, step: int, src: Path, overwrite: bool) -> None:
+    def _copy_sync(self, step: int, src: Path, overwrite: bool, check: bool) -> bool:
+        """Copy, track, retain; whether it copied. ``check``: verify every byte of
+        ``src`` first, and copy nothing if it is damaged (a checkpoint an earlier
+        run left, which may have rotted since; a save just committed is not
+        checked twice)."""
+        if check:
+            try:
+                verify(src, filesystem=self.saver.fs)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                logger.warning("not persisting %s, left by an earlier run: %s", src, exc)
+                return False
         final = self.root / self.layout.dir_name(step)
         there = self.fs.exists(final) and is_committed(self.fs, final)
         if there and not overwrite:
@@ -398,7 +452,7 @@ class Persister:
             self.tracker.advance(step)
         rule = self.tier.retention
         if rule is None:
-            return
+            return True
 
         def protected() -> Iterable[int]:
             steps = {step, *self.saver.held}
@@ -412,6 +466,7 @@ class Persister:
                 self.committed.pop(gone, None)
         except OSError as exc:
             logger.warning("persistent retention failed (re-applied next time): %r", exc)
+        return True
 
 
 # -- resuming -----------------------------------------------------------------------
@@ -433,11 +488,26 @@ async def load_nearest(
     """
     if saver.state != "open":
         raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=saver.root)
-    # Copies in flight finish first: on several ranks their broadcasts and these
-    # collectives share the persister's group and must not interleave.
-    while saver.held:
-        await next(iter(saver.held.values()))._persisted.wait()
-    coord = persister.coord
+    # The collectives below run on the saves' group, in a turn of their own, so
+    # that they never interleave with a save's (the copies use another group, and
+    # go on meanwhile: resuming never waits for the slow tier).
+    coord = saver.coord
+    ticket = coord.take_ticket()
+    try:
+        await coord.wait_turn(ticket)
+        return await _load_nearest(saver, persister, coord, template, device, required)
+    finally:
+        coord.end_turn(ticket)
+
+
+async def _load_nearest(
+    saver: Saver,
+    persister: Persister,
+    coord: Coordinator,
+    template: Any,
+    device: str | torch.device,
+    required: Iterable[str | Sequence[Any]],
+) -> Restored | None:
     mine = await anyio.to_thread.run_sync(committed_steps, saver.fs, saver.root, saver.layout)
     remote: dict[int, Path] = {}
     if coord.leader:
@@ -500,6 +570,11 @@ async def load_nearest(
         f"{persister.root} loads",
         path=saver.root,
     ) from last_error
+
+
+def _bare_info(step: int, path: Path) -> CheckpointInfo:
+    """The info of a committed checkpoint found on disk (its costs unknown)."""
+    return CheckpointInfo(step=step, path=path, nbytes=0, num_tensors=0)
 
 
 def _info(fs: LocalFileSystem, path: Path) -> CheckpointInfo:

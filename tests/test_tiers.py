@@ -344,7 +344,7 @@ def _ranks_resume(
     rank: int, world: int, backend: str, locals_: list[Path], remote: str, opts: Any
 ) -> Any:
     async def main() -> int | None:
-        tier = Tier(remote, storage_options=opts)
+        tier = Tier(remote, policy=asyncsave.SaveEvery(2), storage_options=opts)
         async with asyncsave.Checkpointer(locals_[rank], persistent=tier) as ckpt:
             restored = await ckpt.load_latest()
             if restored is None:
@@ -409,3 +409,30 @@ def test_the_synchronous_facade_persists_and_resumes_too(tmp_path: Path) -> None
         restored = ckpt.load_latest()
         assert restored is not None and restored.info.step == 3
         same(restored.state, state_of(3))
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+async def test_a_copy_an_earlier_run_left_undone_is_made_at_the_next_open(
+    tmp_path: Path, damaged: bool
+) -> None:
+    """The run that saved step 2 failed to persist it (it could as well have been
+    killed): the next run copies it (verified first) before the local rule may
+    retire it; a leftover that no longer verifies is not copied."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    broken = FaultyFS("rename", raise_errno(errno.EIO))
+    keep1 = asyncsave.KeepLast(1)
+    tier = Tier(remote, policy=asyncsave.SaveEvery(2), filesystem=broken)
+    with pytest.raises(asyncsave.SaveFailedError):
+        async with asyncsave.Checkpointer(local, retention=keep1, persistent=tier) as ckpt:
+            await (await ckpt.save(2, state_of(2)))
+    assert steps(local) == [2] and steps(remote) == []
+    if damaged:
+        flip_byte(local / "step_2")
+    tier = Tier(remote, policy=asyncsave.SaveEvery(2))
+    async with asyncsave.Checkpointer(local, retention=keep1, persistent=tier) as ckpt:
+        await (await ckpt.save(3, state_of(3)))  # not due; keep last 1 locally
+    if damaged:
+        assert steps(remote) == [] and steps(local) == [3]
+    else:
+        assert steps(remote) == [2] and steps(local) == [3]
+        same(asyncsave.load(remote / "step_2"), state_of(2))
