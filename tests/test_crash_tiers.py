@@ -120,7 +120,14 @@ def _acked(base: Path, what: str) -> int:
 
 
 def _scenario(
-    rank: int, world: int, base: Path, remote: str, opts: Any, victim: int, kill_at: int | None
+    rank: int,
+    world: int,
+    base: Path,
+    remote: str,
+    opts: Any,
+    victim: int,
+    kill_at: int | None,
+    backend: str,
 ) -> list[tuple[str, str]]:
     from asyncsave._coord import GlooGroup
 
@@ -154,7 +161,7 @@ def _scenario(
         except asyncsave.SaveFailedError:
             pass  # the peer died: this rank raised instead of hanging
 
-    anyio.run(main)
+    anyio.run(main, backend=backend)
     return calls.names
 
 
@@ -198,7 +205,9 @@ def _temp_left(base: Path, remote: str, opts: Any) -> list[str]:
 def _matrix(tmp: Path, world: int, remote_of: Any, opts: Any, picks: dict[int, list[Pick]]) -> None:
     rec = tmp / "rec"
     rec.mkdir()
-    recorded = values(run_ranks(_scenario, world, rec, rec, remote_of(rec), opts, -1, None))
+    recorded = values(
+        run_ranks(_scenario, world, rec, rec, remote_of(rec), opts, -1, None, "asyncio")
+    )
     assert ("local", "rename") in recorded[0]
     assert any(t == "persistent" for t, _ in recorded[0])
     failures = []
@@ -210,7 +219,11 @@ def _matrix(tmp: Path, world: int, remote_of: Any, opts: Any, picks: dict[int, l
             base.mkdir()
             remote = remote_of(base)
             what = f"rank {victim} killed before {recorded[victim][k - 1]} #{k}"
-            results = run_ranks(_scenario, world, base, base, remote, opts, victim, k, timeout_s=60)
+            # The killed run and the resumes alternate between asyncio and trio.
+            backend = "trio" if k % 2 else "asyncio"
+            results = run_ranks(
+                _scenario, world, base, base, remote, opts, victim, k, backend, timeout_s=60
+            )
             if results[victim] != ("exit", -signal.SIGKILL):
                 failures.append(f"{what}: {results}")
                 continue
@@ -218,7 +231,6 @@ def _matrix(tmp: Path, world: int, remote_of: Any, opts: Any, picks: dict[int, l
                 failures.append(f"{what}: the survivor: {results[1 - victim]}")
                 continue
             acked_local, acked_remote = _acked(base, "local"), _acked(base, "persistent")
-            backend = "trio" if k % 2 else "asyncio"
             resumed = values(run_ranks(_resume, world, base, base, remote, opts, backend))
             if len(set(resumed)) != 1 or (resumed[0] or 0) < acked_local:
                 failures.append(f"{what}: acknowledged {acked_local}, resumed {resumed}")

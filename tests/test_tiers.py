@@ -216,6 +216,19 @@ def test_tier_options_are_validated() -> None:
         Tier("/x", timeout_s=float("nan"))
     with pytest.raises(ValueError, match="persistent"):
         asyncsave.CheckpointOptions(persistent="/x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="local tier"):
+        asyncsave.Checkpointer("memory://local", persistent=Tier("/x"))
+
+
+async def test_a_persistent_root_in_use_is_refused_and_the_local_root_released(
+    tmp_path: Path,
+) -> None:
+    local = tmp_path / "local"
+    with pytest.raises(asyncsave.RootInUseError):
+        async with asyncsave.Checkpointer(local, persistent=Tier(local)):
+            pass
+    async with asyncsave.Checkpointer(local) as ckpt:  # not left locked
+        await (await ckpt.save(1, state_of(1)))
 
 
 # -- resume from the nearest valid tier ------------------------------------------------
