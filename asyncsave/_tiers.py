@@ -233,6 +233,7 @@ class Persister:
         self._slots: anyio.Semaphore | None = None
         self._turn = 0  # copies run one at a time, in admission order
         self._next = 0
+        self._ended: set[int] = set()  # turns ended before theirs came (abandoned)
         self._turn_changed = anyio.Event()
 
     def __repr__(self) -> str:
@@ -312,8 +313,24 @@ class Persister:
         if policy is not None and not policy.should_save(step):
             return await start()
         assert self._slots is not None
-        await self._slots.acquire()
+        # Admitted already: queued like an overwrite behind its step, so that a
+        # close begun meanwhile waits for this save and flushes it (S18).
+        gate = anyio.Event()
+        self.saver.queued[gate] = step
         try:
+            await self._slots.acquire()
+        finally:
+            del self.saver.queued[gate]
+            gate.set()
+        try:
+            if not self.saver.accepting:
+                raise CheckpointerClosedError(
+                    f"the Checkpointer for {self.saver.root} gave up after close_timeout_s="
+                    f"{self.saver.options.close_timeout_s} while the save of step {step} "
+                    "waited for a slot in the persisting queue",
+                    step=step,
+                    path=self.saver.root,
+                )
             handle = await start()
         except BaseException:
             self._slots.release()
@@ -388,8 +405,11 @@ class Persister:
             self._end_turn(turn)
 
     def _end_turn(self, turn: int) -> None:
-        if turn == self._turn:
-            self._turn += 1
+        self._ended.add(turn)
+        if self._turn in self._ended:
+            while self._turn in self._ended:
+                self._ended.remove(self._turn)
+                self._turn += 1
             event, self._turn_changed = self._turn_changed, anyio.Event()
             event.set()
 

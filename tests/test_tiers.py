@@ -449,3 +449,35 @@ async def test_a_copy_an_earlier_run_left_undone_is_made_at_the_next_open(
     else:
         assert steps(remote) == [2] and steps(local) == [3]
         same(asyncsave.load(remote / "step_2"), state_of(2))
+
+
+async def test_close_flushes_a_save_waiting_for_a_slot_in_the_persist_queue(
+    tmp_path: Path,
+) -> None:
+    """A save() already waiting for back-pressure when close begins was accepted:
+    close waits for it, commits it on both tiers (S18)."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    fs = _PausedFS()
+    ckpt = asyncsave.Checkpointer(local, persistent=Tier(remote, filesystem=fs, queue_size=1))
+    handles: list[asyncsave.SaveHandle] = []
+
+    async def second() -> None:
+        handles.append(await ckpt.save(2, state_of(2)))
+
+    async def release_once_closing() -> None:
+        while ckpt._state != "closing":
+            await anyio.sleep(0.005)
+        fs.release.set()
+
+    async with anyio.create_task_group() as tg:
+        async with ckpt:
+            await (await ckpt.save(1, state_of(1)))
+            await anyio.to_thread.run_sync(fs.fired.wait, 30)
+            tg.start_soon(second)
+            for _ in range(10):
+                await anyio.sleep(0.005)
+            assert handles == []  # waiting for the slot the copy of 1 holds
+            tg.start_soon(release_once_closing)
+    assert [h.step for h in handles] == [2]
+    assert (await handles[0].persisted()).path == remote / "step_2"  # type: ignore[union-attr]
+    assert steps(local) == steps(remote) == [1, 2]
