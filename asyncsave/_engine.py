@@ -141,6 +141,12 @@ class Checkpointer:
     state goes through DCP's planner so that ``dcp.load`` reshards it. See
     ``asyncsave._dist``, ``asyncsave.dcp`` and ``asyncsave.megatron``.
 
+    Two tiers (``persistent=asyncsave.Tier(...)``): ``root`` is then a fast local
+    tier (node-local disk, ``/dev/shm``) where every save commits first; the saves
+    the tier's policy picks are copied from there to the tier's root in the
+    background (``await handle.persisted()``), and ``load_latest()`` resumes from
+    the nearest valid tier, agreed by every rank. See ``asyncsave._tiers``.
+
     :param root: directory holding the checkpoints and the tracker; or a URL
         (``s3://bucket/prefix``, any fsspec URL), where checkpoints are committed by
         a marker written last instead of a rename, and no lock guards the root (one
