@@ -10,7 +10,6 @@ Megatron) are jobs; this module imports none of them.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import operator
 import os
@@ -214,15 +213,8 @@ class Checkpointer:
         # Rank 0 alone locks and recovers; the others wait for its result.
         committed, tracked = await saver.coord.open_root(self._open_root, self.root)
         saver.committed.update(dict.fromkeys(committed))
-        if self._tiers is not None:
-            try:
-                await self._tiers.open()
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await self._unlock()
-                saver.coord.close()
-                self._tiers.close()
-                raise
+        if self._tiers is not None:  # on failure, releases what is open already
+            await self._tiers.open(self._unlock)
         # Forward only, even past a tracker that names a checkpoint that is gone:
         # saves below it commit but do not move it (resume then needs fallback=True).
         steps = [s for s in (tracked, *committed) if s is not None]
@@ -559,8 +551,8 @@ class Checkpointer:
             if cuda_devices:
                 # The copies run later: they must see only what was queued before now.
                 ready = producer_events(cuda_devices)
-        start = functools.partial(
-            saver.dispatch,
+        # With a persistent tier, its dispatch takes a slot in the persisting queue.
+        return await (self._tiers or saver).dispatch(
             step,
             job,
             t0=t0,
@@ -569,9 +561,6 @@ class Checkpointer:
             lazy=lazy,
             training_info=info_doc,
         )
-        if self._tiers is not None:  # a slot in the persisting queue first
-            return await self._tiers.dispatch(step, start, overwrite=overwrite)
-        return await start()
 
     def _job_of(self, state: Any) -> Job:
         """The job that snapshots ``state`` on this rank: DTensor state of several

@@ -240,9 +240,21 @@ class Persister:
         return f"Persister({str(self.root)!r})"
 
     # -- lifecycle ----------------------------------------------------------------
-    async def open(self) -> None:
+    async def open(self, unlock_local: Callable[[], Awaitable[None]]) -> None:
         """Lock and recover the persistent root (rank 0), as a checkpointer opens
-        its own root; on several ranks, create the persister's gloo group."""
+        its own root; on several ranks, create the persister's gloo group. On
+        failure, releases what is open: this tier, the local root's lock
+        (``unlock_local``) and the checkpointer's coordinator, then raises."""
+        try:
+            await self._open()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await unlock_local()
+            self.saver.coord.close()
+            self.close()
+            raise
+
+    async def _open(self) -> None:
         self._slots = anyio.Semaphore(self.tier.queue_size)
         if self.saver.coord.world_size > 1:
             self.coord = await GlooGroup.create(self.saver.options.dist_timeout_s)
@@ -303,12 +315,12 @@ class Persister:
         self.coord.close()
 
     # -- saving -------------------------------------------------------------------
-    async def dispatch(
-        self, step: int, start: Callable[[], Awaitable[SaveHandle]], *, overwrite: bool = False
-    ) -> SaveHandle:
-        """Run ``start`` (the save's dispatch); if ``step`` is due to persist, take a
-        queue slot first (waiting while ``queue_size`` copies are outstanding)
-        and persist the save once it is committed locally."""
+    async def dispatch(self, step: int, job: Any, **kwargs: Any) -> SaveHandle:
+        """:meth:`Saver.dispatch` (same arguments); if ``step`` is due to persist,
+        take a queue slot first (waiting while ``queue_size`` copies are
+        outstanding) and persist the save once it is committed locally."""
+        overwrite = bool(kwargs.get("overwrite", False))
+        start = functools.partial(self.saver.dispatch, step, job, **kwargs)
         policy = self.tier.policy
         if policy is not None and not policy.should_save(step):
             return await start()
