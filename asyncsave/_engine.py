@@ -306,8 +306,8 @@ class Checkpointer:
                     CheckpointTimeoutError(
                         f"saves of steps {steps} were still running after "
                         f"close_timeout_s={self.options.close_timeout_s}; abandoned "
-                        "uncommitted (their temporary directories are removed at the "
-                        "next open)",
+                        f"uncommitted{'' if self._pending else ' on the persistent tier'} "
+                        "(their temporary directories are removed at the next open)",
                         step=steps[0],
                         path=self.root,
                     )
