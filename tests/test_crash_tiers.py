@@ -283,7 +283,6 @@ def test_two_ranks_killed_during_the_local_commit_and_persisting(tmp_path: Path)
             ("local", "rename", "last"),  # rank 0's local commit
             ("persistent", "rename", "last"),  # the copy's commit
         ],
-        1: [("gloo", "_broadcast", "last")],  # rank 1 waiting for the copy
     }
     _matrix(tmp_path, 2, lambda b: str(b / "remote"), None, picks)
 
