@@ -257,7 +257,10 @@ class Persister:
     async def _open(self) -> None:
         self._slots = anyio.Semaphore(self.tier.queue_size)
         if self.saver.coord.world_size > 1:
-            self.coord = await GlooGroup.create(self.saver.options.dist_timeout_s)
+            # The other ranks wait in a broadcast while rank 0 copies: the bound is
+            # the copy's (a dead rank 0 is still seen at once, by the heartbeats).
+            timeout_s = max(self.saver.options.dist_timeout_s, self.tier.timeout_s)
+            self.coord = await GlooGroup.create(timeout_s)
         committed, tracked = await self.coord.open_root(self._open_root, self.root)
         self.committed = {s: self.root / self.layout.dir_name(s) for s in committed}
         if self.layout.tracker_name is not None and self.coord.leader:
