@@ -1,0 +1,147 @@
+"""asyncsave.lightning (issue 13, item 1): a real Lightning ``Trainer`` on CPU
+saves through asyncsave (commit, tracker, retention, no pickle), ModelCheckpoint's
+top-k removal deletes through asyncsave's retention, ``fit(ckpt_path=...)``
+resumes, and a run SIGKILLed during a save resumes to the weights of an
+uninterrupted run, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")  # the optional extra: asyncsave[lightning]
+
+import lightning_app as app
+
+import asyncsave
+from asyncsave.lightning import AsyncsaveCheckpointIO, read_pointer
+
+pytestmark = pytest.mark.slow
+EPOCHS = 4
+STEPS = EPOCHS * app.BATCHES_PER_EPOCH
+
+
+class Opaque:
+    """Not plain data: a hyper-parameter only pickle can store."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque) and other.n == self.n
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The weights of an uninterrupted run of EPOCHS epochs."""
+    return _weights(app.fit(tmp_path_factory.mktemp("reference"), EPOCHS))
+
+
+def test_fit_saves_through_asyncsave(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    model = app.fit(tmp_path, EPOCHS)
+    assert _same(_weights(model), reference)  # saving changes nothing of training
+    # ModelCheckpoint(save_top_k=2) removed steps 4 and 8 through asyncsave.
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [12, 16]
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "16"
+    pointers = sorted(p.name for p in tmp_path.glob("*.ckpt"))
+    assert pointers == ["epoch=2-step=12.ckpt", "epoch=3-step=16.ckpt", "last.ckpt"]
+    assert read_pointer(tmp_path / "last.ckpt") == (tmp_path.resolve(), 16, "asyncsave")
+    assert json.loads((tmp_path / "epoch=2-step=12.ckpt").read_text())["step"] == 12
+    # No pickle anywhere: loads with allow_pickle=False; Lightning's entries as saved.
+    ckpt = asyncsave.load_step(tmp_path, 16)
+    assert ckpt["global_step"] == 16 and ckpt["epoch"] == EPOCHS - 1
+    assert _same({k: v for k, v in ckpt["state_dict"].items()}, _weights(model))
+    assert ckpt["hyper_parameters"] == {"lr": 0.05, "extra": None}
+    assert isinstance(ckpt["optimizer_states"][0]["state"][0]["exp_avg"], torch.Tensor)
+    assert any(k.startswith("ModelCheckpoint") for k in ckpt["callbacks"])
+    assert "fit_loop" in ckpt["loops"]
+
+
+def test_sigkill_during_a_save_resumes_to_the_uninterrupted_weights(
+    tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    root, out = tmp_path / "ckpts", tmp_path / "crashed.pt"
+    script = Path(app.__file__)
+    cmd = [sys.executable, str(script), str(root), str(EPOCHS), str(out), "--kill-at", "12"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=script.parent)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert not out.exists()
+    committed = [c.step for c in asyncsave.checkpoints(root)]
+    assert 12 not in committed and committed[-1] == 8
+    # A pointer names a committed step only (8, or 4 if 8's pointer was not yet
+    # written when the process died), never the save in flight.
+    assert read_pointer(root / "last.ckpt")[1] in committed
+    assert any(p.name.startswith(".asyncsave-tmp-12-") for p in root.iterdir())
+
+    model = app.fit(root, EPOCHS, ckpt_path="last")
+    assert _same(_weights(model), reference)
+    assert [c.step for c in asyncsave.checkpoints(root)] == [12, 16]
+    assert not any(p.name.startswith(".asyncsave-tmp-") for p in root.iterdir())
+
+
+@pytest.mark.parametrize("where", ["root", "step_dir", "pointer"])
+def test_fit_resumes_from_a_root_a_step_or_a_pointer(
+    tmp_path: Path, reference: dict[str, torch.Tensor], where: str
+) -> None:
+    root = tmp_path / "ckpts"
+    app.fit(root, 2)  # steps 4 and 8 committed
+    path = {"root": root, "step_dir": root / "step_8", "pointer": root / "epoch=1-step=8.ckpt"}
+    model = app.fit(root, EPOCHS, ckpt_path=str(path[where]))
+    assert _same(_weights(model), reference)
+
+
+def test_an_entry_that_is_not_plain_data_is_named(tmp_path: Path) -> None:
+    with pytest.raises(asyncsave.UnsupportedTypeError, match="allow_pickle") as info:
+        app.fit(tmp_path / "a", 1, model=app.Tiny(extra=Opaque(3)))
+    assert info.value.key == "hyper_parameters/extra"
+    assert "hyper_parameters/extra" in str(info.value)
+
+    root = tmp_path / "b"
+    app.fit(
+        root, 1, plugin=AsyncsaveCheckpointIO(allow_pickle=True), model=app.Tiny(extra=Opaque(3))
+    )
+    loaded = AsyncsaveCheckpointIO(allow_pickle=True).load_checkpoint(root / "last.ckpt")
+    assert loaded["hyper_parameters"]["extra"] == Opaque(3)
+    with pytest.raises(asyncsave.UnsafeLoadError):
+        AsyncsaveCheckpointIO().load_checkpoint(root / "last.ckpt")
+
+
+def test_load_checkpoint_refuses_what_it_did_not_write(tmp_path: Path) -> None:
+    io = AsyncsaveCheckpointIO()
+    torch.save({"state_dict": {}}, tmp_path / "torch.ckpt")
+    with pytest.raises(asyncsave.UnsupportedFormatError, match="TorchCheckpointIO"):
+        io.load_checkpoint(tmp_path / "torch.ckpt")
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(asyncsave.CheckpointNotFoundError, match="no committed checkpoint"):
+        io.load_checkpoint(tmp_path / "empty")
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({"global_step": 1}, tmp_path / "x.ckpt", storage_options={})
+
+
+def test_pointers_of_the_last_run_keep_their_steps(tmp_path: Path) -> None:
+    """Retention decides from the pointer files on disk too: a new run (a new
+    plugin) that saves more never deletes what the last run's pointers name."""
+    app.fit(tmp_path, 2, save_top_k=-1, monitor=None, save_last=False)
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [4, 8]
+    app.fit(tmp_path, 3, ckpt_path=str(tmp_path), save_top_k=1)
+    steps = [c.step for c in asyncsave.checkpoints(tmp_path)]
+    assert steps == [4, 8, 12], steps
+    loaded: Any = AsyncsaveCheckpointIO().load_checkpoint(tmp_path / "epoch=0-step=4.ckpt")
+    assert loaded["global_step"] == 4
