@@ -133,3 +133,32 @@ async def test_info_log_when_a_resume_finds_nothing(
     found = [r for r in caplog.records if "no committed checkpoint" in r.getMessage()]
     assert len(found) == 1 and found[0].levelno == logging.INFO
     assert str(root) in found[0].getMessage() and repr(layout) in found[0].getMessage()
+
+
+def _ranks_progress(rank: int, world: int, root: str) -> dict[str, Any]:
+    # Each rank saves a state of its own size: its handle counts its own part.
+    gate = threading.Event()
+    fs = FaultyFS("write", pause(gate), n=3, where=_data_file)
+    state = {"a": torch.ones(N), "b": torch.zeros(N * (rank + 1))}
+    with asyncsave.SyncCheckpointer(
+        root, filesystem=fs, writer_threads=1, dist_timeout_s=60
+    ) as ckpt:
+        handle = ckpt.save(1, state)
+        assert fs.fired.wait(30)
+        mid = handle.progress
+        gate.set()
+        handle.result()
+        end = handle.progress
+    return {"mid": mid, "end": end}
+
+
+@pytest.mark.slow
+def test_progress_on_two_ranks_counts_each_ranks_part(tmp_path: Path) -> None:
+    from distributed import run_ranks, values
+
+    for rank, seen in enumerate(
+        values(run_ranks(_ranks_progress, 2, tmp_path, str(tmp_path / "run")))
+    ):
+        total = CHUNK_BYTES * (rank + 2)
+        assert seen["mid"] == asyncsave.SaveProgress(total, CHUNK_BYTES, total)
+        assert seen["end"] == asyncsave.SaveProgress(total, total, total)
