@@ -13,12 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# lightning is in the dev extra: a missing install fails here, loudly, not skipped.
+import lightning_app as app
 import pytest
 import torch
-
-pytest.importorskip("lightning")  # the optional extra: asyncsave[lightning]
-
-import lightning_app as app
 
 import asyncsave
 from asyncsave.lightning import AsyncsaveCheckpointIO, read_pointer
