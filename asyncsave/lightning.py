@@ -29,8 +29,11 @@ How Lightning's calls map onto asyncsave (one adapter over the core, as
    (``hyper_parameters/config``) unless the plugin was made with
    ``allow_pickle=True``. ``path`` itself becomes a small JSON *pointer* file
    (``{"root": ..., "step": N}``), written atomically once the step has
-   committed: a ``.ckpt`` path never names an uncommitted checkpoint, so a crash
-   mid-save leaves ``last.ckpt`` naming the previous committed step. Several
+   committed: a ``.ckpt`` path never names an uncommitted checkpoint. One step
+   is in flight at a time: a save of a later step first waits until the earlier
+   steps have committed and their pointers are written (with saves some steps
+   apart that wait is nothing), so a crash mid-save leaves ``last.ckpt`` naming
+   the previous step, committed. Several
    paths saved at one ``global_step`` (the top-k file and ``last.ckpt``) point
    at one checkpoint, saved once (the first call's dict).
 2. ``remove_checkpoint(path)``: the pointer goes at once; the checkpoint it
@@ -178,7 +181,8 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         self._dirs: set[Path] = set()  # where pointers are written
         self._committed: set[int] = set()
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
-        self._futures: list[concurrent.futures.Future[None]] = []
+        # (step, pointer write) in save order.
+        self._futures: list[tuple[int, concurrent.futures.Future[None]]] = []
         self._error: BaseException | None = None
 
     # -- saving -----------------------------------------------------------------
@@ -197,13 +201,19 @@ class AsyncsaveCheckpointIO(CheckpointIO):
                 f"Trainer.save_checkpoint(..., storage_options=...) is not supported by "
                 f"{type(self).__name__}: pass asyncsave options to its constructor"
             )
-        self._raise_error()
         target = _abs(path)
         step = checkpoint.get("global_step")
         if type(step) is not int:
             raise UnsupportedFormatError(
                 f"checkpoint for {target} has global_step={step!r}, not an int", path=target
             )
+        # One step in flight at a time: the pointers of earlier steps are written
+        # (so their steps committed) before a later step is staged. A crash then
+        # leaves every path Lightning saved naming a committed step, except the
+        # step in flight; with saves some steps apart this waits for nothing.
+        while self._futures and self._futures[0][0] < step:
+            self._futures.pop(0)[1].result()
+        self._raise_error()
         ckpt = self._open(Path(target).parent)
         with self._lock:
             self._live[target] = step
@@ -227,7 +237,7 @@ class AsyncsaveCheckpointIO(CheckpointIO):
                 ) from exc
             self._committed.add(step)
         assert self._writer is not None
-        self._futures.append(self._writer.submit(self._point, handle, target, step))
+        self._futures.append((step, self._writer.submit(self._point, handle, target, step)))
 
     def _point(self, handle: SyncSaveHandle | None, target: str, step: int) -> None:
         """Writer thread: once ``step`` has committed, make ``target`` name it
