@@ -265,9 +265,11 @@ class AsyncsaveCheckpointIO(CheckpointIO):
                 self._error = exc
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Drop the pointer ``path``; the checkpoint it named is deleted by
-        asyncsave's retention pass once no pointer names it (never the tracked
-        step or one in flight)."""
+        """Drop the pointer ``path`` and run asyncsave's retention pass: the
+        checkpoint it named is deleted once no pointer names it, never while it
+        is the tracked step or in flight (then by the pass after a later commit).
+        After a ``teardown`` this reopens the checkpointer (the next ``teardown``
+        closes it)."""
         target = _abs(path)
         with self._lock:
             self._live.pop(target, None)
@@ -276,6 +278,8 @@ class AsyncsaveCheckpointIO(CheckpointIO):
             except FileNotFoundError:
                 pass
         ckpt = self._ckpt
+        if ckpt is None and self.root is not None:
+            ckpt = self._open(self.root)  # after a teardown: closed again by the next
         tracked = None if ckpt is None else ckpt.checkpointer.tracked_step
         if ckpt is not None and tracked is not None:
             # A retention pass now, under the checkpointer's own rules and locks
@@ -312,7 +316,9 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         """Load a pointer file, a checkpoint directory or a root's latest.
 
         Tensors land on ``map_location`` when it is a device (or its name), else
-        on the CPU. Pickled entries load only with ``allow_pickle=True``.
+        on the CPU. Nothing is unpickled unless the plugin has
+        ``allow_pickle=True`` (``weights_only`` is accepted for Lightning's
+        signature and changes nothing: tensors never go through pickle here).
 
         :raises FileNotFoundError: nothing at ``path`` (as Lightning's own IO).
         :raises CheckpointNotFoundError: a root with no committed checkpoint, or a

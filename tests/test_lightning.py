@@ -143,3 +143,29 @@ def test_pointers_of_the_last_run_keep_their_steps(tmp_path: Path) -> None:
     assert steps == [4, 8, 12], steps
     loaded: Any = AsyncsaveCheckpointIO().load_checkpoint(tmp_path / "epoch=0-step=4.ckpt")
     assert loaded["global_step"] == 4
+
+
+def test_remove_checkpoint_follows_asyncsaves_deletion_rules(tmp_path: Path) -> None:
+    """Without a Trainer: a removed pointer's step goes once nothing names it,
+    never while it is the tracked (newest) step or another pointer names it."""
+    io = AsyncsaveCheckpointIO()
+    p = {name: tmp_path / f"{name}.ckpt" for name in ("a1", "b1", "a2", "a3")}
+
+    def save(step: int, path: Path) -> None:
+        io.save_checkpoint({"global_step": step, "w": torch.full((4,), float(step))}, path)
+
+    save(1, p["a1"])
+    save(1, p["b1"])  # a second pointer to step 1: saved once
+    save(2, p["a2"])
+    io.teardown()  # flushes: every pointer written
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1, 2]
+    io.remove_checkpoint(p["a2"])  # step 2 is tracked: kept even with no pointer
+    io.remove_checkpoint(p["a1"])  # step 1 still named by b1: kept
+    assert not p["a2"].exists() and not p["a1"].exists()
+    save(3, p["a3"])
+    io.teardown()
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1, 3]  # 2 went after 3
+    io.remove_checkpoint(p["b1"])
+    io.teardown()
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [3]
+    assert io.load_checkpoint(p["a3"])["global_step"] == 3

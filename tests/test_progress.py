@@ -162,3 +162,20 @@ def test_progress_on_two_ranks_counts_each_ranks_part(tmp_path: Path) -> None:
         total = CHUNK_BYTES * (rank + 2)
         assert seen["mid"] == asyncsave.SaveProgress(total, CHUNK_BYTES, total)
         assert seen["end"] == asyncsave.SaveProgress(total, total, total)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_progress_of_a_save_of_device_tensors(tmp_path: Path) -> None:
+    """Device tensors count as staged once their copies have landed."""
+    gate = threading.Event()
+    fs = FaultyFS("write", pause(gate), n=3, where=_data_file)
+    state = {"a": torch.ones(N, device="cuda"), "b": torch.full((N,), 2.0, device="cuda")}
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs, writer_threads=1) as ckpt:
+        handle = await ckpt.save(5, state, lazy=True)
+        await handle.staged()
+        await _until(fs.fired)
+        assert handle.progress == asyncsave.SaveProgress(TOTAL, CHUNK_BYTES, TOTAL)
+        gate.set()
+        await handle
+    assert handle.progress == asyncsave.SaveProgress(TOTAL, TOTAL, TOTAL)
