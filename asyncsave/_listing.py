@@ -22,7 +22,7 @@ from ._errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidSte
 from ._fs import LocalFileSystem
 from ._fsspec import open_root
 from ._load import _layout_hint, info_of, load, read_checkpoint, scan_steps
-from ._paths import LAYOUTS, MANIFEST_NAME, Layout
+from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout
 from ._types import CheckpointInfo
 
 __all__ = ["checkpoints", "layout_of", "load_step"]
@@ -64,7 +64,8 @@ def checkpoints(
 
     Each :class:`CheckpointInfo` holds ``step``, ``path``, ``nbytes`` (tensor
     bytes), ``size_bytes`` (bytes in storage: data files and manifest, plus a
-    ``training_info.json`` of the ``nemo-rl`` layout), ``saved_unix_s`` (when its
+    ``training_info.json`` of the ``nemo-rl`` layout and an object store's commit
+    marker), ``saved_unix_s`` (when its
     manifest was written, just before the commit), ``num_tensors``,
     ``world_size`` and ``training_info``.
 
@@ -96,8 +97,9 @@ def checkpoints(
             logger.warning("not listing %s: %s", p, exc)
             continue
         size = sum(int(f["nbytes"]) for f in manifest.files) + fs.size(p / MANIFEST_NAME)
-        if lay.info_name is not None and fs.exists(p / lay.info_name):
-            size += fs.size(p / lay.info_name)
+        for extra in (lay.info_name, None if fs.atomic_rename else COMMIT_MARKER_NAME):
+            if extra is not None and fs.exists(p / extra):
+                size += fs.size(p / extra)
         found.append(
             dataclasses.replace(
                 info_of(p, manifest), size_bytes=size, saved_unix_s=manifest.created_unix_s

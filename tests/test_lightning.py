@@ -6,6 +6,8 @@ uninterrupted run, bit for bit."""
 
 from __future__ import annotations
 
+import argparse
+import enum
 import json
 import signal
 import subprocess
@@ -169,3 +171,47 @@ def test_remove_checkpoint_follows_asyncsaves_deletion_rules(tmp_path: Path) -> 
     io.teardown()
     assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [3]
     assert io.load_checkpoint(p["a3"])["global_step"] == 3
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+@pytest.mark.parametrize(
+    ("entry", "value"),
+    [
+        (("hyper_parameters", "cfg"), argparse.Namespace(depth=3)),
+        (("hyper_parameters", "colour"), Color.RED),
+        (("hyper_parameters", "tags"), {"a", "b"}),
+        (("callbacks", "MyCallback", "state"), Opaque(1)),
+        (("loops", "fit_loop", "custom"), lambda: 0),
+    ],
+    ids=["namespace", "enum", "set", "callback-object", "loop-lambda"],
+)
+def test_each_entry_that_is_not_plain_data_is_named(
+    tmp_path: Path, entry: tuple[str, ...], value: Any
+) -> None:
+    checkpoint: dict[str, Any] = {"global_step": 2, "state_dict": {"w": torch.ones(2)}}
+    node = checkpoint
+    for key in entry[:-1]:
+        node = node.setdefault(key, {})
+    node[entry[-1]] = value
+    io = AsyncsaveCheckpointIO()
+    try:
+        with pytest.raises(asyncsave.UnsupportedTypeError, match="allow_pickle") as info:
+            io.save_checkpoint(checkpoint, tmp_path / "x.ckpt")
+    finally:
+        io.teardown()
+    assert info.value.key == "/".join(entry)
+    assert asyncsave.checkpoints(tmp_path) == [] and not (tmp_path / "x.ckpt").exists()
+
+
+def test_lightnings_dict_subclasses_are_stored_as_plain_dicts(tmp_path: Path) -> None:
+    from lightning.fabric.utilities.data import AttributeDict
+
+    io = AsyncsaveCheckpointIO()
+    hparams = AttributeDict(lr=0.1, sizes=[1, 2], nested=AttributeDict(k="v"))
+    io.save_checkpoint({"global_step": 1, "hyper_parameters": hparams}, tmp_path / "a.ckpt")
+    io.teardown()
+    loaded = io.load_checkpoint(tmp_path / "a.ckpt")
+    assert loaded["hyper_parameters"] == {"lr": 0.1, "sizes": [1, 2], "nested": {"k": "v"}}

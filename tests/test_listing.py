@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -147,3 +148,27 @@ def test_listing_holds_exactly_the_steps_saved(
     assert [c.step for c in listed] == sorted(steps)
     for c in listed:
         assert int(asyncsave.load_step(root, c.step, layout=layout)["x"]) == c.step
+
+
+def test_listing_an_object_store_root() -> None:
+    """A URL root (fsspec ``memory://``: commit by marker): listed, measured and
+    loaded by step the same way; a directory without its marker is not listed."""
+    import fsspec
+
+    root = f"memory://listing-{uuid.uuid4().hex}/run"
+    with asyncsave.SyncCheckpointer(root, layout="verl") as ckpt:
+        for step in (3, 6):
+            ckpt.save(step, _state(step)).result()
+    mem = fsspec.filesystem("memory")
+    base = root.removeprefix("memory://")
+    mem.pipe(f"{base}/global_step_9/manifest.json", b"{}")  # no commit marker
+    try:
+        listed = asyncsave.checkpoints(root, layout="verl")
+        assert [c.step for c in listed] == [3, 6]
+        for c in listed:
+            assert c.size_bytes == mem.du(f"{base}/global_step_{c.step}")
+        assert asyncsave.load_step(root, 6, layout="verl")["step"] == 6
+        with pytest.raises(asyncsave.CheckpointNotFoundError, match="commit_success"):
+            asyncsave.load_step(root, 9, layout="verl")
+    finally:
+        mem.rm(base.split("/")[0], recursive=True)
