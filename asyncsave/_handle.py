@@ -37,14 +37,19 @@ class ProgressCounter:
         with self._lock:
             self._written = min(self.total_bytes, self._written + nbytes)
 
-    def all_staged(self) -> None:
-        """The snapshot is complete (a job that does not count as it goes)."""
+    def all_staged(self, total_bytes: int | None = None) -> None:
+        """The snapshot is complete (a job that does not count as it goes, or
+        that knows its size only once staged: ``total_bytes``)."""
         with self._lock:
+            if total_bytes is not None:
+                self.total_bytes = total_bytes
             self._staged = self.total_bytes
 
-    def all_written(self) -> None:
+    def all_written(self, total_bytes: int | None = None) -> None:
         """This rank's files are written (a job that does not count as it goes)."""
         with self._lock:
+            if total_bytes is not None:
+                self.total_bytes = total_bytes
             self._staged = self._written = self.total_bytes
 
     def snapshot(self) -> SaveProgress:

@@ -366,7 +366,7 @@ class Saver:
                 if isinstance(job, BaseException):
                     raise job
                 await job.stage(self, step, save.ready, functools.partial(self._early_tmp, save))
-                handle._progress.all_staged()
+                handle._progress.all_staged(job.nbytes)
             finally:
                 self._end_stage_turn(save.stage_seq)
             self.check_flushing(step)
@@ -510,7 +510,7 @@ class Saver:
                             assert isinstance(job, Job)
                             try:
                                 part = await job.write(self, coord, tmp)
-                                handle._progress.all_written()
+                                handle._progress.all_written(job.nbytes)
                             except Exception as exc:
                                 local_error = exc
                         written_s = time.perf_counter() - t0

@@ -65,7 +65,8 @@ class SaveProgress:
     Counts this rank's tensor bytes (``CheckpointInfo.nbytes`` of its part;
     safetensors headers and the manifest are not counted). Plain state trees are
     counted tensor by tensor while staging and in 8 MiB writes while writing;
-    DTensor (DCP) and Megatron saves count each phase whole when it ends.
+    DTensor (DCP) and Megatron saves count each phase whole when it ends (their
+    total is known once staged).
 
     :param staged_bytes: bytes copied into host staging memory so far.
     :param written_bytes: bytes written into this rank's data files so far (not
