@@ -179,7 +179,8 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         self._lock = threading.Lock()
         self._live: dict[str, int] = {}  # pointer path -> step, this run
         self._dirs: set[Path] = set()  # where pointers are written
-        self._committed: set[int] = set()
+        self._on_disk: set[int] = set()  # committed when the checkpointer opened
+        self._handles: dict[int, SyncSaveHandle] = {}  # saves of this checkpointer
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         # (step, pointer write) in save order.
         self._futures: list[tuple[int, concurrent.futures.Future[None]]] = []
@@ -218,24 +219,28 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         with self._lock:
             self._live[target] = step
             self._dirs.add(Path(target).parent)
-        if step in self._committed:
-            handle: SyncSaveHandle | None = None
-        else:
+        # A step saved already (this run: its handle; a committed one on disk:
+        # nothing to wait for) is not saved again: the path points at it.
+        handle = self._handles.get(step)
+        if handle is None and step not in self._on_disk:
             try:
                 handle = ckpt.save(
                     step, _plain(checkpoint), training_info={"epoch": _int(checkpoint, "epoch")}
                 )
-            except UnsupportedTypeError as exc:
+            except BaseException as exc:
                 with self._lock:
                     self._live.pop(target, None)
-                raise UnsupportedTypeError(
-                    f"Lightning checkpoint entry {exc.key!r} is not plain data: {exc.message}. "
-                    f"Convert it, or pass AsyncsaveCheckpointIO(allow_pickle=True) (and "
-                    "trust the checkpoints you load)",
-                    key=exc.key,
-                    step=step,
-                ) from exc
-            self._committed.add(step)
+                if isinstance(exc, UnsupportedTypeError):
+                    raise UnsupportedTypeError(
+                        f"Lightning checkpoint entry {exc.key!r} is not plain data: "
+                        f"{exc.message}. Convert it, or pass "
+                        "AsyncsaveCheckpointIO(allow_pickle=True) (and trust the "
+                        "checkpoints you load)",
+                        key=exc.key,
+                        step=step,
+                    ) from exc
+                raise
+            self._handles[step] = handle
         assert self._writer is not None
         self._futures.append((step, self._writer.submit(self._point, handle, target, step)))
 
@@ -359,7 +364,8 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         found = checkpoints(
             self.root, layout=self.options.layout, filesystem=self.options.filesystem
         )
-        self._committed = {c.step for c in found}
+        self._on_disk = {c.step for c in found}
+        self._handles = {}
         self._writer = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="asyncsave-lightning"
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import errno
 import json
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 import lightning_app as app
 import pytest
 import torch
+from faults import FaultyFS, raise_errno
 
 import asyncsave
 from asyncsave.lightning import AsyncsaveCheckpointIO, read_pointer
@@ -215,3 +217,17 @@ def test_lightnings_dict_subclasses_are_stored_as_plain_dicts(tmp_path: Path) ->
     io.teardown()
     loaded = io.load_checkpoint(tmp_path / "a.ckpt")
     assert loaded["hyper_parameters"] == {"lr": 0.1, "sizes": [1, 2], "nested": {"k": "v"}}
+
+
+def test_no_path_points_at_a_step_whose_save_failed(tmp_path: Path) -> None:
+    """The top-k path and ``last.ckpt`` of a step whose commit failed: neither is
+    written; the failure is raised by ``teardown`` (and the next save)."""
+    fs = FaultyFS("rename", raise_errno(errno.EIO), where=lambda p: p.endswith("step_2"))
+    io = AsyncsaveCheckpointIO(filesystem=fs)
+    for step, name in ((1, "a"), (2, "b"), (2, "last")):
+        io.save_checkpoint({"global_step": step, "w": torch.ones(2)}, tmp_path / f"{name}.ckpt")
+    with pytest.raises(asyncsave.SaveFailedError):
+        io.teardown()
+    assert read_pointer(tmp_path / "a.ckpt")[1] == 1
+    assert not (tmp_path / "b.ckpt").exists() and not (tmp_path / "last.ckpt").exists()
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1]
