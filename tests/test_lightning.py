@@ -231,3 +231,16 @@ def test_no_path_points_at_a_step_whose_save_failed(tmp_path: Path) -> None:
     assert read_pointer(tmp_path / "a.ckpt")[1] == 1
     assert not (tmp_path / "b.ckpt").exists() and not (tmp_path / "last.ckpt").exists()
     assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1]
+
+
+def test_a_root_apart_from_the_pointers(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+    """``root`` given: the checkpoints live there, ModelCheckpoint's ``.ckpt``
+    pointers in its ``dirpath`` name them by a relative path."""
+    store, ptrs = tmp_path / "store", tmp_path / "ptrs"
+    app.fit(ptrs, 2, plugin=AsyncsaveCheckpointIO(store))
+    assert [c.step for c in asyncsave.checkpoints(store)] == [4, 8]
+    assert not list(ptrs.glob("step_*"))
+    assert json.loads((ptrs / "last.ckpt").read_text())["root"] == "../store"
+    model = app.fit(ptrs, EPOCHS, plugin=AsyncsaveCheckpointIO(store), ckpt_path="last")
+    assert _same(_weights(model), reference)
+    assert [c.step for c in asyncsave.checkpoints(store)] == [12, 16]
