@@ -43,6 +43,7 @@ from ._errors import (
 from ._fs import LocalFileSystem
 from ._fsspec import FsspecFileSystem
 from ._lazy import stage_before_step
+from ._listing import checkpoints, load_step
 from ._load import latest, load, load_tensors, verify
 from ._options import CheckpointOptions, Tier
 from ._policy import (
@@ -56,7 +57,7 @@ from ._policy import (
 from ._retention import KeepBest, KeepEvery, KeepLast, Retention
 from ._rng import RNGState
 from ._sync import SyncCheckpointer, SyncSaveHandle
-from ._types import CheckpointInfo, Restored, Tagged
+from ._types import CheckpointInfo, Restored, SaveProgress, Tagged
 
 __version__ = "0.1.0"
 
@@ -95,6 +96,7 @@ __all__ = [
     "SaveHandle",
     "SaveOnSignal",
     "SavePolicy",
+    "SaveProgress",
     "StagingBudgetError",
     "StagingPendingError",
     "SyncCheckpointer",
@@ -107,8 +109,10 @@ __all__ = [
     "UnsupportedTypeError",
     "WaitTimeoutError",
     "__version__",
+    "checkpoints",
     "latest",
     "load",
+    "load_step",
     "load_tensors",
     "stage_before_step",
     "verify",

@@ -15,9 +15,47 @@ from typing import Any
 import anyio
 
 from ._errors import WaitTimeoutError
-from ._types import CheckpointInfo
+from ._types import CheckpointInfo, SaveProgress
 
-__all__ = ["SaveHandle"]
+__all__ = ["ProgressCounter", "SaveHandle"]
+
+
+class ProgressCounter:
+    """The byte counters of one save, bumped from worker threads (stager and
+    writers) and read from any thread (:attr:`SaveHandle.progress`)."""
+
+    def __init__(self, total_bytes: int = 0) -> None:
+        self._lock = threading.Lock()
+        self.total_bytes = total_bytes
+        self._staged = 0
+        self._written = 0
+
+    def add_staged(self, nbytes: int) -> None:
+        with self._lock:
+            self._staged = min(self.total_bytes, self._staged + nbytes)
+
+    def add_written(self, nbytes: int) -> None:
+        with self._lock:
+            self._written = min(self.total_bytes, self._written + nbytes)
+
+    def all_staged(self, total_bytes: int | None = None) -> None:
+        """The snapshot is complete (a job that does not count as it goes, or
+        that knows its size only once staged: ``total_bytes``)."""
+        with self._lock:
+            if total_bytes is not None:
+                self.total_bytes = total_bytes
+            self._staged = self.total_bytes
+
+    def all_written(self, total_bytes: int | None = None) -> None:
+        """This rank's files are written (a job that does not count as it goes)."""
+        with self._lock:
+            if total_bytes is not None:
+                self.total_bytes = total_bytes
+            self._staged = self._written = self.total_bytes
+
+    def snapshot(self) -> SaveProgress:
+        with self._lock:
+            return SaveProgress(self._staged, self._written, self.total_bytes)
 
 
 class SaveHandle:
@@ -48,6 +86,7 @@ class SaveHandle:
         self._persisted = anyio.Event()
         self._persisted_info: CheckpointInfo | None = None
         self._persist_error: BaseException | None = None
+        self._progress = ProgressCounter()
 
     @classmethod
     def resolved(
@@ -55,6 +94,9 @@ class SaveHandle:
     ) -> SaveHandle:
         handle = cls(step, skipped=skipped)
         handle._info = info
+        if info is not None:
+            handle._progress.total_bytes = info.nbytes
+            handle._progress.all_written()
         handle._mark_staged()
         handle._done.set()
         return handle
@@ -77,6 +119,16 @@ class SaveHandle:
     def done(self) -> bool:
         """Whether the save has committed, failed or been skipped."""
         return self._done.is_set()
+
+    @property
+    def progress(self) -> SaveProgress:
+        """How many of this rank's tensor bytes are staged and written so far, of
+        how many (a :class:`~asyncsave.SaveProgress` snapshot). Readable from any
+        thread at any time, without waiting: a train pump can report a long save
+        while it runs. A committed save reports every byte; a skipped one 0 of 0.
+        Each rank of a save of several reports its own part.
+        """
+        return self._progress.snapshot()
 
     async def staged(self) -> None:
         """Return once the snapshot is in host memory: the caller may mutate the
@@ -167,6 +219,7 @@ class SaveHandle:
 
     def _commit(self, info: CheckpointInfo) -> None:
         self._info = info
+        self._progress.all_written()
         self._mark_staged()
         self._done.set()
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ._errors import CheckpointError, CheckpointTimeoutError
 from ._format import FileLayout
 from ._fs import LocalFileSystem
+from ._handle import ProgressCounter
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION
 from ._options import CheckpointOptions
 from ._paths import Layout
@@ -81,6 +82,9 @@ class Job:
 
     nbytes: int = 0
     num_tensors: int = 0
+    # The save's byte counters (set by the pipeline; jobs that count as they go
+    # bump them, the pipeline completes them after each phase).
+    progress: ProgressCounter | None = None
 
     def snapshot_eager(self, ready: dict[torch.device, Any] | None) -> None:
         """Lazy mode, before ``save()`` returns: copy now what forward may change
@@ -161,6 +165,8 @@ class PlainJob(Job):
         timeout_s = saver.options.save_timeout_s
         deadline = anyio.current_time() + timeout_s
 
+        progress = self.progress
+
         async def stage(entries: list[Entry]) -> None:
             await stage_entries(
                 lease,
@@ -168,6 +174,7 @@ class PlainJob(Job):
                 poll_interval_s=saver.options.poll_interval_s,
                 timeout_s=max(0.0, deadline - anyio.current_time()),
                 ready=ready,
+                on_staged=None if progress is None else progress.add_staged,
             )
 
         if self.rounds is None:
@@ -175,6 +182,7 @@ class PlainJob(Job):
         else:
             tmp = await make_tmp()
             self.stream = stream = StreamWriter(saver.fs, tmp, self.layouts, self.plan.entries)
+            stream.on_written = None if progress is None else progress.add_written
             for pieces in self.rounds[:-1]:
                 await stage(piece_entries(self.plan.entries, pieces))
                 # Shielded (the arena is reused next round), bounded by the
@@ -217,7 +225,7 @@ class PlainJob(Job):
         assert self.lease is not None
         self.fs = saver.fs
         if self.stream is None:
-            await write_files(saver, tmp, self.plan, self.layouts, self.lease)
+            await write_files(saver, tmp, self.plan, self.layouts, self.lease, self.progress)
         else:
             assert self.rounds is not None
             try:
@@ -250,15 +258,25 @@ class PlainJob(Job):
 
 
 async def write_files(
-    saver: Services, tmp: Path, plan: Plan, layouts: list[FileLayout], lease: Lease
+    saver: Services,
+    tmp: Path,
+    plan: Plan,
+    layouts: list[FileLayout],
+    lease: Lease,
+    progress: ProgressCounter | None = None,
 ) -> None:
-    """Write and fsync every data file from the arena, one worker thread each."""
+    """Write and fsync every data file from the arena, one worker thread each
+    (counting the bytes written into ``progress``)."""
     errors: list[BaseException] = []
 
     async def write_one(fl: FileLayout) -> None:
         try:
             digests = await saver.run(
-                functools.partial(write_data_file, direct=saver.options.direct_io),
+                functools.partial(
+                    write_data_file,
+                    direct=saver.options.direct_io,
+                    on_written=None if progress is None else progress.add_written,
+                ),
                 saver.fs,
                 tmp,
                 fl,

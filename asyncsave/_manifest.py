@@ -54,6 +54,9 @@ class Manifest:
     tree: dict[str, Any]
     costs: dict[str, float]
     training_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # When the saver wrote the manifest, just before the commit (seconds since the
+    # epoch); ``None`` when absent or not a finite number.
+    created_unix_s: float | None = None
 
     @property
     def nbytes(self) -> int:
@@ -238,7 +241,14 @@ def parse_manifest(raw: bytes, path: Path) -> Manifest:
         tree=tree,
         costs=costs,
         training_info=training_info,
+        created_unix_s=_finite(doc.get("created_unix_s")),
     )
+
+
+def _finite(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
 
 
 def _check_tensor(path: Path, i: int, t: Any, entries: list[dict[str, Any]]) -> None:

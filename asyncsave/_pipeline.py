@@ -318,6 +318,9 @@ class Saver:
         if isinstance(job, BaseException) and self.coord.world_size == 1:
             raise job
         handle = SaveHandle(step)
+        if isinstance(job, Job):
+            handle._progress.total_bytes = job.nbytes
+            job.progress = handle._progress
         self.pending[step] = handle
         if ticket is None:
             ticket = self.coord.take_ticket()
@@ -366,6 +369,7 @@ class Saver:
                 if isinstance(job, BaseException):
                     raise job
                 await job.stage(self, step, save.ready, functools.partial(self._early_tmp, save))
+                handle._progress.all_staged(job.nbytes)
             finally:
                 self._end_stage_turn(save.stage_seq)
             self.check_flushing(step)
@@ -509,6 +513,7 @@ class Saver:
                             assert isinstance(job, Job)
                             try:
                                 part = await job.write(self, coord, tmp)
+                                handle._progress.all_written(job.nbytes)
                             except Exception as exc:
                                 local_error = exc
                         written_s = time.perf_counter() - t0

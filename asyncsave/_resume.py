@@ -38,6 +38,12 @@ async def load_latest(
         lambda: resolve(saver.fs, saver.root, saver.layout, fallback=fallback)
     )
     if info is None:
+        # A fresh run, or a mistyped root or layout: say which, where it shows.
+        logger.info(
+            "no committed checkpoint in %s (layout %r): starting from scratch",
+            saver.root,
+            saver.layout.name,
+        )
         return None
     while True:
         path = info.path

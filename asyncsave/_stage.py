@@ -226,7 +226,7 @@ def _copy_blob(dst: torch.Tensor, e: Entry, *, non_blocking: bool) -> None:
             dst[start:end].copy_(src, non_blocking=non_blocking)
 
 
-def _copy_cpu(buffer: torch.Tensor, entries: list[Entry]) -> None:
+def _copy_cpu(buffer: torch.Tensor, entries: list[Entry], on_staged: Any = None) -> None:
     for e in entries:
         assert e.source is not None
         dst = _destination(buffer, e)
@@ -234,6 +234,8 @@ def _copy_cpu(buffer: torch.Tensor, entries: list[Entry]) -> None:
             _copy_blob(dst, e, non_blocking=False)
         else:
             as_bits(dst).copy_(as_bits(e.source))
+        if on_staged is not None:
+            on_staged(e.nbytes)
 
 
 # Lazy saves copy entries up to this size before save() returns (module buffers
@@ -391,6 +393,7 @@ async def stage_entries(
     poll_interval_s: float,
     timeout_s: float,
     ready: dict[torch.device, Any] | None = None,
+    on_staged: Any = None,
 ) -> None:
     """Copy every entry's source into the lease's buffer at its staging offset.
 
@@ -401,6 +404,9 @@ async def stage_entries(
 
     :param ready: CUDA events marking what the caller queued before ``save()`` (see
         :func:`producer_events`); recorded here, on the calling thread, if ``None``.
+    :param on_staged: called with each host entry's byte count once it is copied
+        (from the worker thread), and with the device entries' total once their
+        copies have landed (progress).
     :raises CheckpointTimeoutError: the copies did not finish within ``timeout_s``
         (one deadline for enqueuing, copying and waiting). If the caller is
         cancelled, or the deadline passes, copies already queued are waited for
@@ -427,12 +433,14 @@ async def stage_entries(
                     f"queueing device-to-host copies took over {timeout_s} s"
                 )
         if cpu:
-            await anyio.to_thread.run_sync(_copy_cpu, buffer, cpu)
+            await anyio.to_thread.run_sync(_copy_cpu, buffer, cpu, on_staged)
         if not await _wait_events(events, poll_interval_s, deadline):
             raise CheckpointTimeoutError(
                 f"device-to-host copies did not finish within {timeout_s} s (a kernel "
                 "queued before save() may be hung)"
             )
+        if cuda and on_staged is not None:
+            on_staged(sum(e.nbytes for e in cuda))
     except BaseException:
         if events and not lease.poisoned:
             with anyio.CancelScope(shield=True):

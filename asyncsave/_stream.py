@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -181,6 +182,7 @@ class StreamWriter:
         self.entries = entries
         self.fds: list[int | None] = [None] * len(layouts)
         self.hashers = {i: xxhash.xxh3_64() for fl in layouts for i in fl.entries}
+        self.on_written: Any = None  # progress: called with each chunk's byte count
 
     def open_file(self, f: int) -> None:
         fl = self.layouts[f]
@@ -204,6 +206,8 @@ class StreamWriter:
                 chunk = view[pos : min(pos + CHUNK_BYTES, p.arena_offset + n)]
                 h.update(chunk)
                 _write_all(self.fs, fd, chunk)
+                if self.on_written is not None:
+                    self.on_written(len(chunk))
 
     def finish_file(self, f: int) -> None:
         """fsync and close file ``f`` (opened first if it had no pieces at all)."""

@@ -26,7 +26,7 @@ from ._errors import CheckpointerClosedError, CheckpointWarning, WaitTimeoutErro
 from ._options import CheckpointOptions
 from ._policy import AgreedPolicy, SavePolicy
 from ._stage import producer_events
-from ._types import CheckpointInfo, Restored
+from ._types import CheckpointInfo, Restored, SaveProgress
 
 __all__ = ["SyncCheckpointer", "SyncSaveHandle"]
 
@@ -48,6 +48,11 @@ class SyncSaveHandle:
     def done(self) -> bool:
         """Whether the save has committed, failed or been skipped."""
         return self._handle.done()
+
+    @property
+    def progress(self) -> SaveProgress:
+        """See :attr:`SaveHandle.progress` (read without the portal)."""
+        return self._handle.progress
 
     def staged(self, timeout_s: float | None = None) -> None:
         """Block until the snapshot is complete (a lazy save's tensors may then be

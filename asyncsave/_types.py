@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
-__all__ = ["CheckpointInfo", "Restored", "Tagged"]
+__all__ = ["CheckpointInfo", "Restored", "SaveProgress", "Tagged"]
 
 T = TypeVar("T")
 
@@ -29,6 +29,12 @@ class CheckpointInfo:
         tracker named this checkpoint (or a newer one). ``None`` for checkpoints
         found on disk, since the commit time is not part of the manifest.
     :param training_info: the flat counters and metrics given to ``save()``.
+    :param size_bytes: bytes the checkpoint takes in storage: its data files (tensor
+        data and safetensors headers) and manifest; ``None`` when not measured
+        (:func:`asyncsave.checkpoints` measures it).
+    :param saved_unix_s: when the saver finished writing it, just before the
+        commit (the manifest's ``created_unix_s``, seconds since the epoch, the
+        saver's clock); ``None`` when not known.
     """
 
     step: int
@@ -41,6 +47,8 @@ class CheckpointInfo:
     written_s: float | None = None
     committed_s: float | None = None
     training_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    size_bytes: int | None = None
+    saved_unix_s: float | None = None
 
     @property
     def write_gbps(self) -> float | None:
@@ -48,6 +56,32 @@ class CheckpointInfo:
         if not self.written_s:
             return None
         return self.nbytes / self.written_s / 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveProgress:
+    """How far one save has got, on this rank (:attr:`SaveHandle.progress`).
+
+    Counts this rank's tensor bytes (``CheckpointInfo.nbytes`` of its part;
+    safetensors headers and the manifest are not counted). Plain state trees are
+    counted tensor by tensor while staging and in 8 MiB writes while writing;
+    DTensor (DCP) and Megatron saves count each phase whole when it ends (their
+    total is known once staged).
+
+    :param staged_bytes: bytes copied into host staging memory so far.
+    :param written_bytes: bytes written into this rank's data files so far (not
+        yet durable until the save commits).
+    :param total_bytes: bytes this rank stages and writes in all.
+    """
+
+    staged_bytes: int
+    written_bytes: int
+    total_bytes: int
+
+    @property
+    def fraction_written(self) -> float:
+        """``written_bytes / total_bytes`` (1.0 for a save of no tensor bytes)."""
+        return self.written_bytes / self.total_bytes if self.total_bytes else 1.0
 
 
 class Restored(NamedTuple):

@@ -44,6 +44,7 @@ def write_data_file(
     buffer: torch.Tensor,
     *,
     direct: bool = False,
+    on_written: Any = None,
 ) -> dict[int, str]:
     """Write one data file and fsync it.
 
@@ -59,6 +60,8 @@ def write_data_file(
         header and the last partial block go through the page cache. Falls back to
         buffered writes where the file system refuses ``O_DIRECT`` or the buffer is
         not page-aligned. The file is fsynced either way.
+    :param on_written: called with the byte count of each data chunk once it is
+        written (progress; from this worker thread).
     :returns: entry index -> XXH3-64 hex digest of the entry's bytes.
     :raises OSError: from any write, fsync or close; the partial file is left for
         the caller to remove with its temporary directory.
@@ -81,7 +84,9 @@ def write_data_file(
             dfd = fs.open_direct(path)
         if dfd is None:
             buffered = functools.partial(_write_all, fs, fd)
-            digests = _write_hashed(view, start, end, layout.entries, entries, buffered)
+            digests = _write_hashed(
+                view, start, end, layout.entries, entries, buffered, on_written=on_written
+            )
         else:
             fs.seek(dfd, len(layout.header))
             fs.seek(fd, len(layout.header) + (bulk_end - start))
@@ -94,7 +99,16 @@ def write_data_file(
                 if split < len(chunk):
                     _write_all(fs, fd, chunk[split:])
 
-            digests = _write_hashed(view, start, end, layout.entries, entries, sink, with_pos=True)
+            digests = _write_hashed(
+                view,
+                start,
+                end,
+                layout.entries,
+                entries,
+                sink,
+                with_pos=True,
+                on_written=on_written,
+            )
             dfd = None
             fs.close(direct_fd)
         fs.fsync(fd)
@@ -116,6 +130,7 @@ def _write_hashed(
     sink: Any,
     *,
     with_pos: bool = False,
+    on_written: Any = None,
 ) -> dict[int, str]:
     """Hand ``view[start:end]`` (entries ``order``, back to back) to ``sink`` in
     large chunks, hashing each entry's bytes from the chunk just before the chunk
@@ -149,6 +164,8 @@ def _write_hashed(
             sink(view[pos:stop], pos)
         else:
             sink(view[pos:stop])
+        if on_written is not None:
+            on_written(stop - pos)
     for i in order[k:]:  # empty entries at the end
         digests[i] = xxhash.xxh3_64_hexdigest(b"")
     return digests

@@ -103,6 +103,8 @@ def _megatron_save(
             try:
                 info = await handle
                 seen["committed"] = (info.step, info.world_size)
+                p = handle.progress  # counted whole per phase, this rank's bytes
+                seen["progress"] = (p.staged_bytes, p.written_bytes, p.total_bytes, info.nbytes)
             except asyncsave.RankFailedError as exc:
                 seen["error"] = dict(exc.ranks)
             seen["tracker"] = (
@@ -132,6 +134,8 @@ def test_megatron_request_runs_on_the_engine_finalize_before_commit_and_tracker(
     for s in seen:
         assert s["committed"] == (10, 2)
         assert s["tracker"] == "10"
+        staged, written, total, nbytes = s["progress"]
+        assert staged == written == total == nbytes > 0
         # Megatron's finalize ran before the rename and before the tracker.
         assert s["finalize_saw"] == [(False, None)]
         assert s["children"] == [] and s["global_queue"] is None

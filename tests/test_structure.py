@@ -18,7 +18,7 @@ import pytest
 import asyncsave
 
 PKG = Path(asyncsave.__file__).parent
-INTEGRATIONS = {"asyncsave.dcp", "asyncsave.megatron"}
+INTEGRATIONS = {"asyncsave.dcp", "asyncsave.lightning", "asyncsave.megatron"}
 # Entry points that may import anything (they are not imported by the library).
 TOP = {"asyncsave", "asyncsave.__main__", "asyncsave._cli"}
 
@@ -186,6 +186,7 @@ PUBLIC = [
     "SaveHandle",
     "SaveOnSignal",
     "SavePolicy",
+    "SaveProgress",
     "StagingBudgetError",
     "StagingPendingError",
     "SyncCheckpointer",
@@ -198,8 +199,10 @@ PUBLIC = [
     "UnsupportedTypeError",
     "WaitTimeoutError",
     "__version__",
+    "checkpoints",
     "latest",
     "load",
+    "load_step",
     "load_tensors",
     "stage_before_step",
     "verify",
@@ -234,7 +237,7 @@ def test_public_surface_is_pinned() -> None:
         ),
         (
             asyncsave.SaveHandle,
-            ["done", "is_staged", "persisted", "resolved", "result", "staged", "wait"],
+            ["done", "is_staged", "persisted", "progress", "resolved", "result", "staged", "wait"],
         ),
     ],
 )
