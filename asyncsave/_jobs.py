@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ._errors import CheckpointError, CheckpointTimeoutError
 from ._format import FileLayout
 from ._fs import LocalFileSystem
+from ._incremental import Report, Reuse
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION
 from ._options import CheckpointOptions
 from ._paths import Layout
@@ -138,6 +139,9 @@ class PlainJob(Job):
         self.lease: Lease | None = None
         self.stream: StreamWriter | None = None
         self.fs: LocalFileSystem | None = None
+        # Incremental saves: shares files equal to the previous checkpoint's.
+        self.reuse: Reuse | None = None
+        self.report: Report | None = None
         self.nbytes = plan.nbytes
         self.num_tensors = len(plan.leaves)
 
@@ -217,7 +221,12 @@ class PlainJob(Job):
         assert self.lease is not None
         self.fs = saver.fs
         if self.stream is None:
-            await write_files(saver, tmp, self.plan, self.layouts, self.lease)
+            writer: Any = write_data_file
+            if self.reuse is not None:
+                base = await saver.run(self.reuse.find_base, saver.fs, tmp)
+                self.report = Report(base=None if base is None else base.path.name)
+                writer = functools.partial(self.reuse.write_file, base, self.report)
+            await write_files(saver, tmp, self.plan, self.layouts, self.lease, writer)
         else:
             assert self.rounds is not None
             try:
@@ -238,6 +247,8 @@ class PlainJob(Job):
 
     def manifest(self, tmp: Path, step: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
         doc = manifest_doc(step, self.plan, self.layouts)
+        if self.report is not None:
+            doc["incremental"] = self.report.as_doc()
         if len(parts) > 1:
             doc.update(merge_parts(parts))
             assert self.fs is not None
@@ -250,15 +261,22 @@ class PlainJob(Job):
 
 
 async def write_files(
-    saver: Services, tmp: Path, plan: Plan, layouts: list[FileLayout], lease: Lease
+    saver: Services,
+    tmp: Path,
+    plan: Plan,
+    layouts: list[FileLayout],
+    lease: Lease,
+    writer: Any = write_data_file,
 ) -> None:
-    """Write and fsync every data file from the arena, one worker thread each."""
+    """Write and fsync every data file from the arena, one worker thread each
+    (``writer``: ``_write.write_data_file`` or an incremental save's, which may
+    share the file instead)."""
     errors: list[BaseException] = []
 
     async def write_one(fl: FileLayout) -> None:
         try:
             digests = await saver.run(
-                functools.partial(write_data_file, direct=saver.options.direct_io),
+                functools.partial(writer, direct=saver.options.direct_io),
                 saver.fs,
                 tmp,
                 fl,

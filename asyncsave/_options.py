@@ -86,6 +86,13 @@ class CheckpointOptions:
         it must exceed the spread of write times between ranks. A rank that dies
         makes the others' collective fail at once (gloo sees the connection close)
         or, at the latest, after this timeout.
+    :param incremental: share every data file whose bytes equal a file of the
+        previous committed checkpoint of the root instead of writing it again (a
+        hard link locally, a server-side copy on an object store), decided from
+        XXH3-64 checksums of the staged bytes; each tensor of 1 MiB or more then
+        gets a data file of its own. Every checkpoint stays whole (retention may
+        delete any of them). One process, whole (not streamed) plain saves; other
+        saves write in full. Off by default. See ``asyncsave._incremental``.
     """
 
     layout: str = "asyncsave"
@@ -102,6 +109,7 @@ class CheckpointOptions:
     storage_options: Mapping[str, Any] | None = None
     distributed: bool | None = None
     dist_timeout_s: float = 1800.0
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -123,6 +131,8 @@ class CheckpointOptions:
             raise ValueError(
                 f"storage_options={self.storage_options!r} must be a mapping of keyword arguments"
             )
+        if self.incremental not in (True, False):
+            raise ValueError(f"incremental={self.incremental!r} must be True or False")
         if self.distributed not in (None, True, False):
             raise ValueError(f"distributed={self.distributed!r} must be None, True or False")
         for name in ("save_timeout_s", "close_timeout_s", "poll_interval_s", "dist_timeout_s"):

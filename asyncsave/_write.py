@@ -44,6 +44,7 @@ def write_data_file(
     buffer: torch.Tensor,
     *,
     direct: bool = False,
+    known: dict[int, str] | None = None,
 ) -> dict[int, str]:
     """Write one data file and fsync it.
 
@@ -59,6 +60,9 @@ def write_data_file(
         header and the last partial block go through the page cache. Falls back to
         buffered writes where the file system refuses ``O_DIRECT`` or the buffer is
         not page-aligned. The file is fsynced either way.
+    :param known: digests of some of the file's entries already computed from the
+        same staging bytes (incremental saves hash before they decide to write):
+        taken as they are, not hashed again.
     :returns: entry index -> XXH3-64 hex digest of the entry's bytes.
     :raises OSError: from any write, fsync or close; the partial file is left for
         the caller to remove with its temporary directory.
@@ -81,7 +85,9 @@ def write_data_file(
             dfd = fs.open_direct(path)
         if dfd is None:
             buffered = functools.partial(_write_all, fs, fd)
-            digests = _write_hashed(view, start, end, layout.entries, entries, buffered)
+            digests = _write_hashed(
+                view, start, end, layout.entries, entries, buffered, known=known
+            )
         else:
             fs.seek(dfd, len(layout.header))
             fs.seek(fd, len(layout.header) + (bulk_end - start))
@@ -94,7 +100,9 @@ def write_data_file(
                 if split < len(chunk):
                     _write_all(fs, fd, chunk[split:])
 
-            digests = _write_hashed(view, start, end, layout.entries, entries, sink, with_pos=True)
+            digests = _write_hashed(
+                view, start, end, layout.entries, entries, sink, with_pos=True, known=known
+            )
             dfd = None
             fs.close(direct_fd)
         fs.fsync(fd)
@@ -116,6 +124,7 @@ def _write_hashed(
     sink: Any,
     *,
     with_pos: bool = False,
+    known: dict[int, str] | None = None,
 ) -> dict[int, str]:
     """Hand ``view[start:end]`` (entries ``order``, back to back) to ``sink`` in
     large chunks, hashing each entry's bytes from the chunk just before the chunk
@@ -129,6 +138,13 @@ def _write_hashed(
         while k < len(order):
             e = entries[order[k]]
             e_end = e.staging_offset + e.nbytes
+            if known and order[k] in known:  # hashed already: skip its bytes
+                if e_end > stop:
+                    break
+                digests[order[k]] = known[order[k]]
+                p = e_end
+                k += 1
+                continue
             if h is None and e_end <= stop:  # whole entry in this chunk: one call
                 digests[order[k]] = xxhash.xxh3_64_hexdigest(view[p:e_end])
                 p = e_end

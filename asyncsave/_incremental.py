@@ -1,0 +1,346 @@
+"""Incremental saves: a data file whose bytes equal a file of the previous
+committed checkpoint of the root is shared with it, not written again.
+
+Shared means a hard link (``os.link``) on a local file system and a server-side
+copy on an object store (``FsspecFileSystem.link``), made into the save's
+temporary directory before its commit, so every checkpoint stays whole: readers,
+``verify`` and retention see plain files, and deleting any checkpoint (the base
+included) leaves the others intact. A committed checkpoint's files are never
+written again (``update()`` links them too), so sharing an inode is safe.
+
+What decides, per data file of the new save (see ``docs/decisions.md``):
+
+1. the file holds the same entries as one file of the base (names, offsets,
+   sizes, and so the same file size);
+2. the XXH3-64 of every entry's *staged* bytes equals the base manifest's
+   checksum of that entry; never Python identity and never a user's flag;
+3. the base file itself is intact: its header bytes equal the new header, and
+   its data hashes to the base manifest's checksums. That is read and hashed,
+   unless this process wrote or verified that very file before and its identity
+   is unchanged since (local: device, inode, size, ``mtime_ns``; object store:
+   ETag and size): a damaged base is never propagated, it is written in full.
+
+Anything else, or any error while linking, is a full write of that file; the
+digests hashed for the decision are handed to the writer, so a save where every
+tensor changed hashes each byte once, as a full save does.
+
+The file layout makes whole-file reuse effective: a tensor of at least
+:data:`OWN_FILE_BYTES` gets a file of its own, smaller ones are packed in plan
+order into shared files (:func:`incremental_layout`), deterministically across
+saves of the same tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from ._errors import CheckpointError
+from ._format import FileLayout, layout_buckets
+from ._fs import LocalFileSystem
+from ._load import read_checkpoint, scan_steps
+from ._manifest import CHECKSUM, Manifest
+from ._paths import Layout
+from ._plan import Entry
+from ._write import write_data_file
+
+__all__ = ["OWN_FILE_BYTES", "Base", "Reuse", "incremental_layout"]
+
+logger = logging.getLogger(__name__)
+
+#: A tensor at least this large is stored in a data file of its own, so that it
+#: is shared whole when it did not change (a frozen weight under LoRA).
+OWN_FILE_BYTES = 1 << 20
+#: Smaller tensors are packed, in plan order, into files of up to this size.
+PACK_FILE_BYTES = 64 << 20
+_READ_CHUNK = 8 << 20
+
+
+def incremental_layout(entries: list[Entry], *, rank: int) -> list[FileLayout]:
+    """The data files of an incremental save: one per entry of at least
+    :data:`OWN_FILE_BYTES`, the rest packed in plan order into files of up to
+    :data:`PACK_FILE_BYTES`; files in the plan order of their first entry. Pure,
+    and the same for the same tree, so an unchanged tensor lands in a file equal
+    to the previous save's."""
+    buckets: list[list[int]] = []
+    pack: list[int] = []
+    packed = 0
+    for i, e in enumerate(entries):
+        if e.nbytes >= OWN_FILE_BYTES:
+            buckets.append([i])
+            continue
+        if pack and packed + e.nbytes > PACK_FILE_BYTES:
+            pack, packed = [], 0  # the full pack is in buckets already
+        if not pack:
+            buckets.append(pack)  # placed where its first entry is, filled in place
+        pack.append(i)
+        packed += e.nbytes
+    return layout_buckets(entries, buckets or [[]], rank=rank)
+
+
+@dataclasses.dataclass
+class Base:
+    """The previous committed checkpoint: where a new save's files may come from."""
+
+    path: Path
+    manifest: Manifest
+    # entry name -> (file index, absolute offset, nbytes, checksum)
+    by_name: dict[str, tuple[int, int, int, str]]
+    # file index -> the indices of its entries in the manifest
+    file_entries: dict[int, list[int]]
+
+    @classmethod
+    def of(cls, path: Path, manifest: Manifest) -> Base:
+        by_name: dict[str, tuple[int, int, int, str]] = {}
+        file_entries: dict[int, list[int]] = {}
+        for j, e in enumerate(manifest.entries):
+            by_name[e["name"]] = (e["file"], e["offset"], e["nbytes"], e[CHECKSUM])
+            file_entries.setdefault(e["file"], []).append(j)
+        return cls(path, manifest, by_name, file_entries)
+
+    def match(self, layout: FileLayout, entries: list[Entry]) -> int | None:
+        """The base file holding exactly the entries of ``layout`` at the same
+        offsets and sizes (so a file of the same size), or ``None``."""
+        if not layout.entries:
+            return None
+        f: int | None = None
+        for i in layout.entries:
+            e = entries[i]
+            got = self.by_name.get(e.name)
+            if got is None or got[1] != e.offset or got[2] != e.nbytes:
+                return None
+            if f is None:
+                f = got[0]
+            elif got[0] != f:
+                return None
+        assert f is not None
+        if len(self.file_entries.get(f, ())) != len(layout.entries):
+            return None
+        if self.manifest.files[f]["nbytes"] != layout.nbytes:
+            return None
+        return f
+
+
+@dataclasses.dataclass
+class Report:
+    """What one incremental save wrote and shared (the manifest's ``incremental``)."""
+
+    base: str | None = None
+    bytes_written: int = 0
+    bytes_shared: int = 0
+    files_written: int = 0
+    files_shared: int = 0
+    bytes_verified: int = 0  # base bytes read back to check them before sharing
+
+    def as_doc(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Reuse:
+    """The incremental state of one checkpointer: the identities of data files
+    this process wrote or verified, with their header hash and entry checksums.
+
+    Methods are blocking (worker threads) and thread-safe.
+    """
+
+    def __init__(self, root: Path, layout: Layout) -> None:
+        self.root = root
+        self.layout = layout
+        self._known: dict[tuple[Any, ...], tuple[str, tuple[str, ...]]] = {}
+        self._lock = threading.Lock()
+
+    # -- the base --------------------------------------------------------------------
+    def find_base(self, fs: LocalFileSystem, tmp: Path) -> Base | None:
+        """The newest committed checkpoint of the root (not ``tmp`` itself: on an
+        object store a save writes under its final name), or ``None``. A
+        directory that does not read as committed and whole is passed over."""
+        try:
+            steps = scan_steps(fs, self.root, self.layout)
+        except OSError as exc:
+            logger.warning("incremental save: cannot list %s (%r): full write", self.root, exc)
+            return None
+        tried = 0
+        for step in sorted(steps, reverse=True):
+            path = steps[step]
+            if str(path).rstrip("/") == str(tmp).rstrip("/"):
+                continue
+            tried += 1
+            try:
+                return Base.of(path, read_checkpoint(fs, path, expect_step=step))
+            except (CheckpointError, OSError) as exc:
+                logger.info("incremental save: %s is no base (%r)", path, exc)
+            if tried >= 3:
+                break
+        return None
+
+    # -- identities --------------------------------------------------------------------
+    def _identity(self, fs: LocalFileSystem, path: Path) -> tuple[Any, ...] | None:
+        """What changes whenever the file's bytes may have: (device, inode, size,
+        mtime_ns) locally; (ETag, size) on an object store; ``None`` when the
+        store gives nothing to tell (the file is then always read and hashed)."""
+        inner = getattr(fs, "fs", None)
+        if inner is None:
+            st = os.stat(path)
+            return ("local", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        p = fs._p(path)  # type: ignore[attr-defined]
+        inner.invalidate_cache(p)
+        info = inner.info(p)
+        etag = info.get("ETag") or info.get("etag")
+        if not etag:
+            return None
+        return ("object", etag, info.get("size"))
+
+    def remember(
+        self, fs: LocalFileSystem, path: Path, header: bytes, digests: tuple[str, ...]
+    ) -> None:
+        """Record that the file at ``path`` holds ``header`` and entries of
+        ``digests`` (in file order): it was just written from staged bytes, or
+        read back and checked."""
+        try:
+            ident = self._identity(fs, path)
+        except OSError:
+            return
+        if ident is not None:
+            with self._lock:
+                self._known[ident] = (xxhash.xxh3_64_hexdigest(header), digests)
+
+    def _intact(
+        self, fs: LocalFileSystem, base: Base, f: int, header: bytes, report: Report
+    ) -> bool:
+        """Whether base file ``f`` holds ``header`` and the data its manifest's
+        checksums say (from a known identity, else by reading it)."""
+        path = base.path / base.manifest.files[f]["name"]
+        digests = tuple(
+            base.manifest.entries[j][CHECKSUM]
+            for j in sorted(base.file_entries[f], key=lambda j: base.manifest.entries[j]["offset"])
+        )
+        want = (xxhash.xxh3_64_hexdigest(header), digests)
+        ident = self._identity(fs, path)
+        if ident is not None:
+            with self._lock:
+                if self._known.get(ident) == want:
+                    return True
+        ok = self._check_file(fs, path, base, f, header, report)
+        if ok:
+            self.remember(fs, path, header, digests)
+        return ok
+
+    def _check_file(
+        self, fs: LocalFileSystem, path: Path, base: Base, f: int, header: bytes, report: Report
+    ) -> bool:
+        """Read the base file and compare its header and each entry's checksum."""
+        entries = sorted(
+            (base.manifest.entries[j] for j in base.file_entries[f]), key=lambda e: e["offset"]
+        )
+        buf = bytearray(_READ_CHUNK)
+        mv = memoryview(buf)
+        with fs.open_read(path) as fh:
+            got = fh.read(len(header))
+            if got != header:
+                logger.warning("incremental save: %s has another header: not shared", path)
+                return False
+            pos = len(header)
+            for e in entries:
+                if e["offset"] != pos:
+                    return False
+                h = xxhash.xxh3_64()
+                left = e["nbytes"]
+                while left:
+                    n = fh.readinto(mv[: min(left, _READ_CHUNK)])
+                    if not n:
+                        return False
+                    h.update(mv[:n])
+                    left -= n
+                    pos += n
+                with self._lock:
+                    report.bytes_verified += e["nbytes"]
+                if h.hexdigest() != e[CHECKSUM]:
+                    logger.warning(
+                        "incremental save: %s entry %r does not match its checksum "
+                        "(damaged base): written in full",
+                        path,
+                        e["name"],
+                    )
+                    return False
+        return True
+
+    # -- one data file -------------------------------------------------------------------
+    def write_file(
+        self,
+        base: Base | None,
+        report: Report,
+        fs: LocalFileSystem,
+        directory: Path,
+        layout: FileLayout,
+        entries: list[Entry],
+        buffer: torch.Tensor,
+        *,
+        direct: bool = False,
+    ) -> dict[int, str]:
+        """Share ``layout``'s file from ``base`` when its bytes are equal, else
+        write it (``_write.write_data_file``). Blocking; same contract.
+
+        :returns: entry index -> XXH3-64 hex digest of the entry's staged bytes.
+        """
+        digests: dict[int, str] = {}
+        f = None if base is None else base.match(layout, entries)
+        if base is not None and f is not None:
+            view = memoryview(buffer.numpy())  # type: ignore[arg-type]
+            same = True
+            for i in layout.entries:
+                e = entries[i]
+                digests[i] = xxhash.xxh3_64_hexdigest(
+                    view[e.staging_offset : e.staging_offset + e.nbytes]
+                )
+                if digests[i] != base.by_name[e.name][3]:
+                    same = False
+                    break
+            if same and self._shared(base, f, report, fs, directory, layout):
+                return digests
+        digests = write_data_file(
+            fs, directory, layout, entries, buffer, direct=direct, known=digests
+        )
+        self.remember(
+            fs, directory / layout.name, layout.header, tuple(digests[i] for i in layout.entries)
+        )
+        with self._lock:
+            report.bytes_written += layout.nbytes
+            report.files_written += 1
+        return digests
+
+    def _shared(
+        self,
+        base: Base,
+        f: int,
+        report: Report,
+        fs: LocalFileSystem,
+        directory: Path,
+        layout: FileLayout,
+    ) -> bool:
+        """Link base file ``f`` as ``layout``'s file if it is intact; ``False``
+        (nothing left behind) where it is not or linking failed."""
+        src = base.path / base.manifest.files[f]["name"]
+        dst = directory / layout.name
+        try:
+            if not self._intact(fs, base, f, layout.header, report):
+                return False
+            fs.link(src, dst)
+        except OSError as exc:
+            logger.warning("incremental save: sharing %s failed (%r): written in full", src, exc)
+            try:
+                if fs.lexists(dst):
+                    fs.unlink(dst)
+            except OSError:
+                pass  # the create below fails then, and the save with it
+            return False
+        with self._lock:
+            report.bytes_shared += layout.nbytes
+            report.files_shared += 1
+        return True
