@@ -244,7 +244,7 @@ class Reuse:
         with fs.open_read(path) as fh:
             got = fh.read(len(header))
             if got != header:
-                logger.warning("incremental save: %s has another header: not shared", path)
+                logger.info("incremental save: %s has another header: not shared", path)
                 return False
             pos = len(header)
             for e in entries:
