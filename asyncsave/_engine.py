@@ -565,7 +565,8 @@ class Checkpointer:
         plan = make_plan(state, allow_pickle=self.options.allow_pickle)
         incremental = self.options.incremental and coord.world_size == 1
         if incremental:
-            layouts = incremental_layout(plan.entries, rank=coord.rank)
+            chunks = self._reuse.split_rows(plan)
+            layouts = incremental_layout(plan.entries, rank=coord.rank, own=chunks)
         else:
             layouts = layout_files(
                 plan.entries, rank=coord.rank, max_files=self.options.writer_threads

@@ -33,6 +33,7 @@ saves of the same tree.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -48,7 +49,7 @@ from ._fs import LocalFileSystem
 from ._load import read_checkpoint, scan_steps
 from ._manifest import CHECKSUM, Manifest
 from ._paths import Layout
-from ._plan import Entry
+from ._plan import Entry, Plan
 from ._write import write_data_file
 
 __all__ = ["OWN_FILE_BYTES", "Base", "Reuse", "incremental_layout"]
@@ -63,17 +64,23 @@ PACK_FILE_BYTES = 64 << 20
 _READ_CHUNK = 8 << 20
 
 
-def incremental_layout(entries: list[Entry], *, rank: int) -> list[FileLayout]:
+def incremental_layout(
+    entries: list[Entry],
+    *,
+    rank: int,
+    own: set[int] = frozenset(),  # type: ignore[assignment]
+) -> list[FileLayout]:
     """The data files of an incremental save: one per entry of at least
-    :data:`OWN_FILE_BYTES`, the rest packed in plan order into files of up to
-    :data:`PACK_FILE_BYTES`; files in the plan order of their first entry. Pure,
-    and the same for the same tree, so an unchanged tensor lands in a file equal
-    to the previous save's."""
+    :data:`OWN_FILE_BYTES` and per entry in ``own`` (the row chunks of growing
+    tensors, whatever their size), the rest packed in plan order into files of
+    up to :data:`PACK_FILE_BYTES`; files in the plan order of their first entry.
+    Pure, and the same for the same tree, so an unchanged tensor lands in a file
+    equal to the previous save's."""
     buckets: list[list[int]] = []
     pack: list[int] = []
     packed = 0
     for i, e in enumerate(entries):
-        if e.nbytes >= OWN_FILE_BYTES:
+        if e.nbytes >= OWN_FILE_BYTES or i in own:
             buckets.append([i])
             continue
         if pack and packed + e.nbytes > PACK_FILE_BYTES:
@@ -143,6 +150,23 @@ class Report:
         return dataclasses.asdict(self)
 
 
+#: A growing tensor is stored as at most this many row chunks; past it, the next
+#: save writes it whole again (one chunk) and starts over.
+MAX_CHUNKS = 64
+
+
+def _chunkable(e: Entry) -> bool:
+    src = e.source
+    return (
+        not e.is_blob
+        and not e.parts
+        and src is not None
+        and src.dim() >= 1
+        and src.is_contiguous()
+        and e.nbytes >= OWN_FILE_BYTES
+    )
+
+
 class Reuse:
     """The incremental state of one checkpointer: the identities of data files
     this process wrote or verified, with their header hash and entry checksums.
@@ -155,6 +179,81 @@ class Reuse:
         self.layout = layout
         self._known: dict[tuple[Any, ...], tuple[str, tuple[str, ...]]] = {}
         self._lock = threading.Lock()
+        # entry name -> ((dtype, row shape), row boundaries) of the last save planned
+        self._rows: dict[str, tuple[tuple[Any, ...], list[int]]] = {}
+
+    # -- growing tensors (plan time, in the caller's thread) ----------------------------
+    def split_rows(self, plan: Plan) -> set[int]:
+        """Store each tensor that grew along its first dimension since the last
+        save planned here as row chunks: the previous save's chunks, then one
+        chunk of the new rows. The first chunk keeps the tensor's own entry name,
+        so a tensor saved whole last time shares its file with the first chunk;
+        each further chunk is an entry ``<key>#rows=<start>:<end>`` in a file of
+        its own, whatever its size. Unchanged chunks are then shared like any
+        unchanged file, a rewritten row makes its chunk written again, a
+        reordered tensor has every chunk written, and a tensor that shrank or
+        changed dtype or row shape is written whole (one chunk); past
+        :data:`MAX_CHUNKS` chunks the tensor is written whole once. Pure
+        bookkeeping: no bytes are read here (the checksums of the staged chunks
+        decide what is shared).
+
+        :returns: the indices (in the new ``plan.entries``) of the chunks.
+        """
+        rows_of: dict[str, tuple[tuple[Any, ...], list[int]]] = {}
+        names = {e.name for e in plan.entries}
+        entries: list[Entry] = []
+        moved: dict[int, list[int]] = {}
+        for idx, e in enumerate(plan.entries):
+            if not _chunkable(e):
+                moved[idx] = [len(entries)]
+                entries.append(e)
+                continue
+            src = e.source
+            assert src is not None
+            rows = int(src.shape[0])
+            sig = (src.dtype, tuple(src.shape[1:]))
+            bounds = self._bounds(self._rows.get(e.name), sig, rows)
+            cut = [f"{e.name}#rows={a}:{b}" for a, b in itertools.pairwise(bounds[1:])]
+            if any(n in names for n in cut):  # a key that looks like a chunk: keep it whole
+                bounds, cut = [0, rows], []
+            rows_of[e.name] = (sig, bounds)
+            moved[idx] = []
+            for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+                moved[idx].append(len(entries))
+                entries.append(
+                    e
+                    if len(bounds) == 2
+                    else dataclasses.replace(
+                        e,
+                        name=e.name if k == 0 else cut[k - 1],
+                        source=src[a:b],
+                        nbytes=(b - a) * (e.nbytes // rows),
+                        shape=(b - a, *src.shape[1:]),
+                    )
+                )
+        self._rows = rows_of
+        if len(entries) == len(plan.entries):
+            return set()
+        plan.entries = entries
+        for rec in plan.records:
+            new = moved[rec["entry"]]
+            rec["entry"] = new[0]
+            if len(new) > 1:
+                rec["chunks"] = new
+        return {j for new in moved.values() if len(new) > 1 for j in new}
+
+    @staticmethod
+    def _bounds(
+        prev: tuple[tuple[Any, ...], list[int]] | None, sig: tuple[Any, ...], rows: int
+    ) -> list[int]:
+        if prev is None or prev[0] != sig or rows < prev[1][-1]:
+            return [0, rows]
+        bounds = list(prev[1])
+        if rows > bounds[-1]:
+            bounds.append(rows)
+        if len(bounds) - 1 > MAX_CHUNKS:
+            return [0, rows]
+        return bounds
 
     # -- the base --------------------------------------------------------------------
     def find_base(self, fs: LocalFileSystem, tmp: Path) -> Base | None:

@@ -240,3 +240,177 @@ def test_a_changed_tensor_is_never_shared(
                 assert_equal_tree(asyncsave.load(new), state)
 
     anyio.run(run, backend=backend)
+
+
+# -- growing (append-only) tensors ---------------------------------------------------
+ROW = 1024  # float32 columns: 4 KiB rows
+
+
+def entries_of(path: Path, key: str) -> list[dict[str, Any]]:
+    m = manifest(path)
+    rec = next(t for t in m["tensors"] if t["key"] == key)
+    return [m["entries"][j] for j in rec.get("chunks", [rec["entry"]])]
+
+
+@pytest.mark.anyio
+async def test_a_growing_tensordict_writes_only_its_new_rows(tmp_path: Path) -> None:
+    """A TensorDict replay buffer grows by 1 % per save: each save writes the new
+    rows (and the small columns) only; every checkpoint loads whole with load,
+    load_tensors, verify and the CLI, and safetensors readers see its rows."""
+    from safetensors import safe_open
+    from tensordict import TensorDict
+
+    from asyncsave._cli import main as cli_main
+
+    n0, grow = 1000, 10
+    rb = TensorDict({"obs": torch.randn(n0, ROW), "reward": torch.randn(n0)}, batch_size=[n0])
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await (await ckpt.save(1, {"rb": rb}))
+        for step in range(2, 6):
+            new = TensorDict(
+                {"obs": torch.randn(grow, ROW), "reward": torch.randn(grow)}, batch_size=[grow]
+            )
+            rb = torch.cat([rb, new])  # a new TensorDict: identity tells nothing
+            await (await ckpt.save(step, {"rb": rb}))
+            report = manifest(tmp_path / f"step_{step}")["incremental"]
+            total = report["bytes_written"] + report["bytes_shared"]
+            assert report["bytes_written"] <= 0.02 * total, report
+    last = tmp_path / "step_5"
+    obs_entries = entries_of(last, "rb/obs")
+    # One chunk per save of new rows, each a file of its own (shared from then on).
+    assert [e["nbytes"] // (4 * ROW) for e in obs_entries] == [n0] + [grow] * 4
+    assert manifest(last)["format_version"] == 2
+    out = asyncsave.load(last)["rb"]
+    assert torch.equal(out["obs"], rb["obs"]) and torch.equal(out["reward"], rb["reward"])
+    assert torch.equal(asyncsave.load_tensors(last, ["rb/obs"])["rb/obs"], rb["obs"])
+    asyncsave.verify(last)
+    assert cli_main(["verify", str(last)], out=open(os.devnull, "w")) == 0
+    m = manifest(last)
+    pieces = []
+    for f in m["files"]:
+        with safe_open(str(last / f["name"]), "pt") as st_file:
+            pieces += [(k, st_file.get_tensor(k)) for k in st_file.keys() if k.startswith("rb/obs")]
+    pieces.sort(
+        key=lambda kv: 0 if "#rows=" not in kv[0] else int(kv[0].split("=")[1].split(":")[0])
+    )
+    assert torch.equal(torch.cat([t for _, t in pieces]), rb["obs"])
+
+
+@pytest.mark.anyio
+async def test_rewritten_shrunk_and_reordered_rows_are_written(tmp_path: Path) -> None:
+    big = (2 * OWN) // (4 * ROW)  # rows per 2 MiB: every chunk is a file of its own
+    buf = torch.randn(big, ROW)
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await (await ckpt.save(1, {"rb": buf}))
+        buf = torch.cat([buf, torch.randn(big, ROW)])
+        await (await ckpt.save(2, {"rb": buf}))  # chunks [0, big), [big, 2 big)
+        buf = torch.cat([buf, torch.randn(big, ROW)])
+        buf[big + 3, 7] += 1.0  # a row of the second chunk is rewritten
+        await (await ckpt.save(3, {"rb": buf}))
+        s3 = tmp_path / "step_3"
+        m3 = manifest(s3)
+        assert m3["incremental"]["bytes_shared"] >= 2 * OWN  # the first chunk only
+        assert [e["nbytes"] // (4 * ROW) for e in entries_of(s3, "rb")] == [big, big, big]
+        assert_equal_tree(asyncsave.load(s3), {"rb": buf})
+        buf = buf[torch.randperm(buf.shape[0])]  # reordered: every chunk changes
+        await (await ckpt.save(4, {"rb": buf}))
+        assert manifest(tmp_path / "step_4")["incremental"]["bytes_shared"] < OWN
+        assert_equal_tree(asyncsave.load(tmp_path / "step_4"), {"rb": buf})
+        buf = buf[: big // 2].clone()  # shrunk: one chunk, written whole
+        await (await ckpt.save(5, {"rb": buf}))
+    m5 = manifest(tmp_path / "step_5")
+    assert m5["format_version"] == 1 and len(m5["entries"]) == 1
+    assert m5["incremental"]["files_shared"] == 0
+    assert_equal_tree(asyncsave.load(tmp_path / "step_5"), {"rb": buf})
+
+
+@pytest.mark.anyio
+async def test_retention_deletes_the_base_of_a_chunked_tensor(tmp_path: Path) -> None:
+    rows = (2 * OWN) // (4 * ROW)
+    buf = torch.randn(rows, ROW)
+    async with asyncsave.Checkpointer(
+        tmp_path, incremental=True, retention=asyncsave.KeepLast(1)
+    ) as ckpt:
+        for step in range(1, 5):
+            buf = torch.cat([buf, torch.randn(rows, ROW)])
+            await (await ckpt.save(step, {"rb": buf, "step": step}))
+        assert await ckpt.update(4, "step", 40)  # update() keeps the chunks
+    assert [p.name for p in tmp_path.glob("step_*")] == ["step_4"]
+    assert len(entries_of(tmp_path / "step_4", "rb")) == 4
+    asyncsave.verify(tmp_path / "step_4")
+    assert_equal_tree(asyncsave.load(tmp_path / "step_4"), {"rb": buf, "step": 40})
+
+
+@hsettings(max_examples=10, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("append"), st.integers(1, 300)),
+            st.tuples(st.just("rewrite"), st.integers(0, 10**6)),
+            st.tuples(st.just("shrink"), st.integers(1, 300)),
+            st.tuples(st.just("same"), st.just(0)),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    backend=st.sampled_from(["asyncio", "trio"]),
+)
+def test_any_sequence_of_growth_and_edits_loads_bit_exact(
+    tmp_path_factory: pytest.TempPathFactory, ops: list[tuple[str, int]], backend: str
+) -> None:
+    """Appends (of any size, so chunks over and under 1 MiB), single-byte
+    rewrites anywhere, shrinks and unchanged saves: every checkpoint loads
+    bit-exact (a changed chunk that were shared would load its old bytes)."""
+    root = tmp_path_factory.mktemp("grow")
+    buf = torch.randint(0, 255, (300, 4 * ROW), dtype=torch.uint8)
+
+    async def run() -> None:
+        nonlocal buf
+        async with asyncsave.Checkpointer(root, incremental=True) as ckpt:
+            await (await ckpt.save(1, {"rb": buf}))
+            for step, (op, n) in enumerate(ops, start=2):
+                if op == "append":
+                    buf = torch.cat([buf, torch.randint(0, 255, (n, 4 * ROW), dtype=torch.uint8)])
+                elif op == "rewrite":
+                    buf.view(-1)[n % buf.numel()] ^= 0x5A
+                elif op == "shrink":
+                    buf = buf[: max(1, buf.shape[0] - n)].clone()
+                await (await ckpt.save(step, {"rb": buf}))
+                assert torch.equal(asyncsave.load(root / f"step_{step}")["rb"], buf)
+
+    anyio.run(run, backend=backend)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda rec: {**rec, "chunks": [rec["entry"]]},  # one chunk is no chunking
+        lambda rec: {**rec, "chunks": [rec["entry"], rec["entry"]]},
+        lambda rec: {**rec, "chunks": [rec["chunks"][1], rec["chunks"][0]]},
+        lambda rec: {**rec, "chunks": [*rec["chunks"][:1], 10**6]},
+        lambda rec: {**rec, "shape": [rec["shape"][0] + 1, *rec["shape"][1:]]},
+    ],
+    ids=["single", "repeated", "reordered", "out-of-range", "wrong-size"],
+)
+def test_a_damaged_chunk_list_is_a_corrupt_checkpoint(tmp_path: Path, edit: Any) -> None:
+    from asyncsave._manifest import encode_manifest
+
+    async def make() -> None:
+        buf = torch.randn(OWN // (4 * ROW), ROW)
+        async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+            await (await ckpt.save(1, {"rb": buf}))
+            await (await ckpt.save(2, {"rb": torch.cat([buf, buf])}))
+
+    anyio.run(make)
+    path = tmp_path / "step_2"
+    doc = manifest(path)
+    doc.pop("manifest_xxh3_64")
+    doc["tensors"][0] = edit(doc["tensors"][0])
+    (path / "manifest.json").write_bytes(encode_manifest(doc))
+    with pytest.raises(asyncsave.CorruptCheckpointError):
+        asyncsave.load(path)
+    doc["tensors"][0] = manifest(tmp_path / "step_1")["tensors"][0] | {"chunks": [0, 1]}
+    doc["format_version"] = 1  # chunks need format 2
+    (path / "manifest.json").write_bytes(encode_manifest(doc))
+    with pytest.raises(asyncsave.CorruptCheckpointError, match="chunks"):
+        asyncsave.verify(path)
