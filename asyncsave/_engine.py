@@ -228,6 +228,8 @@ class Checkpointer:
             with anyio.CancelScope(shield=True):
                 await self._unlock()
             raise
+        if self.options.incremental:  # growing tensors continue the last commit's chunks
+            await anyio.to_thread.run_sync(self._reuse.seed, self._fs)
         return list(recovered.committed), recovered.tracked
 
     def _recover(self) -> Any:

@@ -47,7 +47,7 @@ from ._errors import CheckpointError
 from ._format import FileLayout, layout_buckets
 from ._fs import LocalFileSystem
 from ._load import read_checkpoint, scan_steps
-from ._manifest import CHECKSUM, Manifest
+from ._manifest import CHECKSUM, Manifest, record_entries, torch_dtype
 from ._paths import Layout
 from ._plan import Entry, Plan
 from ._write import write_data_file
@@ -242,6 +242,31 @@ class Reuse:
                 rec["chunks"] = new
         return {j for new in moved.values() if len(new) > 1 for j in new}
 
+    def seed(self, fs: LocalFileSystem) -> None:
+        """At open: take the row chunks of the newest committed checkpoint as the
+        last save planned, so that the first save after a restart continues them
+        (a replay buffer resumed from it writes only its new rows). Best effort:
+        a root without a readable checkpoint seeds nothing."""
+        base = self.find_base(fs, None)
+        if base is None:
+            return
+        rows_of: dict[str, tuple[tuple[Any, ...], list[int]]] = {}
+        entries = base.manifest.entries
+        for rec in base.manifest.tensors:
+            dtype = torch_dtype(rec["dtype"])
+            shape = rec["shape"]
+            if dtype is None or rec["stride"] is not None or not shape or not shape[0]:
+                continue
+            chunks = record_entries(rec)
+            row = sum(entries[j]["nbytes"] for j in chunks) // shape[0]
+            if not row:
+                continue
+            bounds = [0]
+            for j in chunks:
+                bounds.append(bounds[-1] + entries[j]["nbytes"] // row)
+            rows_of[entries[chunks[0]]["name"]] = ((dtype, tuple(shape[1:])), bounds)
+        self._rows = rows_of
+
     @staticmethod
     def _bounds(
         prev: tuple[tuple[Any, ...], list[int]] | None, sig: tuple[Any, ...], rows: int
@@ -256,7 +281,7 @@ class Reuse:
         return bounds
 
     # -- the base --------------------------------------------------------------------
-    def find_base(self, fs: LocalFileSystem, tmp: Path) -> Base | None:
+    def find_base(self, fs: LocalFileSystem, tmp: Path | None) -> Base | None:
         """The newest committed checkpoint of the root (not ``tmp`` itself: on an
         object store a save writes under its final name), or ``None``. A
         directory that does not read as committed and whole is passed over."""
@@ -268,7 +293,7 @@ class Reuse:
         tried = 0
         for step in sorted(steps, reverse=True):
             path = steps[step]
-            if str(path).rstrip("/") == str(tmp).rstrip("/"):
+            if tmp is not None and str(path).rstrip("/") == str(tmp).rstrip("/"):
                 continue
             tried += 1
             try:

@@ -414,3 +414,23 @@ def test_a_damaged_chunk_list_is_a_corrupt_checkpoint(tmp_path: Path, edit: Any)
     (path / "manifest.json").write_bytes(encode_manifest(doc))
     with pytest.raises(asyncsave.CorruptCheckpointError, match="chunks"):
         asyncsave.verify(path)
+
+
+@pytest.mark.anyio
+async def test_after_a_restart_a_growing_tensor_continues_its_chunks(tmp_path: Path) -> None:
+    rows = (2 * OWN) // (4 * ROW)
+    buf = torch.randn(rows, ROW)
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await (await ckpt.save(1, {"rb": buf}))
+        buf = torch.cat([buf, torch.randn(rows, ROW)])
+        await (await ckpt.save(2, {"rb": buf}))
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        restored = await ckpt.load_latest()
+        assert restored is not None
+        buf = torch.cat([restored.state["rb"], torch.randn(rows // 2, ROW)])
+        await (await ckpt.save(3, {"rb": buf}))
+    s2, s3 = tmp_path / "step_2", tmp_path / "step_3"
+    assert [e["nbytes"] for e in entries_of(s3, "rb")] == [2 * OWN, 2 * OWN, OWN]
+    assert inode_of(s2, "rb") == inode_of(s3, "rb")  # the first chunk's file
+    assert manifest(s3)["incremental"]["bytes_shared"] > 4 * OWN
+    assert_equal_tree(asyncsave.load(s3), {"rb": buf})

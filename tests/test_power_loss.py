@@ -55,7 +55,7 @@ POWER_SCENARIOS = {
 
 def record_trace(root: Path, name: str) -> TracingFS:
     scen = POWER_SCENARIOS[name]
-    make_base(root, scen.base, scen.prepare)
+    make_base(root, scen.base, scen.prepare, scen.options)
     fs = TracingFS(root, max_write=MAX_WRITE)
 
     async def go() -> None:
@@ -67,7 +67,7 @@ def record_trace(root: Path, name: str) -> TracingFS:
 
 
 def asyncsave_checkpointer(root: Path, fs: TracingFS, options: dict[str, Any]) -> Any:
-    return asyncsave.Checkpointer(root, filesystem=fs, writer_threads=1, **options)
+    return asyncsave.Checkpointer(root, filesystem=fs, **{"writer_threads": 1, **options})
 
 
 @pytest.fixture(scope="module")
