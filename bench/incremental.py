@@ -150,7 +150,7 @@ async def compare(
         ) as incr,
     ):
         state = first
-        for mode, ckpt in (("full", full), ("incremental", incr)):
+        for ckpt in (full, incr):
             await (await ckpt.save(0, state))
         for step in range(1, repeats + 1):
             state = step_fn(state)
