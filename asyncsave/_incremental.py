@@ -36,6 +36,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,12 @@ class Base:
             file_entries.setdefault(e["file"], []).append(j)
         return cls(path, manifest, by_name, file_entries)
 
+    def digests(self, f: int) -> tuple[str, ...]:
+        """The checksums of file ``f``'s entries, in file order."""
+        entries = self.manifest.entries
+        order = sorted(self.file_entries[f], key=lambda j: entries[j]["offset"])
+        return tuple(entries[j][CHECKSUM] for j in order)
+
     def match(self, layout: FileLayout, entries: list[Entry]) -> int | None:
         """The base file holding exactly the entries of ``layout`` at the same
         offsets and sizes (so a file of the same size), or ``None``."""
@@ -145,9 +152,12 @@ class Report:
     files_written: int = 0
     files_shared: int = 0
     bytes_verified: int = 0  # base bytes read back to check them before sharing
+    prelinked: list[int] = dataclasses.field(default_factory=list)  # files shared at staging
 
     def as_doc(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        doc = dataclasses.asdict(self)
+        doc["files_shared_at_staging"] = len(doc.pop("prelinked"))
+        return doc
 
 
 #: A growing tensor is stored as at most this many row chunks; past it, the next
@@ -178,6 +188,9 @@ class Reuse:
         self.root = root
         self.layout = layout
         self._known: dict[tuple[Any, ...], tuple[str, tuple[str, ...]]] = {}
+        # (header hash, entry checksums) -> where this process last wrote, shared
+        # or checked a file with that content (see prelink)
+        self._content: dict[tuple[str, tuple[str, ...]], Path] = {}
         self._lock = threading.Lock()
         # entry name -> ((dtype, row shape), row boundaries) of the last save planned
         self._rows: dict[str, tuple[tuple[Any, ...], list[int]]] = {}
@@ -332,8 +345,10 @@ class Reuse:
         except OSError:
             return
         if ident is not None:
+            content = (xxhash.xxh3_64_hexdigest(header), digests)
             with self._lock:
-                self._known[ident] = (xxhash.xxh3_64_hexdigest(header), digests)
+                self._known[ident] = content
+                self._content[content] = path
 
     def _intact(
         self, fs: LocalFileSystem, base: Base, f: int, header: bytes, report: Report
@@ -341,10 +356,7 @@ class Reuse:
         """Whether base file ``f`` holds ``header`` and the data its manifest's
         checksums say (from a known identity, else by reading it)."""
         path = base.path / base.manifest.files[f]["name"]
-        digests = tuple(
-            base.manifest.entries[j][CHECKSUM]
-            for j in sorted(base.file_entries[f], key=lambda j: base.manifest.entries[j]["offset"])
-        )
+        digests = base.digests(f)
         want = (xxhash.xxh3_64_hexdigest(header), digests)
         ident = self._identity(fs, path)
         if ident is not None:
@@ -456,6 +468,7 @@ class Reuse:
             if not self._intact(fs, base, f, layout.header, report):
                 return False
             fs.link(src, dst)
+            self.remember(fs, dst, layout.header, base.digests(f))
         except OSError as exc:
             logger.warning("incremental save: sharing %s failed (%r): written in full", src, exc)
             try:
@@ -468,3 +481,99 @@ class Reuse:
             report.bytes_shared += layout.nbytes
             report.files_shared += 1
         return True
+
+    # -- at staging time: files equal to one this process wrote --------------------------
+    def knows_files(self) -> bool:
+        with self._lock:
+            return bool(self._content)
+
+    def prelink(
+        self,
+        fs: LocalFileSystem,
+        tmp: Path,
+        layouts: list[FileLayout],
+        entries: list[Entry],
+        report: Report,
+    ) -> set[int]:
+        """Before staging, on a local root: link into ``tmp`` every data file whose
+        bytes equal a file this process wrote (or shared, or checked) and that is
+        unchanged since, hashing the *sources* (host tensors, contiguous) instead
+        of staged copies; such entries are neither copied into staging memory nor
+        written. The caller is in ``save()`` (eager) or has not yet been told the
+        snapshot is taken (lazy), so the sources hold the snapshot's bytes.
+
+        The file linked need not be committed: it was fsynced whole before it was
+        remembered (:meth:`remember`), its identity (inode, size, ``mtime_ns``) is
+        unchanged since, and the link keeps its bytes whatever becomes of the save
+        that wrote it. Blocking (a worker thread).
+
+        :returns: the indices of the entries that need no staging.
+        """
+        skip: set[int] = set()
+        for fl in layouts:
+            if not fl.entries or not all(_host_contiguous(entries[i]) for i in fl.entries):
+                continue
+            header_hash = xxhash.xxh3_64_hexdigest(fl.header)
+            with self._lock:
+                if not any(h == header_hash for h, _ in self._content):
+                    continue  # nothing of this layout known: not worth hashing
+            digests = tuple(_hash_source(entries[i]) for i in fl.entries)
+            content = (header_hash, digests)
+            with self._lock:
+                path = self._content.get(content)
+            if path is None:
+                continue
+            src = self._located(fs, path)
+            if src is None:
+                continue
+            try:
+                ident = self._identity(fs, src)
+                with self._lock:
+                    if self._known.get(ident) != content:  # type: ignore[arg-type]
+                        continue
+                fs.link(src, tmp / fl.name)
+            except OSError as exc:
+                logger.info("incremental save: sharing %s at staging failed (%r)", src, exc)
+                continue
+            for i, digest in zip(fl.entries, digests, strict=True):
+                entries[i].digest = digest
+            skip.update(fl.entries)
+            with self._lock:
+                report.bytes_shared += fl.nbytes
+                report.files_shared += 1
+                report.prelinked.append(fl.index)
+        return skip
+
+    def _located(self, fs: LocalFileSystem, path: Path) -> Path | None:
+        """Where a remembered file is now: where it was written, or (its save
+        committed since) the same name in the final directory of its step."""
+        if fs.lexists(path):
+            return path
+        match = _TEMP_STEP.match(path.parent.name)
+        if match is None:
+            return None
+        final = self.root / self.layout.dir_name(int(match.group(1))) / path.name
+        return final if fs.lexists(final) else None
+
+
+_TEMP_STEP = re.compile(r"^\.asyncsave-tmp-([0-9]+)-")
+
+
+def _host_contiguous(e: Entry) -> bool:
+    src = e.source
+    return (
+        not e.is_blob
+        and not e.parts
+        and src is not None
+        and not src.is_cuda
+        and src.is_contiguous()
+        and src.numel() * src.element_size() == e.nbytes
+    )
+
+
+def _hash_source(e: Entry) -> str:
+    """XXH3-64 of a host tensor's bytes, read in place (the GIL is released)."""
+    src = e.source
+    assert src is not None
+    raw = src.detach().reshape(-1).view(torch.uint8)
+    return xxhash.xxh3_64_hexdigest(memoryview(raw.numpy()))  # type: ignore[arg-type]

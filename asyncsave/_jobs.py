@@ -175,7 +175,20 @@ class PlainJob(Job):
             )
 
         if self.rounds is None:
-            await stage(self.plan.entries)
+            entries = self.plan.entries
+            if self.reuse is not None and saver.fs.atomic_rename and self.reuse.knows_files():
+                # Files equal to ones written before are linked now, not staged.
+                self.report = Report()
+                skip = await saver.run(
+                    self.reuse.prelink,
+                    saver.fs,
+                    await make_tmp(),
+                    self.layouts,
+                    entries,
+                    self.report,
+                )
+                entries = [e for i, e in enumerate(entries) if i not in skip]
+            await stage(entries)
         else:
             tmp = await make_tmp()
             self.stream = stream = StreamWriter(saver.fs, tmp, self.layouts, self.plan.entries)
@@ -222,11 +235,14 @@ class PlainJob(Job):
         self.fs = saver.fs
         if self.stream is None:
             writer: Any = write_data_file
+            layouts = self.layouts
             if self.reuse is not None:
                 base = await saver.run(self.reuse.find_base, saver.fs, tmp)
-                self.report = Report(base=None if base is None else base.path.name)
+                self.report = self.report or Report()
+                self.report.base = None if base is None else base.path.name
                 writer = functools.partial(self.reuse.write_file, base, self.report)
-            await write_files(saver, tmp, self.plan, self.layouts, self.lease, writer)
+                layouts = [fl for fl in layouts if fl.index not in self.report.prelinked]
+            await write_files(saver, tmp, self.plan, layouts, self.lease, writer)
         else:
             assert self.rounds is not None
             try:

@@ -304,11 +304,14 @@ async def overwrite(ckpt: asyncsave.Checkpointer, log: EventLog) -> None:
 
 
 async def incremental(ckpt: asyncsave.Checkpointer, log: EventLog) -> None:
-    """An incremental save: links ``frozen`` and the old row chunks of ``replay``
-    from step 2 (after reading them back: a fresh process), writes the rest; then
-    retention deletes that base. One writer thread: the kill points are the same
-    calls in every run."""
+    """Two incremental saves. Step 3 links ``frozen`` and the old row chunks of
+    ``replay`` from step 2 (after reading them back: a fresh process) at write
+    time, writes the rest, and retention deletes that base; step 4 links the
+    files step 3 wrote or linked already while staging (into its early temporary
+    directory). One writer thread: the kill points are the same calls in every
+    run."""
     await _ack(await _save(ckpt, log, 3), log, 3)
+    await _ack(await _save(ckpt, log, 4), log, 4)
 
 
 async def update_item(ckpt: asyncsave.Checkpointer, log: EventLog) -> None:
