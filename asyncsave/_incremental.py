@@ -187,10 +187,16 @@ class Reuse:
     def __init__(self, root: Path, layout: Layout) -> None:
         self.root = root
         self.layout = layout
+        # file identity -> (header hash, entry checksums) of a file this process
+        # wrote, shared or checked; and per header hash (one per data file of a
+        # tree: it names the file's tensors, shapes and offsets) the latest such
+        # file: (checksums, path, identity). Bounded by the files of one state:
+        # a file's newer content replaces the older one.
         self._known: dict[tuple[Any, ...], tuple[str, tuple[str, ...]]] = {}
-        # (header hash, entry checksums) -> where this process last wrote, shared
-        # or checked a file with that content (see prelink)
-        self._content: dict[tuple[str, tuple[str, ...]], Path] = {}
+        self._by_header: dict[str, tuple[tuple[str, ...], Path, tuple[Any, ...]]] = {}
+        # Header hashes whose file changed at the last save: not hashed while
+        # staging (the caller waits for that) until a save shares them again.
+        self._changing: set[str] = set()
         self._lock = threading.Lock()
         # entry name -> ((dtype, row shape), row boundaries) of the last save planned
         self._rows: dict[str, tuple[tuple[Any, ...], list[int]]] = {}
@@ -345,10 +351,13 @@ class Reuse:
         except OSError:
             return
         if ident is not None:
-            content = (xxhash.xxh3_64_hexdigest(header), digests)
+            header_hash = xxhash.xxh3_64_hexdigest(header)
             with self._lock:
-                self._known[ident] = content
-                self._content[content] = path
+                old = self._by_header.get(header_hash)
+                if old is not None and old[2] != ident:
+                    self._known.pop(old[2], None)
+                self._by_header[header_hash] = (digests, path, ident)
+                self._known[ident] = (header_hash, digests)
 
     def _intact(
         self, fs: LocalFileSystem, base: Base, f: int, header: bytes, report: Report
@@ -425,16 +434,19 @@ class Reuse:
 
         :returns: entry index -> XXH3-64 hex digest of the entry's staged bytes.
         """
-        digests: dict[int, str] = {}
+        # Checksums of the sources taken while staging (see prelink) are those of
+        # the staged bytes: never hashed twice.
+        digests = {i: entries[i].digest for i in layout.entries if entries[i].digest}
         f = None if base is None else base.match(layout, entries)
         if base is not None and f is not None:
             view = memoryview(buffer.numpy())  # type: ignore[arg-type]
             same = True
             for i in layout.entries:
                 e = entries[i]
-                digests[i] = xxhash.xxh3_64_hexdigest(
-                    view[e.staging_offset : e.staging_offset + e.nbytes]
-                )
+                if i not in digests:
+                    digests[i] = xxhash.xxh3_64_hexdigest(
+                        view[e.staging_offset : e.staging_offset + e.nbytes]
+                    )
                 if digests[i] != base.by_name[e.name][3]:
                     same = False
                     break
@@ -480,69 +492,73 @@ class Reuse:
         with self._lock:
             report.bytes_shared += layout.nbytes
             report.files_shared += 1
+            self._changing.discard(xxhash.xxh3_64_hexdigest(layout.header))
         return True
 
     # -- at staging time: files equal to one this process wrote --------------------------
     def knows_files(self) -> bool:
         with self._lock:
-            return bool(self._content)
+            return bool(self._by_header)
 
     def prelink(
         self,
         fs: LocalFileSystem,
         tmp: Path,
-        layouts: list[FileLayout],
+        layout: FileLayout,
         entries: list[Entry],
         report: Report,
-    ) -> set[int]:
-        """Before staging, on a local root: link into ``tmp`` every data file whose
-        bytes equal a file this process wrote (or shared, or checked) and that is
-        unchanged since, hashing the *sources* (host tensors, contiguous) instead
-        of staged copies; such entries are neither copied into staging memory nor
-        written. The caller is in ``save()`` (eager) or has not yet been told the
-        snapshot is taken (lazy), so the sources hold the snapshot's bytes.
+    ) -> bool:
+        """Before staging, on a local root: link ``layout``'s file into ``tmp`` if
+        its bytes equal the latest file of the same header this process wrote (or
+        shared, or checked) and that file is unchanged since. A file that changed
+        at its last try is left to the writer (which shares it from the base if it
+        is unchanged after all) until a save shares it again, so a save where
+        everything changes does not hash while the caller waits. The *sources* (host
+        tensors, contiguous) are hashed in place instead of staged copies; a
+        linked file's entries are neither copied into staging memory nor written,
+        and the checksums of a file that is not linked are kept on its entries
+        for the writer (the staged bytes are these bytes: the caller is in
+        ``save()`` (eager) or has not yet been told the snapshot is taken (lazy);
+        what a lazy save snapshots at once is hashed from that private copy).
 
         The file linked need not be committed: it was fsynced whole before it was
         remembered (:meth:`remember`), its identity (inode, size, ``mtime_ns``) is
         unchanged since, and the link keeps its bytes whatever becomes of the save
         that wrote it. Blocking (a worker thread).
 
-        :returns: the indices of the entries that need no staging.
+        :returns: whether the file was linked.
         """
-        skip: set[int] = set()
-        for fl in layouts:
-            if not fl.entries or not all(_host_contiguous(entries[i]) for i in fl.entries):
-                continue
-            header_hash = xxhash.xxh3_64_hexdigest(fl.header)
+        if not layout.entries or not all(_host_contiguous(entries[i]) for i in layout.entries):
+            return False
+        header_hash = xxhash.xxh3_64_hexdigest(layout.header)
+        with self._lock:
+            known = self._by_header.get(header_hash)
+            if known is None or header_hash in self._changing:
+                return False  # not worth hashing while the caller waits
+        digests = tuple(_hash_source(entries[i]) for i in layout.entries)
+        for i, digest in zip(layout.entries, digests, strict=True):
+            entries[i].digest = digest
+        if digests != known[0]:
             with self._lock:
-                if not any(h == header_hash for h, _ in self._content):
-                    continue  # nothing of this layout known: not worth hashing
-            digests = tuple(_hash_source(entries[i]) for i in fl.entries)
-            content = (header_hash, digests)
+                self._changing.add(header_hash)
+            return False
+        src = self._located(fs, known[1])
+        if src is None:
+            return False
+        try:
+            ident = self._identity(fs, src)
             with self._lock:
-                path = self._content.get(content)
-            if path is None:
-                continue
-            src = self._located(fs, path)
-            if src is None:
-                continue
-            try:
-                ident = self._identity(fs, src)
-                with self._lock:
-                    if self._known.get(ident) != content:  # type: ignore[arg-type]
-                        continue
-                fs.link(src, tmp / fl.name)
-            except OSError as exc:
-                logger.info("incremental save: sharing %s at staging failed (%r)", src, exc)
-                continue
-            for i, digest in zip(fl.entries, digests, strict=True):
-                entries[i].digest = digest
-            skip.update(fl.entries)
-            with self._lock:
-                report.bytes_shared += fl.nbytes
-                report.files_shared += 1
-                report.prelinked.append(fl.index)
-        return skip
+                if ident is None or self._known.get(ident) != (header_hash, digests):
+                    return False
+            fs.link(src, tmp / layout.name)
+        except OSError as exc:
+            logger.info("incremental save: sharing %s while staging failed (%r)", src, exc)
+            return False
+        with self._lock:
+            report.bytes_shared += layout.nbytes
+            report.files_shared += 1
+            report.prelinked.append(layout.index)
+        return True
 
     def _located(self, fs: LocalFileSystem, path: Path) -> Path | None:
         """Where a remembered file is now: where it was written, or (its save

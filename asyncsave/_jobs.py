@@ -178,16 +178,17 @@ class PlainJob(Job):
             entries = self.plan.entries
             if self.reuse is not None and saver.fs.atomic_rename and self.reuse.knows_files():
                 # Files equal to ones written before are linked now, not staged.
-                self.report = Report()
-                skip = await saver.run(
-                    self.reuse.prelink,
-                    saver.fs,
-                    await make_tmp(),
-                    self.layouts,
-                    entries,
-                    self.report,
-                )
-                entries = [e for i, e in enumerate(entries) if i not in skip]
+                self.report = report = Report()
+                reuse, tmp = self.reuse, await make_tmp()
+
+                async def prelink(fl: FileLayout) -> None:
+                    await saver.run(reuse.prelink, saver.fs, tmp, fl, entries, report)
+
+                async with anyio.create_task_group() as tg:
+                    for fl in self.layouts:
+                        tg.start_soon(prelink, fl)
+                linked = set(report.prelinked)
+                entries = [e for e in entries if e.file not in linked]
             await stage(entries)
         else:
             tmp = await make_tmp()
