@@ -7,8 +7,8 @@ Three workloads, each saved by two checkpointers on two roots of the same file
 system, one full (``incremental=False``, the default) and one incremental, with
 saves interleaved so both see the same disk weather:
 
-1. **LoRA**: a frozen base (``--base-mb`` of float32 weight matrices, each 4.5 to
-   9 MiB) plus rank-r adapters on every matrix and their AdamW state (exp_avg,
+1. **LoRA**: a frozen base (``--base-mb`` of float32 weight matrices, each 16 or
+   32 MiB) plus rank-r adapters on every matrix and their AdamW state (exp_avg,
    exp_avg_sq, step), r chosen so that adapters and moments are about 3 % of the
    bytes. Between saves the adapters and moments change (in place), the base not.
 2. **All changed**: the same state with every tensor changed before each save:
@@ -46,12 +46,13 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def lora_state(base_bytes: int) -> dict[str, Any]:
-    """A frozen base of float32 matrices (768 x 1536 and 1536 x 1536, 4.5 and 9
-    MiB, alternating) with LoRA adapters and AdamW moments (~3 % of the bytes)."""
+    """A frozen base of float32 matrices (2048 x 2048 and 2048 x 4096, 16 and 32
+    MiB, alternating: the layer sizes of a 1-3 B model) with LoRA adapters and
+    AdamW moments (~3 % of the bytes)."""
     shapes: list[tuple[int, int]] = []
     total = 0
     while total < base_bytes:
-        s = (768, 1536) if len(shapes) % 2 else (1536, 1536)
+        s = (2048, 4096) if len(shapes) % 2 else (2048, 2048)
         shapes.append(s)
         total += 4 * s[0] * s[1]
     gen = torch.Generator().manual_seed(0)
