@@ -558,6 +558,8 @@ class Reuse:
             report.bytes_shared += layout.nbytes
             report.files_shared += 1
             report.prelinked.append(layout.index)
+            # Found here from now on: the save that wrote it may be retired first.
+            self._by_header[header_hash] = (digests, tmp / layout.name, ident)
         return True
 
     def _located(self, fs: LocalFileSystem, path: Path) -> Path | None:
