@@ -132,9 +132,7 @@ def written(info: asyncsave.CheckpointInfo) -> tuple[int, int]:
     return (total if report is None else report["bytes_written"]), total
 
 
-async def compare(
-    work: Path, name: str, first: Any, step_fn: Any, repeats: int
-) -> dict[str, Any]:
+async def compare(work: Path, name: str, first: Any, step_fn: Any, repeats: int) -> dict[str, Any]:
     """Save ``first`` and then ``repeats`` states from ``step_fn(state)`` with a
     full and an incremental checkpointer, interleaved."""
     rows: dict[str, dict[str, list[float]]] = {}
@@ -175,7 +173,9 @@ async def compare(
             "bytes_total": statistics.median(row["total"]),
             "durable_s": statistics.median(row["durable_s"]),
             "durable_s_all": row["durable_s"],
-            "written_fraction_all": [w / t for w, t in zip(row["wrote"], row["total"], strict=True)],
+            "written_fraction_all": [
+                w / t for w, t in zip(row["wrote"], row["total"], strict=True)
+            ],
         }
     f, i = out["full"], out["incremental"]
     out["written_fraction"] = i["bytes_written"] / i["bytes_total"]
