@@ -590,6 +590,8 @@ class Checkpointer:
         job = PlainJob(plan, layouts, nbytes, rounds)
         if incremental and rounds is None:
             job.reuse = self._reuse
+        elif self.options.incremental:
+            self._reuse.written_in_full("streamed" if incremental else "several ranks")
         return job
 
     def agree(self, policy: SavePolicy) -> AgreedPolicy:

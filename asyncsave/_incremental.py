@@ -197,6 +197,7 @@ class Reuse:
         # Header hashes whose file changed at the last save: not hashed while
         # staging (the caller waits for that) until a save shares them again.
         self._changing: set[str] = set()
+        self._told: set[str] = set()
         self._lock = threading.Lock()
         # entry name -> ((dtype, row shape), row boundaries) of the last save planned
         self._rows: dict[str, tuple[tuple[Any, ...], list[int]]] = {}
@@ -298,6 +299,18 @@ class Reuse:
         if len(bounds) - 1 > MAX_CHUNKS:
             return [0, rows]
         return bounds
+
+    def written_in_full(self, why: str) -> None:
+        """Say once per reason that ``incremental=True`` does not apply to a save:
+        ``"streamed"`` (a state larger than ``budget_bytes``) or ``"several
+        ranks"`` (not supported yet)."""
+        if why not in self._told:
+            self._told.add(why)
+            logger.warning(
+                "incremental=True: saves of %s write every byte (only whole saves of "
+                "one process share files with the previous checkpoint)",
+                "a state streamed through budget_bytes" if why == "streamed" else why,
+            )
 
     # -- the base --------------------------------------------------------------------
     def find_base(self, fs: LocalFileSystem, tmp: Path | None) -> Base | None:

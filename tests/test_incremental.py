@@ -470,3 +470,16 @@ async def test_files_equal_to_earlier_writes_are_linked_while_staging(
             assert report["files_shared_at_staging"] == 3, report  # base.0, base.1, base.2
             assert_equal_tree(asyncsave.load(path)["model"], expected)
             asyncsave.verify(path)
+
+
+@pytest.mark.anyio
+async def test_a_streamed_save_is_written_in_full_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True, budget_bytes=2 * OWN) as ckpt:
+        for step in (1, 2):
+            await (await ckpt.save(step, state))
+    assert "incremental" not in manifest(tmp_path / "step_2")
+    assert sum("streamed through budget_bytes" in r.getMessage() for r in caplog.records) == 1
+    assert_equal_tree(asyncsave.load(tmp_path / "step_2"), state)
