@@ -483,3 +483,21 @@ async def test_a_streamed_save_is_written_in_full_and_says_so(
     assert "incremental" not in manifest(tmp_path / "step_2")
     assert sum("streamed through budget_bytes" in r.getMessage() for r in caplog.records) == 1
     assert_equal_tree(asyncsave.load(tmp_path / "step_2"), state)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.anyio
+async def test_cuda_tensors_are_shared_from_their_staged_bytes(tmp_path: Path) -> None:
+    """CUDA tensors are hashed after the device-to-host copy (their bytes are not
+    on the host before it): unchanged ones are shared at write time."""
+    state = {"model": {k: v.cuda() for k, v in lora_state()["model"].items()}}
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await (await ckpt.save(1, state))
+        state["model"]["lora_A"].add_(1.0)
+        await (await ckpt.save(2, state))
+    s1, s2 = tmp_path / "step_1", tmp_path / "step_2"
+    assert inode_of(s1, "model/base.0") == inode_of(s2, "model/base.0")
+    assert manifest(s2)["incremental"]["files_shared"] == 3
+    assert manifest(s2)["incremental"]["files_shared_at_staging"] == 0
+    out = asyncsave.load(s2)["model"]
+    assert_equal_tree(out, {k: v.cpu() for k, v in state["model"].items()})
