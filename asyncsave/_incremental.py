@@ -372,6 +372,20 @@ class Reuse:
                 self._by_header[header_hash] = (digests, path, ident)
                 self._known[ident] = (header_hash, digests)
 
+    def keep_only(self, layouts: list[FileLayout]) -> None:
+        """Forget the files of headers that ``layouts`` (the save just written)
+        does not have, so that what is remembered stays the size of one state's
+        files over any number of saves (a growing tensor's new chunk, or a packed
+        small tensor that grew, has a new header at every save)."""
+        keep = {xxhash.xxh3_64_hexdigest(fl.header) for fl in layouts}
+        with self._lock:
+            for header_hash in [h for h in self._by_header if h not in keep]:
+                del self._by_header[header_hash]
+            live = {ident for _, _, ident in self._by_header.values()}
+            for ident in [i for i in self._known if i not in live]:
+                del self._known[ident]
+            self._changing &= keep
+
     def _intact(
         self, fs: LocalFileSystem, base: Base, f: int, header: bytes, report: Report
     ) -> bool:

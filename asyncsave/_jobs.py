@@ -244,6 +244,8 @@ class PlainJob(Job):
                 writer = functools.partial(self.reuse.write_file, base, self.report)
                 layouts = [fl for fl in layouts if fl.index not in self.report.prelinked]
             await write_files(saver, tmp, self.plan, layouts, self.lease, writer)
+            if self.reuse is not None:
+                await saver.run(self.reuse.keep_only, self.layouts)
         else:
             assert self.rounds is not None
             try:

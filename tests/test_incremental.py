@@ -501,3 +501,21 @@ async def test_cuda_tensors_are_shared_from_their_staged_bytes(tmp_path: Path) -
     assert manifest(s2)["incremental"]["files_shared_at_staging"] == 0
     out = asyncsave.load(s2)["model"]
     assert_equal_tree(out, {k: v.cpu() for k, v in state["model"].items()})
+
+
+@pytest.mark.anyio
+async def test_what_is_remembered_stays_bounded_over_many_saves(tmp_path: Path) -> None:
+    """A growing tensor has a new chunk (a new file header) at every save, and so
+    has a small packed tensor that grows: the checkpointer remembers the files of
+    the last save only, not one more per save."""
+    buf, small = torch.randn(OWN // 4096, 1024), torch.zeros(1)
+    async with asyncsave.Checkpointer(
+        tmp_path, incremental=True, retention=asyncsave.KeepLast(1)
+    ) as ckpt:
+        for step in range(1, 13):
+            buf, small = torch.cat([buf, torch.randn(4, 1024)]), torch.cat([small, small[:1]])
+            await (await ckpt.save(step, {"rb": buf, "small": small}))
+            files = len(manifest(tmp_path / f"step_{step}")["files"])
+            remembered = ckpt._reuse._by_header, ckpt._reuse._known
+            assert max(len(r) for r in remembered) <= files, (step, files)
+    assert_equal_tree(asyncsave.load(tmp_path / "step_12"), {"rb": buf, "small": small})
