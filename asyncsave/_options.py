@@ -89,10 +89,16 @@ class CheckpointOptions:
     :param incremental: share every data file whose bytes equal a file of the
         previous committed checkpoint of the root instead of writing it again (a
         hard link locally, a server-side copy on an object store), decided from
-        XXH3-64 checksums of the staged bytes; each tensor of 1 MiB or more then
-        gets a data file of its own. Every checkpoint stays whole (retention may
-        delete any of them). One process, whole (not streamed) plain saves; other
-        saves write in full. Off by default. See ``asyncsave._incremental``.
+        XXH3-64 checksums of the bytes saved, never from object identity; each
+        tensor of 1 MiB or more then gets a data file of its own, and a tensor
+        that grew along dim 0 (a replay buffer) is stored as row chunks, so only
+        its new rows are written (after Check-N-Run, NSDI'22, which wrote only
+        the changed rows of recommendation models). Every checkpoint stays whole
+        (retention may delete any of them); a checkpoint with row chunks has
+        manifest ``format_version`` 2 (older asyncsave raises
+        ``UnsupportedFormatError`` on it). One process, whole (not streamed)
+        plain saves; other saves write in full (logged once). Off by default.
+        See ``asyncsave._incremental`` and docs/decisions.md.
     """
 
     layout: str = "asyncsave"
