@@ -197,6 +197,9 @@ def _describe(node: Any, m: Manifest, indent: int, label: str, out: TextIO) -> N
         rec = m.tensors[node["index"]]
         entry = m.entries[rec["entry"]]
         size = f"{entry['nbytes']} B" if rec["stride"] is None else "(shares a storage)"
+        if "chunks" in rec:
+            nbytes = sum(m.entries[j]["nbytes"] for j in rec["chunks"])
+            size = f"{nbytes} B in {len(rec['chunks'])} row chunks"
         extra = f" {rec['kind']}" if rec["kind"] not in ("tensor",) else ""
         print(f"{pad}{label}: {rec['dtype']} {rec['shape']} {size}{extra}", file=out)
     elif kind == "dict":

@@ -131,7 +131,10 @@ def load_rank(
             f"damaged manifest {path / MANIFEST_NAME}: no valid ranks[{rank}]", path=path
         ) from exc
     tensors = [dict(t, entry=t["entry"] - e0) for t in manifest.tensors[t0:t1]]
-    if not all(0 <= t["entry"] < e1 - e0 for t in tensors):
+    for t in tensors:
+        if "chunks" in t:
+            t["chunks"] = [j - e0 for j in t["chunks"]]
+    if not all(0 <= j < e1 - e0 for t in tensors for j in t.get("chunks", [t["entry"]])):
         raise CorruptCheckpointError(f"damaged manifest {path}: rank {rank}'s tensors", path=path)
     sub = dataclasses.replace(manifest, entries=manifest.entries[e0:e1], tensors=tensors, tree=tree)
     raw = _read_entries(fs, path, sub, verify=True)

@@ -43,6 +43,7 @@ from ._errors import (
 from ._format import layout_files, staging_nbytes
 from ._fsspec import open_root
 from ._handle import SaveHandle
+from ._incremental import Reuse, incremental_layout
 from ._jobs import Job, PlainJob, contains_dtensor, dtensor_job_class, manifest_doc
 from ._load import (
     info_of,
@@ -175,6 +176,7 @@ class Checkpointer:
         self._saver = Saver(fs, self.root, self.layout, self.options)
         tier = self.options.persistent
         self._tiers = None if tier is None else Persister(tier, self._saver)
+        self._reuse = Reuse(self.root, self.layout)  # used by incremental saves
         self._lock_fd: int | None = None
         self._loop_thread: int | None = None  # the thread running the event loop
         self._final_lock = self._saver.final_lock
@@ -239,6 +241,8 @@ class Checkpointer:
             with anyio.CancelScope(shield=True):
                 await self._unlock()
             raise
+        if self.options.incremental:  # growing tensors continue the last commit's chunks
+            await anyio.to_thread.run_sync(self._reuse.seed, self._fs)
         return list(recovered.committed), recovered.tracked
 
     def _recover(self) -> Any:
@@ -579,7 +583,14 @@ class Checkpointer:
             job: Job = dtensor_job_class()(state)
             return job
         plan = make_plan(state, allow_pickle=self.options.allow_pickle)
-        layouts = layout_files(plan.entries, rank=coord.rank, max_files=self.options.writer_threads)
+        incremental = self.options.incremental and coord.world_size == 1
+        if incremental:
+            chunks = self._reuse.split_rows(plan)
+            layouts = incremental_layout(plan.entries, rank=coord.rank, own=chunks)
+        else:
+            layouts = layout_files(
+                plan.entries, rank=coord.rank, max_files=self.options.writer_threads
+            )
         nbytes = staging_nbytes(layouts)
         budget = self.options.budget_bytes
         rounds = None
@@ -594,7 +605,12 @@ class Checkpointer:
                 )
             # The rounds are planned (and a tensor that cannot be cut refused) up front.
             rounds = plan_rounds(plan.entries, layouts, budget)
-        return PlainJob(plan, layouts, nbytes, rounds)
+        job = PlainJob(plan, layouts, nbytes, rounds)
+        if incremental and rounds is None:
+            job.reuse = self._reuse
+        elif self.options.incremental:
+            self._reuse.written_in_full("streamed" if incremental else "several ranks")
+        return job
 
     def agree(self, policy: SavePolicy) -> AgreedPolicy:
         """``policy`` with answers every rank agrees on: each ``should_save(step)``

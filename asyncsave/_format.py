@@ -27,7 +27,7 @@ import torch
 from ._paths import data_file_name
 from ._plan import Entry
 
-__all__ = ["FileLayout", "SAFETENSORS_DTYPES", "layout_files"]
+__all__ = ["FileLayout", "SAFETENSORS_DTYPES", "layout_buckets", "layout_files"]
 
 HEADER_ALIGN = 64
 # Data start in every file and every file's data in the staging buffer are aligned
@@ -90,8 +90,14 @@ def layout_files(entries: list[Entry], *, rank: int, max_files: int) -> list[Fil
         target = sizes.index(min(sizes))
         buckets[target].append(i)
         sizes[target] += entries[i].nbytes
-    buckets = [b for b in buckets if b] or [[]]
+    return layout_buckets(entries, [b for b in buckets if b] or [[]], rank=rank)
 
+
+def layout_buckets(
+    entries: list[Entry], buckets: list[list[int]], *, rank: int
+) -> list[FileLayout]:
+    """Lay out one data file per bucket (indices into ``entries``), in bucket order,
+    and fix every entry's ``file``, ``offset`` and ``staging_offset``. Pure."""
     layouts: list[FileLayout] = []
     staging = 0
     for f, bucket in enumerate(buckets):

@@ -38,7 +38,8 @@ from ._errors import CheckpointError, CheckpointTimeoutError
 from ._format import FileLayout
 from ._fs import LocalFileSystem
 from ._handle import ProgressCounter
-from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION
+from ._incremental import Report, Reuse
+from ._manifest import CHECKSUM, CHUNKS_VERSION, FORMAT, FORMAT_VERSION
 from ._options import CheckpointOptions
 from ._paths import Layout
 from ._plan import Entry, Plan, is_stateful
@@ -142,6 +143,9 @@ class PlainJob(Job):
         self.lease: Lease | None = None
         self.stream: StreamWriter | None = None
         self.fs: LocalFileSystem | None = None
+        # Incremental saves: shares files equal to the previous checkpoint's.
+        self.reuse: Reuse | None = None
+        self.report: Report | None = None
         self.nbytes = plan.nbytes
         self.num_tensors = len(plan.leaves)
 
@@ -178,7 +182,21 @@ class PlainJob(Job):
             )
 
         if self.rounds is None:
-            await stage(self.plan.entries)
+            entries = self.plan.entries
+            if self.reuse is not None and saver.fs.atomic_rename and self.reuse.knows_files():
+                # Files equal to ones written before are linked now, not staged.
+                self.report = report = Report()
+                reuse, tmp = self.reuse, await make_tmp()
+
+                async def prelink(fl: FileLayout) -> None:
+                    await saver.run(reuse.prelink, saver.fs, tmp, fl, entries, report)
+
+                async with anyio.create_task_group() as tg:
+                    for fl in self.layouts:
+                        tg.start_soon(prelink, fl)
+                linked = set(report.prelinked)
+                entries = [e for e in entries if e.file not in linked]
+            await stage(entries)
         else:
             tmp = await make_tmp()
             self.stream = stream = StreamWriter(saver.fs, tmp, self.layouts, self.plan.entries)
@@ -225,7 +243,19 @@ class PlainJob(Job):
         assert self.lease is not None
         self.fs = saver.fs
         if self.stream is None:
-            await write_files(saver, tmp, self.plan, self.layouts, self.lease, self.progress)
+            writer: Any = write_data_file
+            layouts = self.layouts
+            if self.reuse is not None:
+                base = await saver.run(self.reuse.find_base, saver.fs, tmp)
+                self.report = self.report or Report()
+                self.report.base = None if base is None else base.path.name
+                writer = functools.partial(self.reuse.write_file, base, self.report)
+                layouts = [fl for fl in layouts if fl.index not in self.report.prelinked]
+            await write_files(
+                saver, tmp, self.plan, layouts, self.lease, self.progress, writer
+            )
+            if self.reuse is not None:
+                await saver.run(self.reuse.keep_only, self.layouts)
         else:
             assert self.rounds is not None
             try:
@@ -246,6 +276,8 @@ class PlainJob(Job):
 
     def manifest(self, tmp: Path, step: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
         doc = manifest_doc(step, self.plan, self.layouts)
+        if self.report is not None:
+            doc["incremental"] = self.report.as_doc()
         if len(parts) > 1:
             doc.update(merge_parts(parts))
             assert self.fs is not None
@@ -264,16 +296,19 @@ async def write_files(
     layouts: list[FileLayout],
     lease: Lease,
     progress: ProgressCounter | None = None,
+    writer: Any = write_data_file,
 ) -> None:
     """Write and fsync every data file from the arena, one worker thread each
-    (counting the bytes written into ``progress``)."""
+    (counting the bytes written into ``progress``; ``writer``:
+    ``_write.write_data_file`` or an incremental save's, which may share the file
+    instead)."""
     errors: list[BaseException] = []
 
     async def write_one(fl: FileLayout) -> None:
         try:
             digests = await saver.run(
                 functools.partial(
-                    write_data_file,
+                    writer,
                     direct=saver.options.direct_io,
                     on_written=None if progress is None else progress.add_written,
                 ),
@@ -365,7 +400,9 @@ def manifest_doc(
     ]
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": (
+            CHUNKS_VERSION if any("chunks" in r for r in plan.records) else FORMAT_VERSION
+        ),
         "step": step,
         "world_size": 1,
         "checksum": CHECKSUM,
@@ -390,6 +427,14 @@ def _shift(node: Any, offset: int) -> Any:
     return node
 
 
+def _moved(rec: dict[str, Any], by: int) -> dict[str, Any]:
+    """A copy of a tensor record whose entry (and chunks) are moved by ``by``."""
+    out = dict(rec, entry=rec["entry"] + by)
+    if "chunks" in rec:
+        out["chunks"] = [j + by for j in rec["chunks"]]
+    return out
+
+
 def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """The manifest fields of a save of ``len(parts)`` ranks from each rank's
     ``files``, ``entries``, ``tensors`` and ``tree``: concatenated, indices moved;
@@ -404,7 +449,7 @@ def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
         f0, e0, t0 = len(files), len(entries), len(tensors)
         files.extend(part["files"])
         entries.extend(dict(e, file=e["file"] + f0) for e in part["entries"])
-        tensors.extend(dict(t, entry=t["entry"] + e0) for t in part["tensors"])
+        tensors.extend(_moved(t, e0) for t in part["tensors"])
         items.append([["i", r], _shift(part["tree"], t0)])
         ranks.append(
             {"entries": [e0, len(entries)], "tensors": [t0, len(tensors)], "tree": part["tree"]}

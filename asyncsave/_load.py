@@ -36,7 +36,7 @@ from ._errors import (
 from ._format import SAFETENSORS_DTYPES
 from ._fs import LocalFileSystem
 from ._fsspec import FsspecFileSystem, open_root
-from ._manifest import CHECKSUM, Manifest, parse_manifest, torch_dtype
+from ._manifest import CHECKSUM, Manifest, parse_manifest, record_entries, torch_dtype
 from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout
 from ._plan import is_stateful, key_str
 from ._read import read_entries
@@ -289,6 +289,9 @@ def _build_tensor(
     kind = rec["kind"]
     buf = raw[rec["entry"]]
     assert buf is not None
+    if "chunks" in rec:  # row ranges of one tensor (an incremental save): joined
+        parts = [raw[j] for j in rec["chunks"]]
+        buf = torch.cat([p.to(buf.device) for p in parts if p is not None])
     if kind in ("tensor", "parameter") and buf.device != device:
         if rec["entry"] not in on_device:
             on_device[rec["entry"]] = buf.to(device)
@@ -707,7 +710,7 @@ def load_tensors(
                 key=key,
             )
         seen[key] = ri
-    entries = {manifest.tensors[ri]["entry"] for ri in chosen}
+    entries = {j for ri in chosen for j in record_entries(manifest.tensors[ri])}
     raw = _read(fs, p, manifest, verify=verify, device=target, only=entries)
     tensors = _build_tensors(manifest, raw, target, only=chosen)
     return {manifest.tensors[ri]["key"]: tensors[ri] for ri in sorted(chosen)}

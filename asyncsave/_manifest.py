@@ -25,16 +25,25 @@ from ._errors import CorruptCheckpointError, InvalidStateError, UnsupportedForma
 
 __all__ = [
     "FORMAT",
+    "CHUNKS_VERSION",
     "FORMAT_VERSION",
+    "READ_VERSION",
     "Manifest",
     "check_training_info",
     "encode_manifest",
     "parse_manifest",
+    "record_entries",
     "torch_dtype",
 ]
 
 FORMAT = "asyncsave"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what saves write, unless they need a newer one
+# Version 2 adds one thing: a tensor record may carry ``chunks`` (incremental
+# saves store a growing tensor as row ranges, see ``asyncsave._incremental``);
+# only a manifest that has such a record says 2, so older readers refuse it as
+# a newer format (UnsupportedFormatError), never read it as damaged.
+CHUNKS_VERSION = 2
+READ_VERSION = CHUNKS_VERSION  # the newest this reads
 CHECKSUM = "xxh3_64"
 SELF_CHECKSUM = "manifest_xxh3_64"  # last field: XXH3-64 of the document without it
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
@@ -164,14 +173,14 @@ def parse_manifest(raw: bytes, path: Path) -> Manifest:
     if doc.get("format") != FORMAT:
         raise _fail(path, f"format is {doc.get('format')!r}, not {FORMAT!r}")
     version = doc.get("format_version")
-    if type(version) is int and version > FORMAT_VERSION:
+    if type(version) is int and version > READ_VERSION:
         raise UnsupportedFormatError(
             f"{path} has format_version {version}; this asyncsave reads up to "
-            f"{FORMAT_VERSION}: upgrade asyncsave",
+            f"{READ_VERSION}: upgrade asyncsave",
             path=path,
         )
-    if version != FORMAT_VERSION:
-        raise _fail(path, f"format_version {version!r} is not {FORMAT_VERSION}")
+    if type(version) is not int or not 1 <= version <= READ_VERSION:
+        raise _fail(path, f"format_version {version!r} is not 1..{READ_VERSION}")
     digest = doc.pop(SELF_CHECKSUM, None)
     if digest != xxhash.xxh3_64_hexdigest(_canonical(doc)):
         raise _fail(path, "its own checksum does not match (edited or damaged)")
@@ -218,6 +227,8 @@ def parse_manifest(raw: bytes, path: Path) -> Manifest:
     if not isinstance(tensors, list):
         raise _fail(path, "tensors is not a list")
     for i, t in enumerate(tensors):
+        if "chunks" in t and version < CHUNKS_VERSION:
+            raise _fail(path, f"tensors[{i}] has chunks in a format_version {version} manifest")
         _check_tensor(path, i, t, entries)
 
     tree = doc.get("tree")
@@ -275,6 +286,9 @@ def _check_tensor(path: Path, i: int, t: Any, entries: list[dict[str, Any]]) -> 
         raise _fail(path, f"{where} has no stride")
     stride = t["stride"]
     numel = math.prod(shape)
+    if "chunks" in t:
+        _check_chunks(path, where, t, entries, numel * itemsize)
+        return
     if stride is None:
         if t["offset"] != 0 or numel * itemsize != entry_nbytes:
             raise _fail(
@@ -295,3 +309,38 @@ def _check_tensor(path: Path, i: int, t: Any, entries: list[dict[str, Any]]) -> 
         last = sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
         if t["offset"] + (last + 1) * itemsize > entry_nbytes:
             raise _fail(path, f"{where} ({t.get('key')!r}) reaches past its entry")
+
+
+def record_entries(rec: dict[str, Any]) -> list[int]:
+    """The entries that hold a tensor record's bytes, in order: its ``chunks``
+    (a tensor stored as row ranges by an incremental save), else its one entry."""
+    chunks = rec.get("chunks")
+    return list(chunks) if chunks is not None else [rec["entry"]]
+
+
+def _check_chunks(
+    path: Path, where: str, t: dict[str, Any], entries: list[dict[str, Any]], nbytes: int
+) -> None:
+    """A chunked tensor: contiguous (no stride, offset 0), at least two distinct
+    entries whose sizes are whole rows and add up to the tensor's bytes, the first
+    being ``entry``."""
+    chunks = t["chunks"]
+    if (
+        not isinstance(chunks, list)
+        or not 2 <= len(chunks) <= 1 << 20
+        or not all(_int(j, 0, len(entries) - 1) for j in chunks)
+        or len(set(chunks)) != len(chunks)
+        or chunks[0] != t["entry"]
+    ):
+        raise _fail(path, f"{where}.chunks is not a list of distinct entries starting at entry")
+    shape = t["shape"]
+    row = nbytes // shape[0] if shape and shape[0] else 0
+    if t["stride"] is not None or t["offset"] != 0 or not row:
+        raise _fail(path, f"{where} ({t.get('key')!r}) is chunked but not whole rows")
+    sizes = [entries[j]["nbytes"] for j in chunks]
+    if sum(sizes) != nbytes or any(n % row for n in sizes):
+        raise _fail(
+            path,
+            f"{where} ({t.get('key')!r}) needs {nbytes} bytes in rows of {row} but its "
+            f"chunks hold {sizes}",
+        )

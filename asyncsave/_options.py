@@ -150,6 +150,19 @@ class CheckpointOptions:
         local directory to the tier's root with the same commit protocol;
         ``handle.persisted()`` waits for that copy, ``load_latest()`` resumes from
         the nearest valid tier. See ``asyncsave._tiers``. ``None``: one tier.
+    :param incremental: share every data file whose bytes equal a file of the
+        previous committed checkpoint of the root instead of writing it again (a
+        hard link locally, a server-side copy on an object store), decided from
+        XXH3-64 checksums of the bytes saved, never from object identity; each
+        tensor of 1 MiB or more then gets a data file of its own, and a tensor
+        that grew along dim 0 (a replay buffer) is stored as row chunks, so only
+        its new rows are written (after Check-N-Run, NSDI'22, which wrote only
+        the changed rows of recommendation models). Every checkpoint stays whole
+        (retention may delete any of them); a checkpoint with row chunks has
+        manifest ``format_version`` 2 (older asyncsave raises
+        ``UnsupportedFormatError`` on it). One process, whole (not streamed)
+        plain saves; other saves write in full (logged once). Off by default.
+        See ``asyncsave._incremental`` and docs/decisions.md.
     """
 
     layout: str = "asyncsave"
@@ -167,6 +180,7 @@ class CheckpointOptions:
     distributed: bool | None = None
     dist_timeout_s: float = 1800.0
     persistent: Tier | None = None
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -190,6 +204,8 @@ class CheckpointOptions:
             )
         if self.persistent is not None and not isinstance(self.persistent, Tier):
             raise ValueError(f"persistent={self.persistent!r} must be an asyncsave.Tier or None")
+        if self.incremental not in (True, False):
+            raise ValueError(f"incremental={self.incremental!r} must be True or False")
         if self.distributed not in (None, True, False):
             raise ValueError(f"distributed={self.distributed!r} must be None, True or False")
         for name in ("save_timeout_s", "close_timeout_s", "poll_interval_s", "dist_timeout_s"):

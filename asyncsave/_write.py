@@ -45,6 +45,7 @@ def write_data_file(
     *,
     direct: bool = False,
     on_written: Any = None,
+    known: dict[int, str] | None = None,
 ) -> dict[int, str]:
     """Write one data file and fsync it.
 
@@ -62,6 +63,9 @@ def write_data_file(
         not page-aligned. The file is fsynced either way.
     :param on_written: called with the byte count of each data chunk once it is
         written (progress; from this worker thread).
+    :param known: digests of some of the file's entries already computed from the
+        same staging bytes (incremental saves hash before they decide to write):
+        taken as they are, not hashed again.
     :returns: entry index -> XXH3-64 hex digest of the entry's bytes.
     :raises OSError: from any write, fsync or close; the partial file is left for
         the caller to remove with its temporary directory.
@@ -85,7 +89,7 @@ def write_data_file(
         if dfd is None:
             buffered = functools.partial(_write_all, fs, fd)
             digests = _write_hashed(
-                view, start, end, layout.entries, entries, buffered, on_written=on_written
+                view, start, end, layout.entries, entries, buffered, on_written=on_written, known=known
             )
         else:
             fs.seek(dfd, len(layout.header))
@@ -108,6 +112,7 @@ def write_data_file(
                 sink,
                 with_pos=True,
                 on_written=on_written,
+                known=known,
             )
             dfd = None
             fs.close(direct_fd)
@@ -131,6 +136,7 @@ def _write_hashed(
     *,
     with_pos: bool = False,
     on_written: Any = None,
+    known: dict[int, str] | None = None,
 ) -> dict[int, str]:
     """Hand ``view[start:end]`` (entries ``order``, back to back) to ``sink`` in
     large chunks, hashing each entry's bytes from the chunk just before the chunk
@@ -144,6 +150,13 @@ def _write_hashed(
         while k < len(order):
             e = entries[order[k]]
             e_end = e.staging_offset + e.nbytes
+            if known and order[k] in known:  # hashed already: skip its bytes
+                if e_end > stop:
+                    break
+                digests[order[k]] = known[order[k]]
+                p = e_end
+                k += 1
+                continue
             if h is None and e_end <= stop:  # whole entry in this chunk: one call
                 digests[order[k]] = xxhash.xxh3_64_hexdigest(view[p:e_end])
                 p = e_end

@@ -50,7 +50,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fstrace import TracingFS
 
 import asyncsave
+import asyncsave._incremental
 from asyncsave._paths import LAYOUTS, is_temp_name
+
+# Incremental saves give a tensor of OWN_FILE_BYTES or more a data file of its own:
+# lowered so that this small state has one file per tensor, some shared, some not.
+asyncsave._incremental.OWN_FILE_BYTES = 64
 
 LAYOUT = LAYOUTS["asyncsave"]
 TRACKER = LAYOUT.tracker_name
@@ -60,13 +65,17 @@ MAX_WRITE = 1024  # short writes: a crash may fall in the middle of a data file
 
 def state_of(step: int, ver: int = 0) -> dict[str, Any]:
     """The state saved as version ``ver`` of ``step``: small, several dtypes,
-    about 2.4 KiB of tensor bytes (so a data file takes three short writes)."""
+    about 2.4 KiB of tensor bytes (so a data file takes three short writes). Two
+    tensors for incremental saves: ``frozen`` is the same at every step, and
+    ``replay`` only grows (its first rows never change)."""
     g = torch.Generator().manual_seed(step * 1000 + ver % 1000)  # ver + 1000k: same tensors
     return {
         "model": {
             "w": torch.randn(24, 16, generator=g),
             "b": torch.randn(16, generator=g).half(),
             "i": torch.randint(0, 1 << 30, (8,), generator=g),
+            "frozen": torch.arange(32, dtype=torch.float32),
+            "replay": torch.arange(step * 32, dtype=torch.int32).view(-1, 4),
         },
         "optim": {"m": torch.randn(8, 8, generator=g, dtype=torch.float64)},
         "trainer": {"step": step, "ver": ver},
@@ -294,6 +303,17 @@ async def overwrite(ckpt: asyncsave.Checkpointer, log: EventLog) -> None:
     await _ack(await _save(ckpt, log, 2, ver=1, overwrite=True), log, 2, 1)
 
 
+async def incremental(ckpt: asyncsave.Checkpointer, log: EventLog) -> None:
+    """Two incremental saves. Step 3 links ``frozen`` and the old row chunks of
+    ``replay`` from step 2 (after reading them back: a fresh process) at write
+    time, writes the rest, and retention deletes that base; step 4 links the
+    files step 3 wrote or linked already while staging (into its early temporary
+    directory). One writer thread: the kill points are the same calls in every
+    run."""
+    await _ack(await _save(ckpt, log, 3), log, 3)
+    await _ack(await _save(ckpt, log, 4), log, 4)
+
+
 async def update_item(ckpt: asyncsave.Checkpointer, log: EventLog) -> None:
     """Save step 3, then rewrite its ``trainer`` item in place (hard links to the
     data files, a new manifest, an exchange): version 1001 is version 1 with a new
@@ -331,6 +351,12 @@ SCENARIOS = {
         Scenario("overwrite", [1, 2], overwrite),
         Scenario("update_item", [1, 2], update_item),
         Scenario(
+            "incremental",
+            [1, 2],
+            incremental,
+            {"incremental": True, "retention": asyncsave.KeepLast(1), "writer_threads": 1},
+        ),
+        Scenario(
             "recovery_then_save",
             [1, 2],
             recovery_then_save,
@@ -341,9 +367,14 @@ SCENARIOS = {
 }
 
 
-def make_base(root: Path, steps: list[int], prepare: Callable[[Path], None] | None) -> None:
+def make_base(
+    root: Path,
+    steps: list[int],
+    prepare: Callable[[Path], None] | None,
+    options: dict[str, Any] | None = None,
+) -> None:
     async def go() -> None:
-        async with asyncsave.Checkpointer(root) as ckpt:
+        async with asyncsave.Checkpointer(root, **(options or {})) as ckpt:
             for s in steps:
                 await (await ckpt.save(s, state_of(s, 0)))
 
@@ -434,7 +465,7 @@ def matrix(backends: list[str], names: list[str], work: Path) -> dict[str, Any]:
     for name in names:
         scen = SCENARIOS[name]
         template = work / f"base-{name}"
-        code, err = in_child(make_base, template, scen.base, scen.prepare)
+        code, err = in_child(make_base, template, scen.base, scen.prepare, scen.options)
         if code != 0:
             raise RuntimeError(f"base of {name} failed: {err}")
         base = dict.fromkeys(scen.base, 0)
@@ -551,6 +582,8 @@ def randomized(runs: int, seed: int, work: Path, per_chain: int = 10) -> dict[st
         options: dict[str, Any] = {"writer_threads": rng.choice([1, 2])}
         if rng.random() < 0.5:
             options["retention"] = asyncsave.KeepLast(rng.randint(1, 3))
+        if rng.random() < 0.3:
+            options["incremental"] = True
         root, logp = work / f"chain-{chain}", work / f"chain-{chain}.log"
         for _ in range(min(per_chain, runs - done)):
             run = done

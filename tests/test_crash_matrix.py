@@ -85,7 +85,10 @@ def test_sigkill_at_every_call_of_every_scenario_leaves_the_last_commit() -> Non
         "overwrite",
         "update_item",
         "recovery_then_save",
+        "incremental",
     }
+    # The incremental state killed while it hard-links files of its base.
+    assert any(c["scenario"] == "incremental" and c["op"] == "link" for c in killed)
     # The retention state killed inside its deletes (renamed-away directories).
     assert any(c["scenario"] == "retention" and c["op"] in ("unlink", "rmdir") for c in killed)
 

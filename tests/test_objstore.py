@@ -653,3 +653,54 @@ def test_two_ranks_round_trip_on_s3(s3: tuple[str, dict[str, Any], Any], tmp_pat
     whole = asyncsave.load(f"{root}/step_2", storage_options=options)
     assert torch.equal(whole[1]["model"]["w"], state_of(2)["model"]["w"] + 1)
     assert asyncsave.latest(root, storage_options=options).step == 2  # type: ignore[union-attr]
+
+
+# -- incremental saves (issue 14) ---------------------------------------------------
+class CopyLoggingFS(FaultyFsspecFS):
+    def link(self, src: Path, dst: Path) -> None:
+        self.log.append(("copy", str(dst)))
+        super().link(src, dst)
+
+
+@pytest.mark.anyio
+async def test_s3_incremental_save_copies_unchanged_objects_server_side(s3: Any) -> None:
+    """Unchanged data files become server-side copies (no upload of their bytes);
+    retention deletes the base and the later checkpoint loads bit-exact; a fresh
+    checkpointer reads a base object back and checks it before it copies it."""
+    root, options, fs = s3
+    state = state_of(1, big=True)  # model/w: its own data file (over 1 MiB)
+    replay = torch.randn(300, 1024)  # 1.2 MB that only grows: stored as row chunks
+    state["trainer"]["replay"] = replay
+    layer = CopyLoggingFS(s3fs.S3FileSystem(**options))
+    async with asyncsave.Checkpointer(
+        root, filesystem=layer, incremental=True, retention=asyncsave.KeepLast(1)
+    ) as ckpt:
+        await (await ckpt.save(1, state))
+        state["optim"]["m"].add_(1.0)  # in place: only the small tensors' file changes
+        state["trainer"]["step"] = 2
+        state["trainer"]["replay"] = replay = torch.cat([replay, torch.randn(30, 1024)])
+        await (await ckpt.save(2, state))
+    prefix = key(root)
+    copied = [p.rsplit("/", 2)[1:] for op, p in layer.log if op == "copy"]
+    created = [p.rsplit("/", 2)[1:] for op, p in layer.log if op == "create"]
+    assert len(copied) == 2 and not [c for c in copied if c in created]  # never uploaded
+    doc = json.loads(fs.cat_file(f"{prefix}/step_2/manifest.json"))
+    # model/w and the replay buffer's first 300 rows; its 30 new rows are uploaded
+    assert doc["incremental"]["files_shared"] == 2
+    assert doc["incremental"]["bytes_shared"] > 3 * BLOCK + 300 * 4096
+    assert doc["incremental"]["bytes_written"] < 30 * 4096 + 3 * 4096 + 8192
+    assert not fs.exists(f"{prefix}/step_1")  # retention deleted the base
+    loaded = asyncsave.load(f"{root}/step_2", storage_options=options)
+    assert torch.equal(loaded["trainer"].pop("replay"), replay)
+    assert_same(loaded, {**state, "trainer": {"step": 2, "name": "run-1"}})
+    assert asyncsave.verify(f"{root}/step_2", storage_options=options).step == 2
+
+    async with asyncsave.Checkpointer(root, storage_options=options, incremental=True) as ckpt:
+        state["model"]["b"].add_(1.0)
+        await (await ckpt.save(3, state))
+    doc = json.loads(fs.cat_file(f"{prefix}/step_3/manifest.json"))
+    assert doc["incremental"]["files_shared"] == 3  # the chunks continue after the reopen
+    assert doc["incremental"]["bytes_verified"] > 3 * BLOCK  # read back before the copy
+    loaded = asyncsave.load(f"{root}/step_3", storage_options=options)
+    assert torch.equal(loaded["trainer"].pop("replay"), replay)
+    assert_same(loaded, {**state, "trainer": {"step": 2, "name": "run-1"}})

@@ -45,8 +45,18 @@ async def long_run(ckpt: asyncsave.Checkpointer, log: EventLog) -> None:
     await _ack(await _save(ckpt, log, 5), log, 5)
 
 
+async def one_incremental_save(ckpt: asyncsave.Checkpointer, log: EventLog) -> None:
+    """The crash matrix's incremental state, its first save only (links made at
+    write time, then retention deletes the base): links made while staging are
+    the same operation into the same temporary directory."""
+    await _ack(await _save(ckpt, log, 3), log, 3)
+
+
 POWER_SCENARIOS = {
     **SCENARIOS,
+    "incremental": Scenario(
+        "incremental", [1, 2], one_incremental_save, SCENARIOS["incremental"].options
+    ),
     "long_run_keep_last_2": Scenario(
         "long_run_keep_last_2", [1], long_run, {"retention": asyncsave.KeepLast(2)}
     ),
@@ -55,7 +65,7 @@ POWER_SCENARIOS = {
 
 def record_trace(root: Path, name: str) -> TracingFS:
     scen = POWER_SCENARIOS[name]
-    make_base(root, scen.base, scen.prepare)
+    make_base(root, scen.base, scen.prepare, scen.options)
     fs = TracingFS(root, max_write=MAX_WRITE)
 
     async def go() -> None:
@@ -67,7 +77,7 @@ def record_trace(root: Path, name: str) -> TracingFS:
 
 
 def asyncsave_checkpointer(root: Path, fs: TracingFS, options: dict[str, Any]) -> Any:
-    return asyncsave.Checkpointer(root, filesystem=fs, writer_threads=1, **options)
+    return asyncsave.Checkpointer(root, filesystem=fs, **{"writer_threads": 1, **options})
 
 
 @pytest.fixture(scope="module")

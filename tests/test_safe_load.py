@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import asyncsave
-from asyncsave._manifest import encode_manifest
+from asyncsave._manifest import READ_VERSION, encode_manifest
 
 pytestmark = pytest.mark.anyio
 
@@ -317,7 +317,7 @@ async def test_a_manifest_that_is_a_directory_is_a_typed_error(tmp_path: Path) -
 
 async def test_a_newer_format_is_left_alone_not_called_damaged(tmp_path: Path) -> None:
     path = await make(tmp_path, {"w": torch.ones(2)})
-    write_manifest(path, {**manifest(path), "format_version": 2})
+    write_manifest(path, {**manifest(path), "format_version": READ_VERSION + 1})
     with pytest.raises(asyncsave.UnsupportedFormatError, match="upgrade"):
         asyncsave.load(path)
     with pytest.raises(asyncsave.UnsupportedFormatError):

@@ -1,0 +1,628 @@
+"""Incremental saves: a data file whose bytes equal a file of the previous
+committed checkpoint of the root is shared with it, not written again.
+
+Shared means a hard link (``os.link``) on a local file system and a server-side
+copy on an object store (``FsspecFileSystem.link``), made into the save's
+temporary directory before its commit, so every checkpoint stays whole: readers,
+``verify`` and retention see plain files, and deleting any checkpoint (the base
+included) leaves the others intact. A committed checkpoint's files are never
+written again (``update()`` links them too), so sharing an inode is safe.
+
+What decides, per data file of the new save (see ``docs/decisions.md``):
+
+1. the file holds the same entries as one file of the base (names, offsets,
+   sizes, and so the same file size);
+2. the XXH3-64 of every entry's *staged* bytes equals the base manifest's
+   checksum of that entry; never Python identity and never a user's flag;
+3. the base file itself is intact: its header bytes equal the new header, and
+   its data hashes to the base manifest's checksums. That is read and hashed,
+   unless this process wrote or verified that very file before and its identity
+   is unchanged since (local: device, inode, size, ``mtime_ns``; object store:
+   ETag and size): a damaged base is never propagated, it is written in full.
+
+Anything else, or any error while linking, is a full write of that file; the
+digests hashed for the decision are handed to the writer, so a save where every
+tensor changed hashes each byte once, as a full save does.
+
+The file layout makes whole-file reuse effective: a tensor of at least
+:data:`OWN_FILE_BYTES` gets a file of its own, smaller ones are packed in plan
+order into shared files (:func:`incremental_layout`), deterministically across
+saves of the same tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from ._errors import CheckpointError
+from ._format import FileLayout, layout_buckets
+from ._fs import LocalFileSystem
+from ._load import read_checkpoint, scan_steps
+from ._manifest import CHECKSUM, Manifest, record_entries, torch_dtype
+from ._paths import Layout
+from ._plan import Entry, Plan
+from ._write import write_data_file
+
+__all__ = ["OWN_FILE_BYTES", "Base", "Reuse", "incremental_layout"]
+
+logger = logging.getLogger(__name__)
+
+#: A tensor at least this large is stored in a data file of its own, so that it
+#: is shared whole when it did not change (a frozen weight under LoRA).
+OWN_FILE_BYTES = 1 << 20
+#: Smaller tensors are packed, in plan order, into files of up to this size.
+PACK_FILE_BYTES = 64 << 20
+_READ_CHUNK = 8 << 20
+
+
+def incremental_layout(
+    entries: list[Entry],
+    *,
+    rank: int,
+    own: set[int] = frozenset(),  # type: ignore[assignment]
+) -> list[FileLayout]:
+    """The data files of an incremental save: one per entry of at least
+    :data:`OWN_FILE_BYTES` and per entry in ``own`` (the row chunks of growing
+    tensors, whatever their size), the rest packed in plan order into files of
+    up to :data:`PACK_FILE_BYTES`; files in the plan order of their first entry.
+    Pure, and the same for the same tree, so an unchanged tensor lands in a file
+    equal to the previous save's."""
+    buckets: list[list[int]] = []
+    pack: list[int] = []
+    packed = 0
+    for i, e in enumerate(entries):
+        if e.nbytes >= OWN_FILE_BYTES or i in own:
+            buckets.append([i])
+            continue
+        if pack and packed + e.nbytes > PACK_FILE_BYTES:
+            pack, packed = [], 0  # the full pack is in buckets already
+        if not pack:
+            buckets.append(pack)  # placed where its first entry is, filled in place
+        pack.append(i)
+        packed += e.nbytes
+    return layout_buckets(entries, buckets or [[]], rank=rank)
+
+
+@dataclasses.dataclass
+class Base:
+    """The previous committed checkpoint: where a new save's files may come from."""
+
+    path: Path
+    manifest: Manifest
+    # entry name -> (file index, absolute offset, nbytes, checksum)
+    by_name: dict[str, tuple[int, int, int, str]]
+    # file index -> the indices of its entries in the manifest
+    file_entries: dict[int, list[int]]
+
+    @classmethod
+    def of(cls, path: Path, manifest: Manifest) -> Base:
+        by_name: dict[str, tuple[int, int, int, str]] = {}
+        file_entries: dict[int, list[int]] = {}
+        for j, e in enumerate(manifest.entries):
+            by_name[e["name"]] = (e["file"], e["offset"], e["nbytes"], e[CHECKSUM])
+            file_entries.setdefault(e["file"], []).append(j)
+        return cls(path, manifest, by_name, file_entries)
+
+    def digests(self, f: int) -> tuple[str, ...]:
+        """The checksums of file ``f``'s entries, in file order."""
+        entries = self.manifest.entries
+        order = sorted(self.file_entries[f], key=lambda j: entries[j]["offset"])
+        return tuple(entries[j][CHECKSUM] for j in order)
+
+    def match(self, layout: FileLayout, entries: list[Entry]) -> int | None:
+        """The base file holding exactly the entries of ``layout`` at the same
+        offsets and sizes (so a file of the same size), or ``None``."""
+        if not layout.entries:
+            return None
+        f: int | None = None
+        for i in layout.entries:
+            e = entries[i]
+            got = self.by_name.get(e.name)
+            if got is None or got[1] != e.offset or got[2] != e.nbytes:
+                return None
+            if f is None:
+                f = got[0]
+            elif got[0] != f:
+                return None
+        assert f is not None
+        if len(self.file_entries.get(f, ())) != len(layout.entries):
+            return None
+        if self.manifest.files[f]["nbytes"] != layout.nbytes:
+            return None
+        return f
+
+
+@dataclasses.dataclass
+class Report:
+    """What one incremental save wrote and shared (the manifest's ``incremental``)."""
+
+    base: str | None = None
+    bytes_written: int = 0
+    bytes_shared: int = 0
+    files_written: int = 0
+    files_shared: int = 0
+    bytes_verified: int = 0  # base bytes read back to check them before sharing
+    prelinked: list[int] = dataclasses.field(default_factory=list)  # files shared at staging
+
+    def as_doc(self) -> dict[str, Any]:
+        doc = dataclasses.asdict(self)
+        doc["files_shared_at_staging"] = len(doc.pop("prelinked"))
+        return doc
+
+
+#: A growing tensor is stored as at most this many row chunks; past it, the next
+#: save writes it whole again (one chunk) and starts over.
+MAX_CHUNKS = 64
+
+
+def _chunkable(e: Entry) -> bool:
+    src = e.source
+    return (
+        not e.is_blob
+        and not e.parts
+        and src is not None
+        and src.dim() >= 1
+        and src.is_contiguous()
+        and e.nbytes >= OWN_FILE_BYTES
+    )
+
+
+class Reuse:
+    """The incremental state of one checkpointer: the identities of data files
+    this process wrote or verified, with their header hash and entry checksums.
+
+    Methods are blocking (worker threads) and thread-safe.
+    """
+
+    def __init__(self, root: Path, layout: Layout) -> None:
+        self.root = root
+        self.layout = layout
+        # file identity -> (header hash, entry checksums) of a file this process
+        # wrote, shared or checked; and per header hash (one per data file of a
+        # tree: it names the file's tensors, shapes and offsets) the latest such
+        # file: (checksums, path, identity). Bounded by the files of one state:
+        # a file's newer content replaces the older one.
+        self._known: dict[tuple[Any, ...], tuple[str, tuple[str, ...]]] = {}
+        self._by_header: dict[str, tuple[tuple[str, ...], Path, tuple[Any, ...]]] = {}
+        # Header hashes whose file changed at the last save: not hashed while
+        # staging (the caller waits for that) until a save shares them again.
+        self._changing: set[str] = set()
+        self._told: set[str] = set()
+        self._lock = threading.Lock()
+        # entry name -> ((dtype, row shape), row boundaries) of the last save planned
+        self._rows: dict[str, tuple[tuple[Any, ...], list[int]]] = {}
+
+    # -- growing tensors (plan time, in the caller's thread) ----------------------------
+    def split_rows(self, plan: Plan) -> set[int]:
+        """Store each tensor that grew along its first dimension since the last
+        save planned here as row chunks: the previous save's chunks, then one
+        chunk of the new rows. The first chunk keeps the tensor's own entry name,
+        so a tensor saved whole last time shares its file with the first chunk;
+        each further chunk is an entry ``<key>#rows=<start>:<end>`` in a file of
+        its own, whatever its size. Unchanged chunks are then shared like any
+        unchanged file, a rewritten row makes its chunk written again, a
+        reordered tensor has every chunk written, and a tensor that shrank or
+        changed dtype or row shape is written whole (one chunk); past
+        :data:`MAX_CHUNKS` chunks the tensor is written whole once. Pure
+        bookkeeping: no bytes are read here (the checksums of the staged chunks
+        decide what is shared).
+
+        :returns: the indices (in the new ``plan.entries``) of the chunks.
+        """
+        rows_of: dict[str, tuple[tuple[Any, ...], list[int]]] = {}
+        names = {e.name for e in plan.entries}
+        entries: list[Entry] = []
+        moved: dict[int, list[int]] = {}
+        for idx, e in enumerate(plan.entries):
+            if not _chunkable(e):
+                moved[idx] = [len(entries)]
+                entries.append(e)
+                continue
+            src = e.source
+            assert src is not None
+            rows = int(src.shape[0])
+            sig = (src.dtype, tuple(src.shape[1:]))
+            bounds = self._bounds(self._rows.get(e.name), sig, rows)
+            cut = [f"{e.name}#rows={a}:{b}" for a, b in itertools.pairwise(bounds[1:])]
+            if any(n in names for n in cut):  # a key that looks like a chunk: keep it whole
+                bounds, cut = [0, rows], []
+            rows_of[e.name] = (sig, bounds)
+            moved[idx] = []
+            for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+                moved[idx].append(len(entries))
+                entries.append(
+                    e
+                    if len(bounds) == 2
+                    else dataclasses.replace(
+                        e,
+                        name=e.name if k == 0 else cut[k - 1],
+                        source=src[a:b],
+                        nbytes=(b - a) * (e.nbytes // rows),
+                        shape=(b - a, *src.shape[1:]),
+                    )
+                )
+        self._rows = rows_of
+        if len(entries) == len(plan.entries):
+            return set()
+        plan.entries = entries
+        for rec in plan.records:
+            new = moved[rec["entry"]]
+            rec["entry"] = new[0]
+            if len(new) > 1:
+                rec["chunks"] = new
+        return {j for new in moved.values() if len(new) > 1 for j in new}
+
+    def seed(self, fs: LocalFileSystem) -> None:
+        """At open: take the row chunks of the newest committed checkpoint as the
+        last save planned, so that the first save after a restart continues them
+        (a replay buffer resumed from it writes only its new rows). Best effort:
+        a root without a readable checkpoint seeds nothing."""
+        base = self.find_base(fs, None)
+        if base is None:
+            return
+        rows_of: dict[str, tuple[tuple[Any, ...], list[int]]] = {}
+        entries = base.manifest.entries
+        for rec in base.manifest.tensors:
+            dtype = torch_dtype(rec["dtype"])
+            shape = rec["shape"]
+            if dtype is None or rec["stride"] is not None or not shape or not shape[0]:
+                continue
+            chunks = record_entries(rec)
+            row = sum(entries[j]["nbytes"] for j in chunks) // shape[0]
+            if not row:
+                continue
+            bounds = [0]
+            for j in chunks:
+                bounds.append(bounds[-1] + entries[j]["nbytes"] // row)
+            rows_of[entries[chunks[0]]["name"]] = ((dtype, tuple(shape[1:])), bounds)
+        self._rows = rows_of
+
+    @staticmethod
+    def _bounds(
+        prev: tuple[tuple[Any, ...], list[int]] | None, sig: tuple[Any, ...], rows: int
+    ) -> list[int]:
+        if prev is None or prev[0] != sig or rows < prev[1][-1]:
+            return [0, rows]
+        bounds = list(prev[1])
+        if rows > bounds[-1]:
+            bounds.append(rows)
+        if len(bounds) - 1 > MAX_CHUNKS:
+            return [0, rows]
+        return bounds
+
+    def written_in_full(self, why: str) -> None:
+        """Say once per reason that ``incremental=True`` does not apply to a save:
+        ``"streamed"`` (a state larger than ``budget_bytes``) or ``"several
+        ranks"`` (not supported yet)."""
+        if why not in self._told:
+            self._told.add(why)
+            logger.warning(
+                "incremental=True: saves of %s write every byte (only whole saves of "
+                "one process share files with the previous checkpoint)",
+                "a state streamed through budget_bytes" if why == "streamed" else why,
+            )
+
+    # -- the base --------------------------------------------------------------------
+    def find_base(self, fs: LocalFileSystem, tmp: Path | None) -> Base | None:
+        """The newest committed checkpoint of the root (not ``tmp`` itself: on an
+        object store a save writes under its final name), or ``None``. A
+        directory that does not read as committed and whole is passed over."""
+        try:
+            steps = scan_steps(fs, self.root, self.layout)
+        except OSError as exc:
+            logger.warning("incremental save: cannot list %s (%r): full write", self.root, exc)
+            return None
+        tried = 0
+        for step in sorted(steps, reverse=True):
+            path = steps[step]
+            if tmp is not None and str(path).rstrip("/") == str(tmp).rstrip("/"):
+                continue
+            tried += 1
+            try:
+                return Base.of(path, read_checkpoint(fs, path, expect_step=step))
+            except (CheckpointError, OSError) as exc:
+                logger.info("incremental save: %s is no base (%r)", path, exc)
+            if tried >= 3:
+                break
+        return None
+
+    # -- identities --------------------------------------------------------------------
+    def _identity(self, fs: LocalFileSystem, path: Path) -> tuple[Any, ...] | None:
+        """What changes whenever the file's bytes may have: (device, inode, size,
+        mtime_ns) locally; (ETag, size) on an object store; ``None`` when the
+        store gives nothing to tell (the file is then always read and hashed)."""
+        inner = getattr(fs, "fs", None)
+        if inner is None:
+            st = os.stat(path)
+            return ("local", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        p = fs._p(path)  # type: ignore[attr-defined]
+        inner.invalidate_cache(p)
+        info = inner.info(p)
+        etag = info.get("ETag") or info.get("etag")
+        if not etag:
+            return None
+        return ("object", etag, info.get("size"))
+
+    def remember(
+        self, fs: LocalFileSystem, path: Path, header: bytes, digests: tuple[str, ...]
+    ) -> None:
+        """Record that the file at ``path`` holds ``header`` and entries of
+        ``digests`` (in file order): it was just written from staged bytes, or
+        read back and checked."""
+        try:
+            ident = self._identity(fs, path)
+        except OSError:
+            return
+        if ident is not None:
+            header_hash = xxhash.xxh3_64_hexdigest(header)
+            with self._lock:
+                old = self._by_header.get(header_hash)
+                if old is not None and old[2] != ident:
+                    self._known.pop(old[2], None)
+                self._by_header[header_hash] = (digests, path, ident)
+                self._known[ident] = (header_hash, digests)
+
+    def keep_only(self, layouts: list[FileLayout]) -> None:
+        """Forget the files of headers that ``layouts`` (the save just written)
+        does not have, so that what is remembered stays the size of one state's
+        files over any number of saves (a growing tensor's new chunk, or a packed
+        small tensor that grew, has a new header at every save)."""
+        keep = {xxhash.xxh3_64_hexdigest(fl.header) for fl in layouts}
+        with self._lock:
+            for header_hash in [h for h in self._by_header if h not in keep]:
+                del self._by_header[header_hash]
+            live = {ident for _, _, ident in self._by_header.values()}
+            for ident in [i for i in self._known if i not in live]:
+                del self._known[ident]
+            self._changing &= keep
+
+    def _intact(
+        self, fs: LocalFileSystem, base: Base, f: int, header: bytes, report: Report
+    ) -> bool:
+        """Whether base file ``f`` holds ``header`` and the data its manifest's
+        checksums say (from a known identity, else by reading it)."""
+        path = base.path / base.manifest.files[f]["name"]
+        digests = base.digests(f)
+        want = (xxhash.xxh3_64_hexdigest(header), digests)
+        ident = self._identity(fs, path)
+        if ident is not None:
+            with self._lock:
+                if self._known.get(ident) == want:
+                    return True
+        ok = self._check_file(fs, path, base, f, header, report)
+        if ok:
+            self.remember(fs, path, header, digests)
+        return ok
+
+    def _check_file(
+        self, fs: LocalFileSystem, path: Path, base: Base, f: int, header: bytes, report: Report
+    ) -> bool:
+        """Read the base file and compare its header and each entry's checksum."""
+        entries = sorted(
+            (base.manifest.entries[j] for j in base.file_entries[f]), key=lambda e: e["offset"]
+        )
+        buf = bytearray(_READ_CHUNK)
+        mv = memoryview(buf)
+        with fs.open_read(path) as fh:
+            got = fh.read(len(header))
+            if got != header:
+                logger.info("incremental save: %s has another header: not shared", path)
+                return False
+            pos = len(header)
+            for e in entries:
+                if e["offset"] != pos:
+                    return False
+                h = xxhash.xxh3_64()
+                left = e["nbytes"]
+                while left:
+                    n = fh.readinto(mv[: min(left, _READ_CHUNK)])
+                    if not n:
+                        return False
+                    h.update(mv[:n])
+                    left -= n
+                    pos += n
+                with self._lock:
+                    report.bytes_verified += e["nbytes"]
+                if h.hexdigest() != e[CHECKSUM]:
+                    logger.warning(
+                        "incremental save: %s entry %r does not match its checksum "
+                        "(damaged base): written in full",
+                        path,
+                        e["name"],
+                    )
+                    return False
+        return True
+
+    # -- one data file -------------------------------------------------------------------
+    def write_file(
+        self,
+        base: Base | None,
+        report: Report,
+        fs: LocalFileSystem,
+        directory: Path,
+        layout: FileLayout,
+        entries: list[Entry],
+        buffer: torch.Tensor,
+        *,
+        direct: bool = False,
+        on_written: Any = None,
+    ) -> dict[int, str]:
+        """Share ``layout``'s file from ``base`` when its bytes are equal, else
+        write it (``_write.write_data_file``). Blocking; same contract (a shared
+        file counts as written for ``on_written``, the save's progress).
+
+        :returns: entry index -> XXH3-64 hex digest of the entry's staged bytes.
+        """
+        # Checksums of the sources taken while staging (see prelink) are those of
+        # the staged bytes: never hashed twice.
+        digests = {i: entries[i].digest for i in layout.entries if entries[i].digest}
+        f = None if base is None else base.match(layout, entries)
+        if base is not None and f is not None:
+            view = memoryview(buffer.numpy())  # type: ignore[arg-type]
+            same = True
+            for i in layout.entries:
+                e = entries[i]
+                if i not in digests:
+                    digests[i] = xxhash.xxh3_64_hexdigest(
+                        view[e.staging_offset : e.staging_offset + e.nbytes]
+                    )
+                if digests[i] != base.by_name[e.name][3]:
+                    same = False
+                    break
+            if same and self._shared(base, f, report, fs, directory, layout):
+                if on_written is not None:
+                    on_written(layout.nbytes)
+                return digests
+        digests = write_data_file(
+            fs, directory, layout, entries, buffer, direct=direct, on_written=on_written, known=digests
+        )
+        self.remember(
+            fs, directory / layout.name, layout.header, tuple(digests[i] for i in layout.entries)
+        )
+        with self._lock:
+            report.bytes_written += layout.nbytes
+            report.files_written += 1
+        return digests
+
+    def _shared(
+        self,
+        base: Base,
+        f: int,
+        report: Report,
+        fs: LocalFileSystem,
+        directory: Path,
+        layout: FileLayout,
+    ) -> bool:
+        """Link base file ``f`` as ``layout``'s file if it is intact; ``False``
+        (nothing left behind) where it is not or linking failed."""
+        src = base.path / base.manifest.files[f]["name"]
+        dst = directory / layout.name
+        try:
+            if not self._intact(fs, base, f, layout.header, report):
+                return False
+            fs.link(src, dst)
+            self.remember(fs, dst, layout.header, base.digests(f))
+        except OSError as exc:
+            logger.warning("incremental save: sharing %s failed (%r): written in full", src, exc)
+            try:
+                if fs.lexists(dst):
+                    fs.unlink(dst)
+            except OSError:
+                pass  # the create below fails then, and the save with it
+            return False
+        with self._lock:
+            report.bytes_shared += layout.nbytes
+            report.files_shared += 1
+            self._changing.discard(xxhash.xxh3_64_hexdigest(layout.header))
+        return True
+
+    # -- at staging time: files equal to one this process wrote --------------------------
+    def knows_files(self) -> bool:
+        with self._lock:
+            return bool(self._by_header)
+
+    def prelink(
+        self,
+        fs: LocalFileSystem,
+        tmp: Path,
+        layout: FileLayout,
+        entries: list[Entry],
+        report: Report,
+    ) -> bool:
+        """Before staging, on a local root: link ``layout``'s file into ``tmp`` if
+        its bytes equal the latest file of the same header this process wrote (or
+        shared, or checked) and that file is unchanged since. A file that changed
+        at its last try is left to the writer (which shares it from the base if it
+        is unchanged after all) until a save shares it again, so a save where
+        everything changes does not hash while the caller waits. The *sources* (host
+        tensors, contiguous) are hashed in place instead of staged copies; a
+        linked file's entries are neither copied into staging memory nor written,
+        and the checksums of a file that is not linked are kept on its entries
+        for the writer (the staged bytes are these bytes: the caller is in
+        ``save()`` (eager) or has not yet been told the snapshot is taken (lazy);
+        what a lazy save snapshots at once is hashed from that private copy).
+
+        The file linked need not be committed: it was fsynced whole before it was
+        remembered (:meth:`remember`), its identity (inode, size, ``mtime_ns``) is
+        unchanged since, and the link keeps its bytes whatever becomes of the save
+        that wrote it. Blocking (a worker thread).
+
+        :returns: whether the file was linked.
+        """
+        if not layout.entries or not all(_host_contiguous(entries[i]) for i in layout.entries):
+            return False
+        header_hash = xxhash.xxh3_64_hexdigest(layout.header)
+        with self._lock:
+            known = self._by_header.get(header_hash)
+            if known is None or header_hash in self._changing:
+                return False  # not worth hashing while the caller waits
+        digests = tuple(_hash_source(entries[i]) for i in layout.entries)
+        for i, digest in zip(layout.entries, digests, strict=True):
+            entries[i].digest = digest
+        if digests != known[0]:
+            with self._lock:
+                self._changing.add(header_hash)
+            return False
+        src = self._located(fs, known[1])
+        if src is None:
+            return False
+        try:
+            ident = self._identity(fs, src)
+            with self._lock:
+                if ident is None or self._known.get(ident) != (header_hash, digests):
+                    return False
+            fs.link(src, tmp / layout.name)
+        except OSError as exc:
+            logger.info("incremental save: sharing %s while staging failed (%r)", src, exc)
+            return False
+        with self._lock:
+            report.bytes_shared += layout.nbytes
+            report.files_shared += 1
+            report.prelinked.append(layout.index)
+            # Found here from now on: the save that wrote it may be retired first.
+            self._by_header[header_hash] = (digests, tmp / layout.name, ident)
+        return True
+
+    def _located(self, fs: LocalFileSystem, path: Path) -> Path | None:
+        """Where a remembered file is now: where it was written, or (its save
+        committed since) the same name in the final directory of its step."""
+        if fs.lexists(path):
+            return path
+        match = _TEMP_STEP.match(path.parent.name)
+        if match is None:
+            return None
+        final = self.root / self.layout.dir_name(int(match.group(1))) / path.name
+        return final if fs.lexists(final) else None
+
+
+_TEMP_STEP = re.compile(r"^\.asyncsave-tmp-([0-9]+)-")
+
+
+def _host_contiguous(e: Entry) -> bool:
+    src = e.source
+    return (
+        not e.is_blob
+        and not e.parts
+        and src is not None
+        and not src.is_cuda
+        and src.is_contiguous()
+        and src.numel() * src.element_size() == e.nbytes
+    )
+
+
+def _hash_source(e: Entry) -> str:
+    """XXH3-64 of a host tensor's bytes, read in place (the GIL is released)."""
+    src = e.source
+    assert src is not None
+    raw = src.detach().reshape(-1).view(torch.uint8)
+    return xxhash.xxh3_64_hexdigest(memoryview(raw.numpy()))  # type: ignore[arg-type]
