@@ -213,9 +213,7 @@ def _prepare_then_fail(rank: int, world: int, root: str) -> dict[str, Any]:
                     # megatron-core's getter spawns nothing here).
                     fs_async._results_queue = own
                     mine = getattr(fs_async, GETTER)()
-                    t = threading.Thread(
-                        target=lambda: other.append(getattr(fs_async, GETTER)())
-                    )
+                    t = threading.Thread(target=lambda: other.append(getattr(fs_async, GETTER)()))
                     t.start()
                     t.join()
                     fs_async._results_queue = None
