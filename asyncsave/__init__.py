@@ -14,52 +14,137 @@ from exactly the last committed step::
 docs/decisions.md records the design decisions; the README lists the guarantees.
 """
 
-from ._engine import Checkpointer, SaveHandle
-from ._errors import (
-    CheckpointerClosedError,
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointTimeoutError,
-    CheckpointWarning,
-    ChecksumMismatchError,
-    CorruptCheckpointError,
-    InvalidKeyError,
-    InvalidStateError,
-    InvalidStepError,
-    KindMismatchError,
-    MissingItemError,
-    ProtectedCheckpointError,
-    RankFailedError,
-    RootInUseError,
-    SaveFailedError,
-    StagingBudgetError,
-    StagingPendingError,
-    UnsafeLoadError,
-    UnsupportedFormatError,
-    UnsupportedTensorError,
-    UnsupportedTypeError,
-    WaitTimeoutError,
-)
-from ._fs import LocalFileSystem
-from ._fsspec import FsspecFileSystem
-from ._lazy import stage_before_step
-from ._listing import checkpoints, load_step
-from ._load import latest, load, load_tensors, verify
-from ._options import CheckpointOptions, Tier
-from ._policy import (
-    AgreedPolicy,
-    SaveAtStep,
-    SaveBeforeDeadline,
-    SaveEvery,
-    SaveOnSignal,
-    SavePolicy,
-)
-from ._retention import KeepBest, KeepEvery, KeepLast, Retention
-from ._rng import RNGState
-from ._sync import SyncCheckpointer, SyncSaveHandle
-from ._types import CheckpointInfo, Restored, SaveProgress, Tagged
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
+    from ._engine import Checkpointer, SaveHandle
+    from ._errors import (
+        CheckpointerClosedError,
+        CheckpointError,
+        CheckpointNotFoundError,
+        CheckpointTimeoutError,
+        CheckpointWarning,
+        ChecksumMismatchError,
+        CorruptCheckpointError,
+        InvalidKeyError,
+        InvalidStateError,
+        InvalidStepError,
+        KindMismatchError,
+        MissingItemError,
+        ProtectedCheckpointError,
+        RankFailedError,
+        RootInUseError,
+        SaveFailedError,
+        StagingBudgetError,
+        StagingPendingError,
+        UnsafeLoadError,
+        UnsupportedFormatError,
+        UnsupportedTensorError,
+        UnsupportedTypeError,
+        WaitTimeoutError,
+    )
+    from ._fs import LocalFileSystem
+    from ._fsspec import FsspecFileSystem
+    from ._lazy import stage_before_step
+    from ._listing import checkpoints, load_step
+    from ._load import latest, load, load_tensors, verify
+    from ._options import CheckpointOptions, Tier
+    from ._policy import (
+        AgreedPolicy,
+        SaveAtStep,
+        SaveBeforeDeadline,
+        SaveEvery,
+        SaveOnSignal,
+        SavePolicy,
+    )
+    from ._retention import KeepBest, KeepEvery, KeepLast, Retention
+    from ._rng import RNGState
+    from ._sync import SyncCheckpointer, SyncSaveHandle
+    from ._types import CheckpointInfo, Restored, SaveProgress, Tagged
 
 __version__ = "0.1.0"
+
+# Public name -> the module that defines it. ``import asyncsave`` imports none of
+# them (nor torch): the first use of a name imports its module, so the ``asyncsave``
+# command answers ``--help`` and ``--version`` without loading torch (issue 13).
+_LAZY = {
+    "Checkpointer": "._engine",
+    "SaveHandle": "._engine",
+    "CheckpointerClosedError": "._errors",
+    "CheckpointError": "._errors",
+    "CheckpointNotFoundError": "._errors",
+    "CheckpointTimeoutError": "._errors",
+    "CheckpointWarning": "._errors",
+    "ChecksumMismatchError": "._errors",
+    "CorruptCheckpointError": "._errors",
+    "InvalidKeyError": "._errors",
+    "InvalidStateError": "._errors",
+    "InvalidStepError": "._errors",
+    "KindMismatchError": "._errors",
+    "MissingItemError": "._errors",
+    "ProtectedCheckpointError": "._errors",
+    "RankFailedError": "._errors",
+    "RootInUseError": "._errors",
+    "SaveFailedError": "._errors",
+    "StagingBudgetError": "._errors",
+    "StagingPendingError": "._errors",
+    "UnsafeLoadError": "._errors",
+    "UnsupportedFormatError": "._errors",
+    "UnsupportedTensorError": "._errors",
+    "UnsupportedTypeError": "._errors",
+    "WaitTimeoutError": "._errors",
+    "LocalFileSystem": "._fs",
+    "FsspecFileSystem": "._fsspec",
+    "stage_before_step": "._lazy",
+    "checkpoints": "._listing",
+    "load_step": "._listing",
+    "latest": "._load",
+    "load": "._load",
+    "load_tensors": "._load",
+    "verify": "._load",
+    "CheckpointOptions": "._options",
+    "Tier": "._options",
+    "AgreedPolicy": "._policy",
+    "SaveAtStep": "._policy",
+    "SaveBeforeDeadline": "._policy",
+    "SaveEvery": "._policy",
+    "SaveOnSignal": "._policy",
+    "SavePolicy": "._policy",
+    "KeepBest": "._retention",
+    "KeepEvery": "._retention",
+    "KeepLast": "._retention",
+    "Retention": "._retention",
+    "RNGState": "._rng",
+    "SyncCheckpointer": "._sync",
+    "SyncSaveHandle": "._sync",
+    "CheckpointInfo": "._types",
+    "Restored": "._types",
+    "SaveProgress": "._types",
+    "Tagged": "._types",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if name.startswith("_") and not name.startswith("__"):
+        # A private submodule (``asyncsave._load``), as an eager package would
+        # have bound it.
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "AgreedPolicy",

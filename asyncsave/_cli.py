@@ -1,16 +1,26 @@
-"""The ``asyncsave`` command: list, verify and inspect checkpoints.
+"""The ``asyncsave`` command: list, verify, inspect and prune checkpoints.
 
 ::
 
     asyncsave ls ROOT          committed steps, sizes, the tracked one, stray temp dirs
     asyncsave verify PATH      every checksum of one checkpoint (or of every one in ROOT)
     asyncsave inspect PATH     the state tree with dtype, shape and bytes per tensor
+    asyncsave prune ROOT --keep-last N [--keep-every K] [--keep-best METRIC N] [--dry-run]
 
 ROOT and PATH may be URLs (``s3://bucket/prefix``, any fsspec URL). Credentials
 and endpoint come from the environment as the fsspec implementation reads them
 (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``...) or from ``--storage-options JSON``.
 
-Read-only: nothing here deletes or moves files. Exit status 0 on success, 1 when a
+Only ``prune`` deletes, through the engine's own retention pass (``_retention``:
+rename aside, fsync, remove; never the tracked step, the newest committed one or a
+step with a save in flight), holding the root's saver lock (a live
+``Checkpointer`` on the root makes it refuse). ``verify`` shows a progress bar of
+the bytes hashed and ``inspect`` one of the data files checked (tqdm, on stderr:
+on a terminal when it lasts over half a second; ``--progress`` forces it,
+``--no-progress`` hides it). Torch is imported only by the commands that read
+checkpoints: ``--help`` and ``--version`` answer without it.
+
+Exit status 0 on success, 1 when a
 checkpoint fails verification or cannot be read, 2 on bad usage, which includes
 ``ls`` of one checkpoint and ``inspect`` of a root: the message names the command
 that fits (and ``ls``/``verify`` of a root holding only another layout's
@@ -21,22 +31,26 @@ the installed distribution's version.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+# Torch-free imports only at module level (``--help`` must not load torch): the
+# modules that read checkpoints (``_load`` and what needs it) are imported by the
+# commands that use them.
 from ._errors import CheckpointError
 from ._fs import LocalFileSystem
 from ._fsspec import open_root
-from ._load import read_checkpoint, scan_steps, verify
-from ._manifest import Manifest
-from ._marker import is_committed
-from ._paths import LAYOUTS, MANIFEST_NAME, is_temp_name
-from ._track import read_tracker
+from ._paths import LAYOUTS, MANIFEST_NAME, is_temp_name, temp_dir_step
+
+if TYPE_CHECKING:
+    from ._manifest import Manifest
 
 __all__ = ["main"]
 
@@ -62,6 +76,8 @@ def _steps_by_layout(fs: LocalFileSystem, root: Path) -> dict[str, dict[int, Pat
     """The final-named directories under ``root`` of the layouts that have some;
     where layouts share a directory pattern (``global_step_N``: verl and skyrl),
     only those whose tracker file is there too, if any is."""
+    from ._load import scan_steps
+
     found = {name: scan_steps(fs, root, layout) for name, layout in sorted(LAYOUTS.items())}
     found = {name: steps for name, steps in found.items() if steps}
     tracked = {
@@ -96,6 +112,10 @@ def _layout_option(dir_name: str) -> str:
 
 
 def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
+    from ._load import read_checkpoint, scan_steps
+    from ._marker import is_committed
+    from ._track import read_tracker
+
     layout = LAYOUTS[layout_name]
     if not fs.exists(root):
         print(f"asyncsave: {root}: no such file or directory", file=sys.stderr)
@@ -159,7 +179,60 @@ def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
     return rc
 
 
-def _verify(fs: LocalFileSystem, path: Path, layout_name: str, out: TextIO) -> int:
+class _Bar:
+    """A tqdm progress bar on stderr, fed from reading threads (``update`` takes a
+    lock: several files are hashed at once); lines printed while it shows go
+    through ``write`` so they do not tear it."""
+
+    def __init__(self, enabled: bool | None, total: int, desc: str, unit: str) -> None:
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self._lock = threading.Lock()
+        self.bar = tqdm(
+            total=total,
+            desc=desc,
+            unit=unit,
+            unit_scale=unit == "B",
+            unit_divisor=1024,
+            # None: shown only on a terminal (tqdm's own test), after half a second.
+            disable=None if enabled is None else not enabled,
+            delay=0.5 if enabled is None else 0,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
+
+    def update(self, n: int) -> None:
+        with self._lock:
+            self.bar.update(n)
+
+    def set(self, done: int, total: int) -> None:
+        with self._lock:
+            self.bar.total = total
+            self.bar.update(done - self.bar.n)
+
+    def write(self, line: str, out: TextIO) -> None:
+        with self._lock:
+            self._tqdm.write(line, file=out)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@contextlib.contextmanager
+def _bar(enabled: bool | None, total: int, desc: str, unit: str = "B") -> Iterator[_Bar]:
+    bar = _Bar(enabled, total, desc, unit)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def _verify(
+    fs: LocalFileSystem, path: Path, layout_name: str, out: TextIO, progress: bool | None
+) -> int:
+    from ._load import read_checkpoint, scan_steps, verify
+
     if not fs.exists(path):
         print(f"asyncsave: {path}: no such file or directory", file=sys.stderr)
         return 1
@@ -175,18 +248,27 @@ def _verify(fs: LocalFileSystem, path: Path, layout_name: str, out: TextIO) -> i
                 f"asyncsave: no checkpoint in {path}{f': {hint}' if hint else ''}", file=sys.stderr
             )
             return 1
-    rc = 0
+    # The bar's total: the bytes to hash, from the manifests (one that does not
+    # read fails below, in its turn, and adds nothing).
+    total = 0
     for target in targets:
-        try:
-            info = verify(target, filesystem=fs)
-        except CheckpointError as exc:
-            rc = 1
-            print(f"FAIL {target}: {exc}", file=out)
-            continue
-        print(
-            f"ok   {target}: step {info.step}, {info.num_tensors} tensors, {_size(info.nbytes)} verified",
-            file=out,
-        )
+        with contextlib.suppress(CheckpointError, OSError):
+            total += read_checkpoint(fs, target).nbytes
+    desc = "verify" if len(targets) == 1 else f"verify {len(targets)} checkpoints"
+    rc = 0
+    with _bar(progress, total, desc) as bar:
+        for target in targets:
+            try:
+                info = verify(target, filesystem=fs, progress=bar.update)
+            except CheckpointError as exc:
+                rc = 1
+                bar.write(f"FAIL {target}: {exc}", out)
+                continue
+            bar.write(
+                f"ok   {target}: step {info.step}, {info.num_tensors} tensors, "
+                f"{_size(info.nbytes)} verified",
+                out,
+            )
     return rc
 
 
@@ -250,7 +332,9 @@ def _describe(node: Any, m: Manifest, indent: int, label: str, out: TextIO) -> N
         print(f"{pad}{label}: {kind} {value!r}"[:200], file=out)
 
 
-def _inspect(fs: LocalFileSystem, path: Path, out: TextIO) -> int:
+def _inspect(fs: LocalFileSystem, path: Path, out: TextIO, progress: bool | None) -> int:
+    from ._load import read_checkpoint
+
     if not fs.exists(path):
         print(f"asyncsave: {path}: no such file or directory", file=sys.stderr)
         return 1
@@ -270,7 +354,15 @@ def _inspect(fs: LocalFileSystem, path: Path, out: TextIO) -> int:
             )
             return 2
     try:
-        m = read_checkpoint(fs, path, expect_step=LAYOUTS["asyncsave"].parse_dir_name(path.name))
+        # The bar counts data files whose size is checked (a request each on an
+        # object store); the tree is printed after it closes.
+        with _bar(progress, 0, "check files", unit="file") as bar:
+            m = read_checkpoint(
+                fs,
+                path,
+                expect_step=LAYOUTS["asyncsave"].parse_dir_name(path.name),
+                progress=bar.set,
+            )
     except CheckpointError as exc:
         print(f"asyncsave: {exc}", file=sys.stderr)
         return 1
@@ -285,6 +377,105 @@ def _inspect(fs: LocalFileSystem, path: Path, out: TextIO) -> int:
         print(f"asyncsave: damaged state tree in {path}: {exc!r}", file=sys.stderr)
         return 1
     return 0
+
+
+def _rule(args: argparse.Namespace) -> Any:
+    """The retention rule of ``prune``'s options (combined with ``|``: any keeps)."""
+    from ._retention import KeepBest, KeepEvery, KeepLast
+
+    rules = [
+        *(KeepLast(n) for n in args.keep_last or ()),
+        *(KeepEvery(n) for n in args.keep_every or ()),
+        *(KeepBest(int(n), metric=m, mode=args.mode) for m, n in args.keep_best or ()),
+    ]
+    combined = rules[0]
+    for r in rules[1:]:
+        combined = combined | r
+    return combined
+
+
+def _prune(fs: LocalFileSystem, root: Path, args: argparse.Namespace, out: TextIO) -> int:
+    """Apply a retention rule to ``root`` once, as a ``Checkpointer`` does after
+    each commit (``_retention.apply_retention``), under the root's saver lock."""
+    from ._commit import hold_root
+    from ._errors import RootInUseError
+    from ._retention import apply_retention, retention_plan
+    from ._track import read_tracker
+
+    layout = LAYOUTS[args.layout]
+    if not fs.exists(root):
+        print(f"asyncsave: {root}: no such file or directory", file=sys.stderr)
+        return 1
+    one = _checkpoint_dir(fs, root)
+    if one is not None:
+        print(
+            f"asyncsave: {root} is one checkpoint, not a root of checkpoints: "
+            f"`asyncsave prune {one.parent}{_layout_option(one.name)} ...` prunes the root "
+            "it is in",
+            file=sys.stderr,
+        )
+        return 2
+    if not fs.is_dir(root):
+        print(f"asyncsave: {root} is not a directory", file=sys.stderr)
+        return 1
+    rule = _rule(args)
+
+    def protected() -> set[int]:
+        # The tracked step (what resume loads) and every step with a save in
+        # flight (a temporary directory: a standalone DCP writer writes one without
+        # the root's lock). The newest committed step is kept by the rule's pass.
+        steps = {s for name in fs.listdir(root) if (s := temp_dir_step(name)) is not None}
+        if layout.tracker_name is not None:
+            with contextlib.suppress(CheckpointError):  # damaged: newest is kept anyway
+                tracked = read_tracker(fs, root / layout.tracker_name)
+                if tracked is not None:
+                    steps.add(tracked)
+        return steps
+
+    def names(steps: Sequence[int]) -> str:
+        return ", ".join(layout.dir_name(s) for s in steps) or "none"
+
+    print(f"{root}: prune with {rule!r}", file=out)
+    if args.dry_run:
+        # No lock: a preview, which a running Checkpointer does not block.
+        doomed = retention_plan(fs, root, layout, rule, protected)
+        for step in doomed:
+            print(f"  would delete {layout.dir_name(step)}", file=out)
+        print(f"{len(doomed)} would be deleted (dry run: nothing changed)", file=out)
+        return 0
+    try:
+        with hold_root(fs, root, timeout_s=args.lock_timeout):
+            planned = retention_plan(fs, root, layout, rule, protected)
+            retired = apply_retention(fs, root, layout, rule, protected)
+    except RootInUseError as exc:
+        print(
+            f"asyncsave: {exc}; nothing deleted. Pass retention= to that Checkpointer "
+            "instead (it prunes after each commit), or prune once it is closed",
+            file=sys.stderr,
+        )
+        return 1
+    for step in retired:
+        print(f"  deleted {layout.dir_name(step)}", file=out)
+    failed = [s for s in planned if s not in retired]
+    print(f"{len(retired)} deleted", file=out)
+    if failed:
+        print(
+            f"asyncsave: could not delete {names(failed)} (see the warnings above); "
+            "the next prune or commit retries",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def _version() -> str:
@@ -312,7 +503,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Entry point of the ``asyncsave`` command; returns the exit status."""
     out = out or sys.stdout
     parser = argparse.ArgumentParser(
-        prog="asyncsave", description="List, verify and inspect asyncsave checkpoints."
+        prog="asyncsave", description="List, verify, inspect and prune asyncsave checkpoints."
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -324,9 +515,55 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     p_ver.add_argument("path")
     p_ins = sub.add_parser("inspect", help="print the state tree of a checkpoint")
     p_ins.add_argument("path")
-    for p in (p_ls, p_ver):
+    p_pr = sub.add_parser(
+        "prune",
+        help="delete the committed checkpoints of ROOT that a retention rule does not keep",
+        description="Delete the committed checkpoints under ROOT that no rule keeps "
+        "(rules combine: a checkpoint any rule keeps stays). Never deleted: the tracked "
+        "step, the newest committed step, a step with a save in flight. Takes the root's "
+        "saver lock: refused while a Checkpointer has ROOT open.",
+    )
+    p_pr.add_argument("root")
+    p_pr.add_argument(
+        "--keep-last", type=_positive, action="append", metavar="N", help="keep the N newest"
+    )
+    p_pr.add_argument(
+        "--keep-every",
+        type=_positive,
+        action="append",
+        metavar="K",
+        help="keep every step that is a multiple of K",
+    )
+    p_pr.add_argument(
+        "--keep-best",
+        nargs=2,
+        action="append",
+        metavar=("METRIC", "N"),
+        help="keep the N best by METRIC in training_info",
+    )
+    p_pr.add_argument(
+        "--mode", choices=("max", "min"), default="max", help="for --keep-best (default max)"
+    )
+    p_pr.add_argument(
+        "--dry-run", action="store_true", help="print what would be deleted; delete nothing"
+    )
+    p_pr.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds to wait for the root's lock (default 10)",
+    )
+    for p in (p_ls, p_ver, p_pr):
         p.add_argument("--layout", default="asyncsave", choices=sorted(LAYOUTS))
-    for p in (p_ls, p_ver, p_ins):
+    for p in (p_ver, p_ins):
+        p.add_argument(
+            "--progress",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="show a progress bar on stderr (default: on a terminal, after 0.5 s)",
+        )
+    for p in (p_ls, p_ver, p_ins, p_pr):
         p.add_argument(
             "--storage-options",
             type=_json_object,
@@ -335,7 +572,15 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             help='for URLs: fsspec keyword arguments, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
         )
     args = parser.parse_args(argv)
-    where = args.root if args.command == "ls" else args.path
+    if args.command == "prune":
+        if not (args.keep_last or args.keep_every or args.keep_best):
+            p_pr.error("give a rule: --keep-last N, --keep-every K or --keep-best METRIC N")
+        for _, n in args.keep_best or ():
+            try:
+                _positive(n)
+            except argparse.ArgumentTypeError as exc:
+                p_pr.error(f"--keep-best N: {exc}")
+    where = args.root if args.command in ("ls", "prune") else args.path
     try:
         fs, path = open_root(where, storage_options=args.storage_options)
     except (ValueError, ImportError) as exc:
@@ -345,8 +590,10 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         if args.command == "ls":
             return _ls(fs, path, args.layout, out)
         if args.command == "verify":
-            return _verify(fs, path, args.layout, out)
-        return _inspect(fs, path, out)
+            return _verify(fs, path, args.layout, out, args.progress)
+        if args.command == "prune":
+            return _prune(fs, path, args, out)
+        return _inspect(fs, path, out, args.progress)
     except BrokenPipeError:
         # `asyncsave inspect PATH | head`: the reader left; not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

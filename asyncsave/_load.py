@@ -15,7 +15,7 @@ import os
 import pickle
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +60,20 @@ _ST_ITEMSIZE = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items
 _READ_CHUNK = 8 << 20
 
 
-def read_checkpoint(fs: LocalFileSystem, path: Path, *, expect_step: int | None = None) -> Manifest:
+def read_checkpoint(
+    fs: LocalFileSystem,
+    path: Path,
+    *,
+    expect_step: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path`` and check that
     every data file has the size the manifest says (no data is read).
 
     :param expect_step: the step the directory's name says; a manifest of another
         step (a copied or renamed directory) is refused.
+    :param progress: called with ``(files checked, data files in all)`` after each
+        data file's size is checked (one request each on an object store).
     :raises CheckpointNotFoundError: ``path`` has no ``manifest.json``, or (object
         stores) no commit marker: an uncommitted save.
     :raises CorruptCheckpointError: the manifest is damaged or a file is missing,
@@ -97,7 +105,7 @@ def read_checkpoint(fs: LocalFileSystem, path: Path, *, expect_step: int | None 
             path=path,
             step=manifest.step,
         )
-    for f in manifest.files:
+    for done, f in enumerate(manifest.files, 1):
         fpath = path / f["name"]
         try:
             actual = fs.size(fpath)
@@ -112,6 +120,8 @@ def read_checkpoint(fs: LocalFileSystem, path: Path, *, expect_step: int | None 
                 path=fpath,
                 step=manifest.step,
             )
+        if progress is not None:
+            progress(done, len(manifest.files))
     return manifest
 
 
@@ -210,10 +220,12 @@ def _read_entries(
     *,
     verify: bool,
     only: set[int] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[torch.Tensor | None]:
     """Read entries (``only``: those indices) into fresh ``uint8`` CPU tensors
     through ``fs.open_read``, checking checksums: the path for file systems that
-    cannot be memory-mapped (object stores through fsspec)."""
+    cannot be memory-mapped (object stores through fsspec). ``progress`` is called
+    with each count of bytes read."""
     out: list[torch.Tensor | None] = [None] * len(manifest.entries)
     for fi, finfo in enumerate(manifest.files):
         fpath = path / finfo["name"]
@@ -238,6 +250,8 @@ def _read_entries(
                         )
                     if verify:
                         h.update(view[pos : pos + n])
+                    if progress is not None:
+                        progress(n)
                     pos += n
                 if verify and h.hexdigest() != e[CHECKSUM]:
                     raise ChecksumMismatchError(
@@ -724,14 +738,21 @@ def _read(
     verify: bool,
     device: torch.device,
     only: set[int] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[torch.Tensor | None]:
     """Entries' bytes: memory-mapped (zero-copy; pinned bounce buffers to CUDA)
     for a local directory, streamed through ``fs.open_read`` for an object store
     (the tensors are moved to ``device`` when they are built)."""
     if isinstance(fs, FsspecFileSystem):
-        return _read_entries(fs, path, manifest, verify=verify, only=only)
+        return _read_entries(fs, path, manifest, verify=verify, only=only, progress=progress)
     return read_entries(
-        path, manifest, verify=verify, device=device, only=only, check_header=_check_header
+        path,
+        manifest,
+        verify=verify,
+        device=device,
+        only=only,
+        check_header=_check_header,
+        progress=progress,
     )
 
 
@@ -763,11 +784,18 @@ def verify(
     *,
     filesystem: LocalFileSystem | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> CheckpointInfo:
     """Check a checkpoint completely: manifest (and its own checksum), file sizes,
     safetensors headers, the checksum of every byte, and that every tensor and the
     state tree can be rebuilt (pickled leaves are not unpickled). Reads every byte
     once. ``path``, ``filesystem`` and ``storage_options`` as for :func:`load`.
+
+    :param progress: called with each count of bytes just hashed (chunks of at
+        most 8 MiB), possibly from several reading threads at once; the counts add
+        up to ``CheckpointInfo.nbytes`` once the checkpoint verifies (none for
+        another library's files, whose sizes only are checked). The
+        ``asyncsave verify`` command feeds a progress bar with it.
 
     :returns: the checkpoint's :class:`CheckpointInfo`.
     :raises CheckpointNotFoundError: no manifest at ``path``.
@@ -778,7 +806,7 @@ def verify(
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
     if manifest.tree.get("type") == "foreign":
         return info_of(p, manifest)  # another library's files: their sizes are checked
-    raw = _read(fs, p, manifest, verify=True, device=torch.device("cpu"))
+    raw = _read(fs, p, manifest, verify=True, device=torch.device("cpu"), progress=progress)
     tensors = _build_tensors(manifest, raw, torch.device("cpu"))
     decoder = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=False, unpickle=False)
     decoder.node(manifest.tree)

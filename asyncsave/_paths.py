@@ -24,6 +24,7 @@ __all__ = [
     "is_temp_name",
     "retired_dir_name",
     "temp_dir_name",
+    "temp_dir_step",
     "temp_file_name",
 ]
 
@@ -34,6 +35,7 @@ COMMIT_MARKER_NAME = "commit_success.txt"
 LOCK_NAME = ".asyncsave.lock"
 _TEMP_PREFIX = ".asyncsave-tmp-"
 _TEMP_RE = re.compile(r"^\.asyncsave-tmp-")
+_TEMP_DIR_RE = re.compile(r"^\.asyncsave-tmp-(\d+)-[0-9a-f]{12}$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +152,18 @@ def aside_dir_name(why: str, step: int) -> str:
     is moved at open (``why``: ``"damaged"`` or ``"incomplete"``): kept for
     inspection, out of every resolver's way (no ``step_`` substring)."""
     return f".asyncsave-{why}-{step}-{uuid.uuid4().hex[:12]}"
+
+
+def temp_dir_step(name: str) -> int | None:
+    """The step of the save writing into temporary directory ``name``
+    (:func:`temp_dir_name`), or ``None`` for any other name (retention's retired
+    directories included).
+
+    >>> temp_dir_step(temp_dir_name(40)), temp_dir_step(retired_dir_name(40))
+    (40, None)
+    """
+    m = _TEMP_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def is_temp_name(name: str) -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import mmap
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ def read_entries(
     device: torch.device,
     only: Iterable[int] | None = None,
     check_header: Any = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[torch.Tensor | None]:
     """Read entries of a checkpoint as ``uint8`` tensors (index = entry index;
     ``None`` for entries not asked for).
@@ -90,6 +91,8 @@ def read_entries(
     :param only: entry indices to read (default: all). The others are not read.
     :param check_header: ``(fpath, fileobj, manifest, file_index)`` callable that
         validates a file's safetensors header against the manifest.
+    :param progress: called with each count of bytes just read (hashed, when
+        ``verify``), from the reading threads (one per file, several at once).
     :raises CorruptCheckpointError: an entry past the end of its file, or a header
         that disagrees; :class:`ChecksumMismatchError` for altered bytes.
     """
@@ -105,7 +108,18 @@ def read_entries(
         bounce = _Bounce(device) if per_file else None
         try:
             for fi, mine in per_file.items():
-                _read_file(path, manifest, fi, mine, counts[fi], verify, out, bounce, check_header)
+                _read_file(
+                    path,
+                    manifest,
+                    fi,
+                    mine,
+                    counts[fi],
+                    verify,
+                    out,
+                    bounce,
+                    check_header,
+                    progress,
+                )
         finally:
             if bounce is not None:
                 bounce.close()
@@ -115,12 +129,24 @@ def read_entries(
     jobs = list(per_file.items())
     if len(jobs) <= 1:
         for fi, mine in jobs:
-            _read_file(path, manifest, fi, mine, counts[fi], verify, out, None, check_header)
+            _read_file(
+                path, manifest, fi, mine, counts[fi], verify, out, None, check_header, progress
+            )
         return out
     with concurrent.futures.ThreadPoolExecutor(min(len(jobs), _READ_THREADS)) as pool:
         futures = [
             pool.submit(
-                _read_file, path, manifest, fi, mine, counts[fi], verify, out, None, check_header
+                _read_file,
+                path,
+                manifest,
+                fi,
+                mine,
+                counts[fi],
+                verify,
+                out,
+                None,
+                check_header,
+                progress,
             )
             for fi, mine in jobs
         ]
@@ -139,6 +165,7 @@ def _read_file(
     out: list[torch.Tensor | None],
     bounce: _Bounce | None,
     check_header: Any,
+    progress: Callable[[int], None] | None = None,
 ) -> None:
     fpath = path / manifest.files[fi]["name"]
     if check_header is not None:
@@ -154,7 +181,7 @@ def _read_file(
         start, n = _check(fpath, e, size, manifest)
         view = memoryview(mm)[start : start + n]
         if bounce is not None:
-            t, digest = bounce.upload(view, verify)
+            t, digest = bounce.upload(view, verify, progress)
         else:
             # One storage per entry (not one per file): tensors that did not
             # share memory at save time do not share it now, and torch.save of
@@ -164,7 +191,9 @@ def _read_file(
                 if n
                 else torch.empty(0, dtype=torch.uint8)
             )
-            digest = _hash(view) if verify else ""
+            digest = _hash(view, progress) if verify else ""
+            if progress is not None and not verify:
+                progress(n)
         del view
         if verify:
             _verify(fpath, e, digest, manifest)
@@ -182,12 +211,18 @@ def _close_when_unused(mm: mmap.mmap) -> None:
         pass
 
 
-def _hash(view: memoryview) -> str:
+def _hash(view: memoryview, progress: Callable[[int], None] | None = None) -> str:
     if len(view) <= _HASH_CHUNK:
-        return xxhash.xxh3_64_hexdigest(view)
+        digest = xxhash.xxh3_64_hexdigest(view)
+        if progress is not None:
+            progress(len(view))
+        return digest
     h = xxhash.xxh3_64()
     for pos in range(0, len(view), _HASH_CHUNK):
-        h.update(view[pos : pos + _HASH_CHUNK])
+        chunk = view[pos : pos + _HASH_CHUNK]
+        h.update(chunk)
+        if progress is not None:
+            progress(len(chunk))
     return h.hexdigest()
 
 
@@ -204,7 +239,9 @@ class _Bounce:
         self.events: list[Any] = [None, None]
         self.turn = 0
 
-    def upload(self, view: memoryview, verify: bool) -> tuple[torch.Tensor, str]:
+    def upload(
+        self, view: memoryview, verify: bool, progress: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor, str]:
         """Copy ``view`` to a new device tensor in bounce-buffer-sized chunks,
         hashing each chunk while it is copied into the bounce buffer."""
         n = len(view)
@@ -222,6 +259,8 @@ class _Bounce:
             buf[:k].copy_(torch.frombuffer(chunk, dtype=torch.uint8))
             if h is not None:
                 h.update(chunk)
+            if progress is not None:
+                progress(k)
             with torch.cuda.stream(self.stream):
                 dst[pos : pos + k].copy_(buf[:k], non_blocking=True)
                 event = torch.cuda.Event()

@@ -27,7 +27,15 @@ from ._fs import LocalFileSystem
 from ._load import read_checkpoint, scan_steps
 from ._paths import Layout, is_retired_name, retired_dir_name
 
-__all__ = ["Candidate", "KeepBest", "KeepEvery", "KeepLast", "Retention", "apply_retention"]
+__all__ = [
+    "Candidate",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLast",
+    "Retention",
+    "apply_retention",
+    "retention_plan",
+]
 
 logger = logging.getLogger("asyncsave")
 
@@ -176,6 +184,37 @@ def as_retention(value: object) -> Retention | None:
     )
 
 
+def retention_plan(
+    fs: LocalFileSystem,
+    root: Path,
+    layout: Layout,
+    rule: Retention,
+    protected: Iterable[int] | Callable[[], Iterable[int]],
+) -> list[int]:
+    """The committed steps under ``root`` that :func:`apply_retention` would
+    delete now, ascending; nothing is changed (``asyncsave prune --dry-run``).
+
+    Kept whatever ``rule`` says: a step in ``protected`` (a callable is evaluated
+    once the candidates are listed) and the newest committed step. Directories whose
+    manifest does not read are not candidates.
+
+    :raises OSError: the root cannot be listed.
+    """
+    candidates: list[Candidate] = []
+    for step, path in sorted(scan_steps(fs, root, layout).items()):
+        try:
+            manifest = read_checkpoint(fs, path, expect_step=step)
+        except Exception as exc:  # damaged or foreign: not ours to delete
+            logger.debug("retention skips %s: %s", path, exc)
+            continue
+        candidates.append(Candidate(step, manifest.training_info))
+    if not candidates:
+        return []
+    guard = protected() if callable(protected) else protected
+    keep = rule.keep(candidates) | set(guard) | {candidates[-1].step}
+    return [c.step for c in candidates if c.step not in keep]
+
+
 def apply_retention(
     fs: LocalFileSystem,
     root: Path,
@@ -214,20 +253,9 @@ def apply_retention(
     for path in leftovers:
         if discard(fs, path, _RETRY, by="retention"):
             logger.info("retention removed the leftover %s", path.name)
-    candidates: list[Candidate] = []
-    for step, path in sorted(scan_steps(fs, root, layout).items()):
-        try:
-            manifest = read_checkpoint(fs, path, expect_step=step)
-        except Exception as exc:  # damaged or foreign: not ours to delete
-            logger.debug("retention skips %s: %s", path, exc)
-            continue
-        candidates.append(Candidate(step, manifest.training_info))
-    if not candidates:
-        return []
-    guard = protected() if callable(protected) else protected
-    keep = rule.keep(candidates) | set(guard) | {candidates[-1].step}
+    doomed_steps = retention_plan(fs, root, layout, rule, protected)
     retired: list[int] = []
-    for step in (c.step for c in candidates if c.step not in keep):
+    for step in doomed_steps:
         final = root / layout.dir_name(step)
         if not fs.atomic_rename:
             # Object stores (``_marker``): a rename would copy every object; deleting

@@ -400,14 +400,20 @@ _builders: dict[int, int] = {}
 _megatron_getter: Any = None
 
 
-def _scoped_results_queue() -> Any:
+# megatron-core's getter of its write-results queue: ``_get_write_results_queue``
+# up to 0.16, ``get_write_results_queue(mp_mode)`` from 0.17 on.
+_GETTER_NAMES = ("_get_write_results_queue", "get_write_results_queue")
+_megatron_getters: dict[str, Any] = {}
+
+
+def _scoped_results_queue(*args: Any, **kwargs: Any) -> Any:
     """Stands for megatron-core's ``_get_write_results_queue`` while some thread is
     inside :meth:`MegatronSaver.building`: that thread gets an in-process queue,
     every other thread what megatron-core's own getter gives (its ``Manager``
     queue), as if nothing were in place."""
     if threading.get_ident() in _builders:
         return queue.Queue()
-    return _megatron_getter()
+    return _megatron_getter(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -425,12 +431,14 @@ def _in_process_results_queue() -> Iterator[None]:
     me = threading.get_ident()
     with _scope_lock:
         if not _builders:
-            getter = getattr(fs_async, "_get_write_results_queue", None)
-            if getter is None:  # not megatron-core 0.16's layout: nothing to scope
-                _megatron_getter = None
-            else:
+            _megatron_getter = None
+            for name in _GETTER_NAMES:
+                getter = getattr(fs_async, name, None)
+                if getter is None:  # not this release's name: nothing to scope
+                    continue
+                _megatron_getters[name] = getter
                 _megatron_getter = getter
-                setattr(fs_async, "_get_write_results_queue", _scoped_results_queue)  # noqa: B010
+                setattr(fs_async, name, _scoped_results_queue)
         _builders[me] = _builders.get(me, 0) + 1
     try:
         yield
@@ -439,7 +447,9 @@ def _in_process_results_queue() -> Iterator[None]:
             _builders[me] -= 1
             if not _builders[me]:
                 del _builders[me]
-            if not _builders and _megatron_getter is not None:
-                if getattr(fs_async, "_get_write_results_queue", None) is _scoped_results_queue:
-                    setattr(fs_async, "_get_write_results_queue", _megatron_getter)  # noqa: B010
+            if not _builders:
+                for name, getter in _megatron_getters.items():
+                    if getattr(fs_async, name, None) is _scoped_results_queue:
+                        setattr(fs_async, name, getter)
+                _megatron_getters.clear()
                 _megatron_getter = None

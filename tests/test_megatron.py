@@ -8,6 +8,7 @@ megatron-core is imported once here, in the parent, so the forked ranks share it
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from pathlib import Path
@@ -32,6 +33,22 @@ from distributed import run_ranks, values
 pytestmark = pytest.mark.slow
 
 TRACKER = "latest_checkpointed_iteration.txt"
+
+# What changed between megatron-core 0.16 (CI, Python 3.11) and 0.17+ (Python 3.12;
+# 0.19.2 run by hand, README): the results-queue getter lost its underscore, the
+# default async strategy became NVRx (nvidia-resiliency-ext; mcore's own is kept
+# with async_strategy="mcore"), and common.pt went into the torch_dist files.
+GETTER = (
+    "_get_write_results_queue"
+    if hasattr(fs_async, "_get_write_results_queue")
+    else "get_write_results_queue"
+)
+SAVE_KW: dict[str, Any] = (
+    {"async_strategy": "mcore"}
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
+    else {}
+)
+COMMON_FILES = {"common.pt"} if GETTER == "_get_write_results_queue" else set()
 
 
 def weights(rank: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -95,6 +112,7 @@ def _megatron_save(
                     str(tmp),
                     TorchDistSaveShardedStrategy("torch_dist", 1),
                     async_sharded_save=True,
+                    **SAVE_KW,
                 )
             request.add_finalize_fn(caller_finalize)
             handle = await saver.save(10, request)
@@ -141,7 +159,7 @@ def test_megatron_request_runs_on_the_engine_finalize_before_commit_and_tracker(
         assert s["children"] == [] and s["global_queue"] is None
     final = root / "iter_0000010"
     names = sorted(p.name for p in final.iterdir())
-    assert {".metadata", "common.pt", "metadata.json", "manifest.json"} <= set(names)
+    assert {".metadata", *COMMON_FILES, "metadata.json", "manifest.json"} <= set(names)
     assert any(n.endswith(".distcp") for n in names)
     assert asyncsave.verify(final).world_size == 2
     with pytest.raises(asyncsave.UnsupportedFormatError, match="megatron"):
@@ -179,11 +197,11 @@ def _prepare_then_fail(rank: int, world: int, root: str) -> dict[str, Any]:
     save(): megatron-core's results-queue globals are its own at every point
     outside ``building()``, and inside it only the building thread sees a change."""
     own = _TrainersOwnQueue()
-    getter = fs_async._get_write_results_queue
+    getter = getattr(fs_async, GETTER)
     seen: dict[str, Any] = {}
 
     def globals_now() -> tuple[bool, bool]:
-        return (fs_async._results_queue is None, fs_async._get_write_results_queue is getter)
+        return (fs_async._results_queue is None, getattr(fs_async, GETTER) is getter)
 
     async def main() -> None:
         async with asyncsave.Checkpointer(
@@ -198,10 +216,8 @@ def _prepare_then_fail(rank: int, world: int, root: str) -> dict[str, Any]:
                     # As if the trainer had started megatron-core's Manager (so
                     # megatron-core's getter spawns nothing here).
                     fs_async._results_queue = own
-                    mine = fs_async._get_write_results_queue()
-                    t = threading.Thread(
-                        target=lambda: other.append(fs_async._get_write_results_queue())
-                    )
+                    mine = getattr(fs_async, GETTER)()
+                    t = threading.Thread(target=lambda: other.append(getattr(fs_async, GETTER)()))
                     t.start()
                     t.join()
                     fs_async._results_queue = None
@@ -216,6 +232,7 @@ def _prepare_then_fail(rank: int, world: int, root: str) -> dict[str, Any]:
                     str(tmp),
                     TorchDistSaveShardedStrategy("torch_dist", 1),
                     async_sharded_save=True,
+                    **SAVE_KW,
                 )
             seen["after the build"] = globals_now()
             info = await (await saver.save(10, request))
