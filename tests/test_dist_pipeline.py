@@ -594,6 +594,43 @@ def test_ranks_asking_about_different_steps_get_a_typed_error(tmp_path: Path) ->
         assert "different steps ([3, 4])" in text
 
 
+def _dies_in_should_save(rank: int, world: int, root: str, victim: int) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        # dist_timeout_s far beyond the harness deadline: only the heartbeat
+        # through the store can end the survivor's exchange in time.
+        try:
+            async with asyncsave.Checkpointer(root, dist_timeout_s=600) as ckpt:
+                policy = ckpt.agree(asyncsave.SaveEvery(2))
+                for step in (1, 2, 3):
+                    if rank == victim and step == 3:
+                        os.kill(os.getpid(), signal.SIGKILL)  # dies in the exchange
+                    try:
+                        if policy.should_save(step):
+                            await (await ckpt.save(step, state_of(rank, step)))
+                    except asyncsave.RankFailedError as exc:
+                        seen["error"] = (dict(exc.ranks), exc.step, str(exc))
+                        return
+        except asyncsave.CheckpointError:
+            pass
+
+    anyio.run(main)
+    return seen
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_dead_in_should_save_is_named_on_the_survivor(tmp_path: Path, victim: int) -> None:
+    root = tmp_path / "run"
+    results = run_ranks(_dies_in_should_save, 2, tmp_path, str(root), victim, timeout_s=60)
+    assert results[victim] == ("exit", -signal.SIGKILL)
+    (survivor,) = values({1 - victim: results[1 - victim]})
+    ranks, step, text = survivor["error"]
+    assert list(ranks) == [victim] and f"rank {victim} died" in ranks[victim], text
+    assert step == 3 and "save-policy" in text
+    assert asyncsave.latest(root).step == 2  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_an_agreed_policy_of_one_process_answers_as_its_policy(
     tmp_path: Path, backend: str
