@@ -14,6 +14,7 @@ Every test forks 2 gloo ranks (``tests/distributed.py``).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import sys
@@ -525,8 +526,6 @@ def test_update_is_refused_and_overwrite_retention_training_info_work_on_two_ran
 
 
 def json_of(path: Path) -> Any:
-    import json
-
     return json.loads(path.read_text())
 
 
@@ -731,3 +730,69 @@ def test_a_rank_dying_inside_dcps_save_is_named(tmp_path: Path) -> None:
     name, ranks = survivor["error"]
     assert name == "RankFailedError" and list(ranks) == [1] and "died" in ranks[1]
     assert (root / TRACKER).read_text().strip() == "1"
+
+
+# -- item 2: load_latest agreed by every rank --------------------------------------------
+
+
+def _save_steps(rank: int, world: int, root: str) -> None:
+    async def main() -> None:
+        async with asyncsave.Checkpointer(root, dist_timeout_s=60) as ckpt:
+            for step in (1, 2):
+                await (await ckpt.save(step, state_of(rank, step)))
+
+    anyio.run(main)
+
+
+def _damage_rank_part(step_dir: Path, rank: int) -> None:
+    """Flip one data byte of a file rank ``rank`` wrote: its checksum fails."""
+    doc = json.loads((step_dir / "manifest.json").read_text())
+    lo = doc["ranks"][rank]["entries"][0]
+    entry = doc["entries"][lo]
+    path = step_dir / doc["files"][entry["file"]]["name"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"]] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _resume_agreed(rank: int, world: int, root: str, fallback: bool) -> Any:
+    async def main() -> Any:
+        async with asyncsave.Checkpointer(root, dist_timeout_s=60) as ckpt:
+            try:
+                restored = await ckpt.load_latest(fallback=fallback)
+            except asyncsave.CheckpointError as exc:
+                corrupt = isinstance(exc, asyncsave.CorruptCheckpointError)
+                return ("error", corrupt, exc.rank, str(exc))
+            assert restored is not None
+            step = restored.info.step
+            assert torch.equal(restored.state["w"], state_of(rank, step)["w"])
+            # The damaged step is not "committed" any more: saved afresh.
+            info = await (await ckpt.save(2, state_of(rank, 2)))
+            return ("resumed", step, info.step if info else None)
+
+    return anyio.run(main)
+
+
+@pytest.mark.parametrize("damaged_rank", [0, 1])
+def test_every_rank_falls_back_together_when_one_ranks_part_is_damaged(
+    tmp_path: Path, damaged_rank: int
+) -> None:
+    root = tmp_path / "run"
+    values(run_ranks(_save_steps, 2, tmp_path, str(root)))
+    _damage_rank_part(root / "step_2", damaged_rank)
+    # Without fallback: every rank raises, naming the damaged rank's part.
+    for kind, corrupt, rank, text in values(
+        run_ranks(_resume_agreed, 2, tmp_path, str(root), False)
+    ):
+        assert kind == "error" and corrupt, text
+        assert rank == damaged_rank or f"rank(s) [{damaged_rank}]" in text, text
+    assert (root / "step_2").is_dir()  # nothing moved without fallback
+    # With fallback: every rank resumes step 1; rank 0 moved step 2 aside (bytes
+    # kept), and step 2 is saved again.
+    assert values(run_ranks(_resume_agreed, 2, tmp_path, str(root), True)) == [
+        ("resumed", 1, 2),
+        ("resumed", 1, 2),
+    ]
+    assert [p for p in os.listdir(root) if p.startswith(".asyncsave-damaged-2-")]
+    assert asyncsave.verify(root / "step_2").world_size == 2
+    assert asyncsave.latest(root).step == 2  # type: ignore[union-attr]
