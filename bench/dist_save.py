@@ -126,7 +126,17 @@ def _rank_file_sizes(checkpoint: Path, rank: int) -> list[int]:
 
 
 def _bench(rank: int, world: int, mib: int, repeats: int, base: str, rows: str) -> dict[str, Any]:
-    sharded, local = _state(mib)
+    if rows == "per-rank":  # no DTensor: each rank makes only its own shard
+        world_rows = 1024 // world
+        numel = mib * (1 << 20) // 4 // N_TENSORS // 1024 * world_rows
+        g = torch.Generator().manual_seed(rank)
+        local = {
+            f"t{i}": torch.randn(world_rows, numel // world_rows, generator=g)
+            for i in range(N_TENSORS)
+        }
+        sharded: dict[str, Any] = {}
+    else:
+        sharded, local = _state(mib)
     local_bytes = sum(t.numel() * t.element_size() for t in local.values())
     results: dict[str, dict[str, list[float]]] = {}
     ref: dict[str, list[float]] = {
@@ -183,6 +193,7 @@ def _bench(rank: int, world: int, mib: int, repeats: int, base: str, rows: str) 
                     info = await handle
                     record(name, blocked, time.perf_counter() - t0)
                     if not sizes and state is local:
+                        assert info is not None
                         sizes.extend(_rank_file_sizes(info.path, rank))
                 await anyio.to_thread.run_sync(references, step)
                 if rows == "per-rank":
