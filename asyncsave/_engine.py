@@ -667,6 +667,14 @@ class Checkpointer:
             bytes fail their checksums is skipped for the next older one.
         :raises CorruptCheckpointError: the checkpoint's bytes are damaged and
             ``fallback`` is false.
+
+        Several ranks: every rank calls it (in the same order as its saves), each
+        reads only its own part, and the ranks agree: all resume the same step; a
+        part damaged on any rank makes every rank raise naming that rank, or, with
+        ``fallback``, every rank fall back to the same older step while rank 0
+        moves the damaged checkpoint aside.
+        :raises CheckpointError: (several ranks) another rank could not resume, or
+            the ranks found different checkpoints (storage they do not share).
         """
         return await _resume.load_latest(
             self._saver, template, device=device, fallback=fallback, required=required
