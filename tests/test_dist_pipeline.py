@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -796,3 +797,28 @@ def test_every_rank_falls_back_together_when_one_ranks_part_is_damaged(
     assert [p for p in os.listdir(root) if p.startswith(".asyncsave-damaged-2-")]
     assert asyncsave.verify(root / "step_2").world_size == 2
     assert asyncsave.latest(root).step == 2  # type: ignore[union-attr]
+
+
+def _resume_from(rank: int, world: int, roots: list[str]) -> Any:
+    async def main() -> Any:
+        async with asyncsave.Checkpointer(roots[rank], dist_timeout_s=60) as ckpt:
+            try:
+                restored = await ckpt.load_latest()
+            except asyncsave.CheckpointError as exc:
+                return ("error", str(exc))
+            return ("resumed", restored.info.step if restored else None)
+
+    return anyio.run(main)
+
+
+def test_ranks_that_find_different_checkpoints_get_a_typed_error(tmp_path: Path) -> None:
+    """Storage the ranks do not share: rank 1's copy of the root lacks step 2, so
+    the ranks would resume different steps; every rank raises instead."""
+    root = tmp_path / "run"
+    values(run_ranks(_save_steps, 2, tmp_path, str(root)))
+    other = tmp_path / "copy"
+    shutil.copytree(root, other)
+    shutil.rmtree(other / "step_2")
+    (other / TRACKER).write_text("1")
+    for kind, text in values(run_ranks(_resume_from, 2, tmp_path, [str(root), str(other)])):
+        assert kind == "error" and "different checkpoints" in text and "[1, 2]" in text, text
