@@ -24,7 +24,9 @@ memcpy of one rank's bytes; a raw sequential write + fsync of them into one file
 wrote for that rank (their number and sizes, read from its manifest), written by
 one thread per file, each fsynced, then the directory fsynced (``raw, same
 files``: what making new files durable costs without asyncsave's staging,
-checksums, collectives and commit). ``--rows per-rank`` runs only the per-rank
+checksums, collectives and commit), also with their 4096-aligned bulk written
+with ``O_DIRECT`` from page-aligned buffers, as asyncsave's writer does by default
+(``O_DIRECT``). ``--rows per-rank`` runs only the per-rank
 rows and the references (for large ``--mib``). asyncsave writes the bulk of its
 files with ``O_DIRECT`` (``direct_io=True``, the default) and the references
 through the page cache; ``--buffered`` makes asyncsave write as they do. The 2
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -84,16 +87,34 @@ def _slowest(x: float) -> float:
     return float(t.item())
 
 
-def _raw_files(directory: Path, flat: torch.Tensor, sizes: list[int]) -> None:
+def _raw_files(
+    directory: Path, flat: torch.Tensor, sizes: list[int], aligned: list[mmap.mmap] | None = None
+) -> None:
     """``flat``'s bytes as files of ``sizes`` bytes in a new ``directory``, one
-    thread per file, each fsynced, then the directory fsynced."""
+    thread per file, each fsynced, then the directory fsynced. With ``aligned``
+    (each file's bytes in a page-aligned buffer), the 4096-byte-aligned bulk of
+    each file is written with ``O_DIRECT`` and the rest through the page cache,
+    as asyncsave's writer does with ``direct_io=True``."""
     os.mkdir(directory)
     view = memoryview(flat.numpy())  # type: ignore[arg-type]
 
     def one(i: int, start: int, size: int) -> None:
-        fd = os.open(directory / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        path = directory / f"f{i}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            for pos in range(start, start + size, 8 << 20):
+            done = 0
+            if aligned is not None:
+                bulk = size // 4096 * 4096
+                dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+                try:
+                    src = memoryview(aligned[i])
+                    for pos in range(0, bulk, 8 << 20):
+                        os.write(dfd, src[pos : min(pos + (8 << 20), bulk)])
+                finally:
+                    os.close(dfd)
+                os.lseek(fd, bulk, os.SEEK_SET)
+                done = bulk
+            for pos in range(start + done, start + size, 8 << 20):
                 os.write(fd, view[pos : min(pos + (8 << 20), start + size)])
             os.fsync(fd)
         finally:
@@ -147,6 +168,7 @@ def _bench(
         "host_memcpy_s": [],
         "raw_write_fsync_s": [],
         "raw_same_files_s": [],
+        "raw_same_files_direct_s": [],
     }
     flat = torch.cat([t.reshape(-1) for t in local.values()]).view(torch.uint8)
     dst = torch.empty_like(flat)
@@ -165,10 +187,35 @@ def _bench(
         path.unlink()
         return seconds
 
+    files: list[torch.Tensor] = []  # the files' bytes: the data, headers as zeros
+    aligned: list[mmap.mmap] = []  # the same, page-aligned (O_DIRECT)
+
+    def file_bytes() -> torch.Tensor:
+        if not files:
+            files.append(torch.zeros(sum(sizes), dtype=torch.uint8))
+            files[0][: len(flat)] = flat
+            start = 0
+            for size in sizes:
+                buf = mmap.mmap(-1, size)
+                buf[:] = files[0][start : start + size].numpy().tobytes()
+                aligned.append(buf)
+                start += size
+        return files[0]
+
     def same_files(step: int) -> float:
+        payload = file_bytes()
         directory = Path(base) / f"raw-{rank}-{step}"
         t0 = time.perf_counter()
-        _raw_files(directory, flat, sizes)
+        _raw_files(directory, payload, sizes)
+        seconds = time.perf_counter() - t0
+        shutil.rmtree(directory)
+        return seconds
+
+    def same_files_direct(step: int) -> float:
+        payload = file_bytes()
+        directory = Path(base) / f"raw-direct-{rank}-{step}"
+        t0 = time.perf_counter()
+        _raw_files(directory, payload, sizes, aligned)
         seconds = time.perf_counter() - t0
         shutil.rmtree(directory)
         return seconds
@@ -178,11 +225,16 @@ def _bench(
         t0 = time.perf_counter()
         dst.copy_(flat)
         ref["host_memcpy_s"].append(_slowest(time.perf_counter() - t0))
-        # The two writes take turns at going first: the first fsync after a
+        # The writes take turns at going first: the first fsync after a
         # pause may also pay for other processes' dirty pages (ext4 commits
         # them in the same journal transaction).
-        order = [("raw_write_fsync_s", one_file), ("raw_same_files_s", same_files)]
-        for key, measure in order if step % 2 else order[::-1]:
+        order = [
+            ("raw_write_fsync_s", one_file),
+            ("raw_same_files_s", same_files),
+            ("raw_same_files_direct_s", same_files_direct),
+        ]
+        turn = step % len(order)
+        for key, measure in order[turn:] + order[:turn]:
             dist.barrier()
             ref[key].append(_slowest(measure(step)))
 
@@ -274,31 +326,30 @@ def main() -> None:
         f"median of {args.repeats}, slower rank"
     )
     raw, same = ref["raw_write_fsync_s"], ref["raw_same_files_s"]
+    direct = ref["raw_same_files_direct_s"]
     print(
         f"  reference: host memcpy {ref['host_memcpy_s']:.3f} s, raw write+fsync {raw:.3f} s, "
-        f"raw same files {same:.3f} s ({len(r0['files'])} per rank; every rank at once)"
+        f"raw same files {same:.3f} s, the same with O_DIRECT {direct:.3f} s "
+        f"({len(r0['files'])} files per rank; every rank at once)"
     )
     print(
         f"  {'':34s} {'blocked s':>10s} {'durable s':>10s} {'durable/raw':>12s} "
-        f"{'/same files':>12s}"
+        f"{'/same files':>12s} {'/O_DIRECT':>10s}"
     )
     for name, r in rows.items():
         print(
             f"  {name:34s} {r['blocked_s']:10.3f} {r['durable_s']:10.3f} "
-            f"{r['durable_s'] / raw:12.2f} {r['durable_s'] / same:12.2f}"
+            f"{r['durable_s'] / raw:12.2f} {r['durable_s'] / same:12.2f} "
+            f"{r['durable_s'] / direct:10.2f}"
         )
     eager, lazy = rows["asyncsave per-rank"], rows["asyncsave per-rank lazy"]
-    print(
-        f"  lazy blocked / eager blocked: {lazy['blocked_s'] / eager['blocked_s']:.3f}; "
-        f"eager durable / raw write+fsync: {eager['durable_s'] / raw:.2f}, "
-        f"/ raw same files: {eager['durable_s'] / same:.2f}"
-    )
+    print(f"  lazy blocked / eager blocked: {lazy['blocked_s'] / eager['blocked_s']:.3f}")
     # The disk's mood drifts between rounds: the ratio within each round, then
     # the median over rounds, is steadier than a ratio of medians.
     per_round: dict[str, float] = {}
     for name in ("asyncsave per-rank", "asyncsave per-rank lazy"):
         durable = r0["results"][name]["durable_s"]
-        for ref_name in ("raw_write_fsync_s", "raw_same_files_s"):
+        for ref_name in ("raw_write_fsync_s", "raw_same_files_s", "raw_same_files_direct_s"):
             refs = r0["reference"][ref_name]
             key = f"{name} / {ref_name.removesuffix('_s')}"
             per_round[key] = med([d / x for d, x in zip(durable, refs, strict=True)])
