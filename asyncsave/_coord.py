@@ -140,8 +140,12 @@ async def _boxed(func: Callable[..., Any], *args: Any) -> dict[str, Any]:
     # microseconds is not paid for in polling delays): a worker thread waits on
     # the event, at most _WAKE_S at a time, so one whose wait was abandoned (a
     # cancelled collective) ends by itself within _WAKE_S and never holds the
-    # interpreter's exit, which the daemon thread running ``func`` may.
-    while not await anyio.to_thread.run_sync(done.wait, _WAKE_S, abandon_on_cancel=True):
+    # interpreter's exit, which the daemon thread running ``func`` may. A
+    # limiter of its own: the waiter never queues behind the caller's threads.
+    limiter = anyio.CapacityLimiter(1)
+    while not await anyio.to_thread.run_sync(
+        done.wait, _WAKE_S, abandon_on_cancel=True, limiter=limiter
+    ):
         pass
     return box
 
