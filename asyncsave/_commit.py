@@ -111,15 +111,10 @@ def hold_root(fs: LocalFileSystem, root: Path, *, timeout_s: float) -> Iterator[
         fs.unlock(fd)
 
 
-def make_temp_dir(fs: LocalFileSystem, root: Path, step: int, *, final: Path | None = None) -> Path:
-    """Create a fresh temporary directory for a save of ``step`` under ``root``.
-
-    Without atomic rename (``fs.atomic_rename`` false) the save is written straight
-    under ``final`` instead (:func:`_marker.begin`).
-    """
-    if not fs.atomic_rename:
-        assert final is not None, "the marker protocol writes under the final name"
-        return _marker.begin(fs, final)
+def make_temp_dir(fs: LocalFileSystem, root: Path, step: int) -> Path:
+    """Create a fresh temporary directory for a save of ``step`` under ``root``
+    (the rename protocol; object stores write under the final prefix instead:
+    ``_atomicity.MarkerCommit``)."""
     path = root / temp_dir_name(step)
     fs.mkdir(path)
     return path
@@ -165,18 +160,9 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
     :raises FileExistsError: ``final`` exists and ``overwrite`` is false.
     :raises CheckpointError: overwrite asked where the file system cannot exchange.
 
-    Without atomic rename, ``tmp`` is ``final`` and writing the commit marker is the
-    commit (:func:`_marker.commit`).
+    The rename protocol only: object stores commit by marker
+    (``_atomicity.MarkerCommit``).
     """
-    if not fs.atomic_rename:
-        if tmp != final or overwrite:
-            raise CheckpointError(
-                f"{fs!r} has no atomic rename: a save is committed in place and never "
-                "overwrites a committed checkpoint",
-                path=final,
-            )
-        _marker.commit(fs, final)
-        return
     fs.fsync_dir(tmp)
     if overwrite and fs.lexists(final):
         try:

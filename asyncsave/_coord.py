@@ -21,6 +21,7 @@ import functools
 import logging
 import math
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -117,6 +118,9 @@ class Solo(Coordinator):
     turns (without collectives nothing needs ordering, so saves overlap)."""
 
 
+_WAKE_S = 0.25  # the longest a waiter of a daemon-thread call stays blocked at a time
+
+
 async def _boxed(func: Callable[..., Any], *args: Any) -> dict[str, Any]:
     """``func(*args)`` in a daemon thread: ``{"value": ...}`` or ``{"error": exc}``
     (any ``BaseException`` it raised, DCP's ``CheckpointException`` included)."""
@@ -132,10 +136,17 @@ async def _boxed(func: Callable[..., Any], *args: Any) -> dict[str, Any]:
             done.set()
 
     threading.Thread(target=target, name="asyncsave-collective", daemon=True).start()
-    delay = 0.001
-    while not done.is_set():
-        await anyio.sleep(delay)
-        delay = min(delay * 2, 0.05)
+    # Woken as soon as the call returns (a collective of a few hundred
+    # microseconds is not paid for in polling delays): a worker thread waits on
+    # the event, at most _WAKE_S at a time, so one whose wait was abandoned (a
+    # cancelled collective) ends by itself within _WAKE_S and never holds the
+    # interpreter's exit, which the daemon thread running ``func`` may. A
+    # limiter of its own: the waiter never queues behind the caller's threads.
+    limiter = anyio.CapacityLimiter(1)
+    while not await anyio.to_thread.run_sync(
+        done.wait, _WAKE_S, abandon_on_cancel=True, limiter=limiter
+    ):
+        pass
     return box
 
 
@@ -197,6 +208,34 @@ class Liveness:
                 out[r] = (beats, closed)
         return out
 
+    def _read_into(self, read: dict[str, Any], done: threading.Event) -> None:
+        try:
+            read["counts"] = self._read()
+        except Exception:  # store unreachable: nothing can be told from it
+            read["counts"] = {}
+        finally:
+            done.set()
+
+    def _gone(
+        self,
+        counts: dict[int, tuple[int, bool]],
+        seen: dict[int, tuple[int, bool]],
+        since: dict[int, float],
+        now: float,
+    ) -> dict[int, str]:
+        """Fold one reading of the counters into ``seen``/``since`` (when each
+        last moved); the peers found gone, each mapped to what became of it."""
+        for r, value in counts.items():
+            if seen.get(r) != value:
+                seen[r], since[r] = value, now
+        return {
+            r: f"rank {r} closed its Checkpointer (left asyncsave's group)"
+            if value[1]
+            else f"rank {r} died: no heartbeat through the store for {self.window:g} s"
+            for r, value in seen.items()
+            if value[1] or now - since[r] >= self.window
+        }
+
     async def watch(self) -> dict[int, str]:
         """Return once a peer stopped beating for ``window`` s, or closed: its
         rank mapped to what became of it. Runs until then (or cancelled)."""
@@ -208,20 +247,34 @@ class Liveness:
                     counts = await _in_daemon(self._read)
             except Exception:  # store unreachable: nothing can be told from it
                 counts = {}
-            now = anyio.current_time()
-            for r, value in counts.items():
-                if seen.get(r) != value:
-                    seen[r], since[r] = value, now
-            gone = {
-                r: f"rank {r} closed its Checkpointer (left asyncsave's group)"
-                if value[1]
-                else f"rank {r} died: no heartbeat through the store for {self.window:g} s"
-                for r, value in seen.items()
-                if value[1] or now - since[r] >= self.window
-            }
+            gone = self._gone(counts, seen, since, anyio.current_time())
             if gone:
                 return gone
             await anyio.sleep(self.interval)
+
+    def watch_blocking(self, done: threading.Event, timeout_s: float = math.inf) -> dict[int, str]:
+        """:meth:`watch` for a caller's thread (no event loop): blocks until
+        ``done`` is set (returns ``{}``), a peer is gone (returned as by
+        :meth:`watch`), or ``timeout_s`` passed (``{}``). Each reading of the store
+        runs in a daemon thread, bounded by ``window``."""
+        seen: dict[int, tuple[int, bool]] = {}
+        since: dict[int, float] = {}
+        deadline = time.monotonic() + timeout_s
+        while not done.is_set() and time.monotonic() < deadline:
+            read: dict[str, Any] = {}
+            read_done = threading.Event()
+            threading.Thread(
+                target=self._read_into,
+                args=(read, read_done),
+                name="asyncsave-liveness",
+                daemon=True,
+            ).start()
+            read_done.wait(self.window)
+            gone = self._gone(read.get("counts", {}), seen, since, time.monotonic())
+            if gone:
+                return gone
+            done.wait(min(self.interval, max(0.0, deadline - time.monotonic())))
+        return {}
 
 
 class GlooGroup(Coordinator):
@@ -331,6 +384,10 @@ class GlooGroup(Coordinator):
 
             async def watch() -> None:
                 assert liveness is not None
+                # Most collectives end within milliseconds: the store is read
+                # only for one that lasts one heartbeat interval (a rank dead
+                # meanwhile is named ``interval`` s later, well within the bound).
+                await anyio.sleep(liveness.interval)
                 out["gone"] = await liveness.watch()
                 tg.cancel_scope.cancel()
 
@@ -399,15 +456,49 @@ class GlooGroup(Coordinator):
         return list(committed), tracked
 
     def vote(self, values: list[int]) -> list[list[int]]:
+        """The exchange of agreed save policies, from the caller's thread: an
+        ``all_gather`` on the policy group in a daemon thread, raced against the
+        peers' heartbeats like every save collective (:meth:`_race_liveness`), so
+        a rank that died before or during it is named on the survivors.
+
+        :raises RankFailedError: a rank died (named in ``ranks``), or did not take
+            part within ``dist_timeout_s``.
+        """
         import torch
 
         mine = torch.tensor(values, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        try:
-            dist.all_gather(out, mine, group=self.policy_group)
-        except Exception as exc:  # gloo: a rank died or never came
-            raise self._translate("save-policy", values[-1], exc, {}) from exc
-        return [t.tolist() for t in out]
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                dist.all_gather(out, mine, group=self.policy_group)
+                box["value"] = None
+            except BaseException as exc:  # handed to the caller's thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=target, name="asyncsave-policy-vote", daemon=True).start()
+        liveness = self.liveness
+        gone: dict[int, str] = {}
+        if liveness is None:
+            done.wait()  # bounded by the policy group's timeout (dist_timeout_s)
+        elif not done.wait(liveness.interval):  # most exchanges end within ms
+            gone = liveness.watch_blocking(done)
+        if "value" not in box and not gone and liveness is not None:
+            # gloo failed first (a closed connection): one window more, to tell
+            # the dead from the slow.
+            gone = liveness.watch_blocking(
+                threading.Event(), liveness.window + 2 * liveness.interval
+            )
+        if "value" in box:
+            return [t.tolist() for t in out]
+        error = box.get("error")
+        if error is not None and not isinstance(error, Exception):
+            raise error  # KeyboardInterrupt and the like: not a rank's failure
+        raise self._translate("save-policy", values[-1], error, gone)
 
     # -- ordering of saves ----------------------------------------------------------
     def take_ticket(self) -> int:

@@ -167,13 +167,13 @@ class Checkpointer:
             root, filesystem=self.options.filesystem, storage_options=self.options.storage_options
         )
         self.layout = LAYOUTS[self.options.layout]
-        if not fs.atomic_rename and self.layout.tracker_name is None:
+        self._saver = Saver(fs, self.root, self.layout, self.options)
+        if not self._saver.strategy.renames and self.layout.tracker_name is None:
             raise ValueError(
                 f"layout={self.layout.name!r} has no tracker: its resolver takes the highest "
                 f"directory, which on {fs!r} (commit by marker, files written under "
                 "the final name) could be a save in flight; use a layout with a tracker"
             )
-        self._saver = Saver(fs, self.root, self.layout, self.options)
         tier = self.options.persistent
         self._tiers = None if tier is None else Persister(tier, self._saver)
         self._reuse = Reuse(self.root, self.layout)  # used by incremental saves
@@ -537,7 +537,7 @@ class Checkpointer:
             if step == self._resumed_step:  # saving right after resuming: harmless
                 logger.info("step %d is the checkpoint this run resumed from; kept as is", step)
             return SaveHandle.resolved(step, await self._committed_info(step))
-        if step in self._committed and not self._fs.atomic_rename:
+        if step in self._committed and not self._saver.strategy.renames:
             raise CheckpointError(
                 f"cannot overwrite step {step} on {self._fs!r}: without an atomic rename "
                 "the new files would replace the committed ones before the new commit",
@@ -572,7 +572,7 @@ class Checkpointer:
         is a plain tree, streamed through a smaller explicit budget (S15)."""
         coord = self._saver.coord
         if coord.world_size > 1 and contains_dtensor(state):
-            if not self._saver.fs.atomic_rename:
+            if not self._saver.strategy.renames:
                 raise CheckpointError(
                     f"DTensor state goes through DCP's planner and asyncsave.dcp's writer, "
                     f"which write into a temporary directory renamed at the commit; "
@@ -595,7 +595,7 @@ class Checkpointer:
         budget = self.options.budget_bytes
         rounds = None
         if budget and nbytes > budget:
-            if coord.world_size > 1 and not self._saver.fs.atomic_rename:
+            if coord.world_size > 1 and not self._saver.strategy.renames:
                 raise StagingBudgetError(
                     f"rank {coord.rank}'s state needs {nbytes} bytes of staging, over "
                     f"budget_bytes={budget}: on several ranks a state larger than the "
@@ -701,6 +701,14 @@ class Checkpointer:
             bytes fail their checksums is skipped for the next older one.
         :raises CorruptCheckpointError: the checkpoint's bytes are damaged and
             ``fallback`` is false.
+
+        Several ranks: every rank calls it (in the same order as its saves), each
+        reads only its own part, and the ranks agree: all resume the same step; a
+        part damaged on any rank makes every rank raise naming that rank, or, with
+        ``fallback``, every rank fall back to the same older step while rank 0
+        moves the damaged checkpoint aside.
+        :raises CheckpointError: (several ranks) another rank could not resume, or
+            the ranks found different checkpoints (storage they do not share).
         """
         if self._tiers is not None:
             return await load_nearest(

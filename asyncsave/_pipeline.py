@@ -46,7 +46,8 @@ import anyio.abc
 import anyio.to_thread
 import torch
 
-from ._commit import commit_dir, discard, make_temp_dir
+from ._atomicity import CommitStrategy, strategy_for
+from ._commit import discard
 from ._coord import Coordinator, Solo
 from ._errors import (
     CheckpointerClosedError,
@@ -59,9 +60,8 @@ from ._fs import LocalFileSystem
 from ._handle import SaveHandle
 from ._jobs import Job, PlainJob
 from ._manifest import encode_manifest
-from ._marker import is_committed
 from ._options import CheckpointOptions
-from ._paths import MANIFEST_NAME, Layout, temp_dir_name
+from ._paths import MANIFEST_NAME, Layout
 from ._retention import apply_retention
 from ._stage import StagingPool
 from ._track import TrackerWriter
@@ -98,10 +98,12 @@ class Saver:
     object stages them (:meth:`dispatch`) and runs their pipeline.
     """
 
+    strategy: CommitStrategy  # the root's commit strategy (set with ``fs``)
+
     def __init__(
         self, fs: LocalFileSystem, root: Path, layout: Layout, options: CheckpointOptions
     ) -> None:
-        self.fs = fs
+        self.fs = fs  # and the root's commit strategy, chosen from it (see the setter)
         self.root = root
         self.layout = layout
         self.options = options
@@ -140,6 +142,18 @@ class Saver:
         self._stage_serving = 0
         self._stage_ended: set[int] = set()
         self._stage_changed = anyio.Event()
+
+    @property
+    def fs(self) -> LocalFileSystem:
+        """The root's I/O layer."""
+        return self._fs
+
+    @fs.setter
+    def fs(self, fs: LocalFileSystem) -> None:
+        self._fs = fs
+        # How a save commits on this root (rename, or a marker on object
+        # stores): chosen once here; the pipeline asks it, never the storage.
+        self.strategy = strategy_for(fs)
 
     # -- bookkeeping ----------------------------------------------------------------
     def check_usable(self) -> None:
@@ -245,9 +259,7 @@ class Saver:
 
     async def make_tmp(self, step: int) -> Path:
         final = self.root / self.layout.dir_name(step)
-        path: Path = await self.run(
-            functools.partial(make_temp_dir, final=final), self.fs, self.root, step
-        )
+        path: Path = await self.run(self.strategy.begin, self.fs, self.root, step, final)
         return path
 
     async def track(self, step: int) -> None:
@@ -500,7 +512,7 @@ class Saver:
                     else:
                         tmp = self.root / name
                         # B: this rank's files, then everyone's outcome.
-                        if local_error is None and not _same_step(fs, name, step, final):
+                        if local_error is None and not self.strategy.same_save(name, step, final):
                             local_error = CheckpointError(
                                 f"rank {coord.rank} saved step {step} while rank 0 saved "
                                 f"another step ({name}): every rank must call save() with "
@@ -563,7 +575,7 @@ class Saver:
                             committing = True
                             await self.run(
                                 self.under_final_lock,
-                                functools.partial(commit_dir, overwrite=save.overwrite),
+                                functools.partial(self.strategy.commit, overwrite=save.overwrite),
                                 fs,
                                 tmp,
                                 final,
@@ -692,23 +704,12 @@ class Saver:
             with anyio.move_on_after(5):
                 return bool(
                     await anyio.to_thread.run_sync(
-                        _is_committed, self.fs, final, abandon_on_cancel=True
+                        self.strategy.committed, self.fs, final, abandon_on_cancel=True
                     )
                 )
         except OSError:
             return False
         return False
-
-
-def _is_committed(fs: LocalFileSystem, final: Path) -> bool:
-    return fs.exists(final / MANIFEST_NAME) and is_committed(fs, final)
-
-
-def _same_step(fs: LocalFileSystem, name: str, step: int, final: Path) -> bool:
-    """Whether the leader's temporary directory ``name`` is one of ``step``."""
-    if not fs.atomic_rename:
-        return name == final.name
-    return name.startswith(temp_dir_name(step)[:-12])
 
 
 def _raise_failure(

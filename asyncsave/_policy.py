@@ -330,7 +330,9 @@ class AgreedPolicy(SavePolicy):
     :raises CheckpointError: (from :meth:`should_save`) the ranks passed
         different steps.
     :raises RankFailedError: (from :meth:`should_save`) a rank did not take part
-        within ``dist_timeout_s``.
+        within ``dist_timeout_s``; a rank that died before or during the exchange
+        is named in ``ranks`` once its heartbeat has stopped for
+        ``min(dist_timeout_s / 2, 10)`` s (as in a save's collectives).
     """
 
     def __init__(self, policy: SavePolicy, vote: Callable[[list[int]], list[list[int]]]) -> None:

@@ -13,10 +13,15 @@ import torch
 
 from ._commit import move_aside
 from ._dist import load_rank
-from ._errors import CheckpointerClosedError, CheckpointNotFoundError, CorruptCheckpointError
+from ._errors import (
+    CheckpointerClosedError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
 from ._load import _apply_template, _check_required, load, older_committed, resolve
 from ._pipeline import Saver
-from ._types import Restored
+from ._types import CheckpointInfo, Restored
 
 __all__ = ["load_latest"]
 
@@ -31,13 +36,23 @@ async def load_latest(
     fallback: bool,
     required: Iterable[str | Sequence[Any]],
 ) -> Restored | None:
-    """The body of :meth:`asyncsave.Checkpointer.load_latest` (see there)."""
+    """The body of :meth:`asyncsave.Checkpointer.load_latest` (see there).
+
+    Several ranks agree on the step, in the collective order of their saves
+    (every rank calls it, as it calls ``save()``): after each attempt every
+    rank's view (the step it resolved, its error, whether its part failed its
+    checksums) is gathered, so that every rank resumes from the same step, falls
+    back together (rank 0 moving the damaged checkpoint aside), or raises."""
     if saver.state != "open":
         raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=saver.root)
-    info = await anyio.to_thread.run_sync(
-        lambda: resolve(saver.fs, saver.root, saver.layout, fallback=fallback)
-    )
-    if info is None:
+    coord = saver.coord
+    ticket = coord.take_ticket()
+    try:
+        await coord.wait_turn(ticket)
+        found = await _agreed_load(saver, device=device, fallback=fallback)
+    finally:
+        coord.end_turn(ticket)
+    if found is None:
         # A fresh run, or a mistyped root or layout: say which, where it shows.
         logger.info(
             "no committed checkpoint in %s (layout %r): starting from scratch",
@@ -45,47 +60,118 @@ async def load_latest(
             saver.layout.name,
         )
         return None
-    while True:
-        path = info.path
-        reader: Any = functools.partial(load, path)
-        if saver.coord.world_size > 1:  # this rank's part only
-            reader = functools.partial(load_rank, path, saver.coord.rank, saver.coord.world_size)
-        try:
-            state = await anyio.to_thread.run_sync(
-                functools.partial(
-                    reader,
-                    device=device,
-                    allow_pickle=saver.options.allow_pickle,
-                    filesystem=saver.fs,
-                )
-            )
-            break
-        except CorruptCheckpointError as exc:
-            if not fallback:
-                raise
-            logger.warning("cannot load %s (%s); falling back to an older checkpoint", path, exc)
-            step = info.step
-            # Not a checkpoint any more: a later save() of this step must write
-            # it again, not find it "committed" (and never over damaged bytes).
-            saver.committed.pop(step, None)
-            if saver.coord.world_size == 1 and saver.fs.atomic_rename:
-                await anyio.to_thread.run_sync(
-                    saver.under_final_lock, _move_damaged_aside, saver, path, step, str(exc)
-                )
-            older = await anyio.to_thread.run_sync(
-                older_committed, saver.fs, saver.root, saver.layout, step
-            )
-            if older is None:
-                raise CheckpointNotFoundError(
-                    f"no loadable checkpoint in {saver.root} at or below step {step}",
-                    path=saver.root,
-                ) from exc
-            info = older
+    state, info = found
     _check_required(state, required, info.path)
     state = _apply_template(state, template, (), info.path)
     saver.resumed_step = info.step
     saver.committed.setdefault(info.step, info)
     return Restored(state, info)
+
+
+async def _agreed_load(
+    saver: Saver, *, device: str | torch.device, fallback: bool
+) -> tuple[Any, CheckpointInfo] | None:
+    coord = saver.coord
+    error: CheckpointError | None = None  # this rank cannot resume at all
+    info: CheckpointInfo | None = None
+    try:
+        info = await anyio.to_thread.run_sync(
+            lambda: resolve(saver.fs, saver.root, saver.layout, fallback=fallback)
+        )
+    except CheckpointError as exc:
+        if coord.world_size == 1:
+            raise
+        error = exc
+    while True:
+        state: Any = None
+        damaged_here: CorruptCheckpointError | None = None
+        if error is None and info is not None:
+            reader: Any = functools.partial(load, info.path)
+            if coord.world_size > 1:  # this rank's part only
+                reader = functools.partial(load_rank, info.path, coord.rank, coord.world_size)
+            try:
+                state = await anyio.to_thread.run_sync(
+                    functools.partial(
+                        reader,
+                        device=device,
+                        allow_pickle=saver.options.allow_pickle,
+                        filesystem=saver.fs,
+                    )
+                )
+            except CorruptCheckpointError as exc:
+                damaged_here = exc
+                if coord.world_size > 1 and exc.rank is None:
+                    exc.rank = coord.rank  # whose part it is
+            except CheckpointError as exc:
+                if coord.world_size == 1:
+                    raise
+                error = exc
+        view = (
+            None if info is None else info.step,
+            None if error is None else repr(error),
+            None if damaged_here is None else str(damaged_here),
+        )
+        views = await coord.all_gather("resume", view)
+        failed = {r: v[1] for r, v in enumerate(views) if v[1] is not None}
+        if failed:
+            if error is not None:
+                raise error
+            raise CheckpointError(
+                f"rank(s) {sorted(failed)} could not resume from {saver.root}: "
+                + "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())),
+                path=saver.root,
+                rank=min(failed),
+            )
+        steps = sorted({v[0] for v in views}, key=lambda x: -1 if x is None else x)
+        if len(steps) > 1:
+            raise CheckpointError(
+                f"the ranks found different checkpoints to resume from in {saver.root} "
+                f"({steps}): every rank must resume from storage all ranks share",
+                path=saver.root,
+            )
+        if info is None:
+            return None
+        damaged = {r: v[2] for r, v in enumerate(views) if v[2] is not None}
+        if not damaged:
+            return state, info
+        cause: CorruptCheckpointError = damaged_here or CorruptCheckpointError(
+            f"step {info.step} in {saver.root} is damaged in the part of rank(s) "
+            f"{sorted(damaged)}: "
+            + "; ".join(f"rank {r}: {w}" for r, w in sorted(damaged.items())),
+            path=info.path,
+            step=info.step,
+            rank=min(damaged),
+        )
+        if not fallback:
+            raise cause
+        path, step = info.path, info.step
+        logger.warning("cannot load %s (%s); falling back to an older checkpoint", path, cause)
+        # Not a checkpoint any more: a later save() of this step must write
+        # it again, not find it "committed" (and never over damaged bytes).
+        saver.committed.pop(step, None)
+        moving: OSError | None = None
+        if coord.leader and saver.strategy.renames:
+            try:
+                await anyio.to_thread.run_sync(
+                    saver.under_final_lock, _move_damaged_aside, saver, path, step, str(cause)
+                )
+            except OSError as exc:
+                if coord.world_size == 1:
+                    raise
+                moving = exc
+        older = await anyio.to_thread.run_sync(
+            older_committed, saver.fs, saver.root, saver.layout, step
+        )
+        if older is None:
+            raise CheckpointNotFoundError(
+                f"no loadable checkpoint in {saver.root} at or below step {step}",
+                path=saver.root,
+            ) from cause
+        if moving is not None:
+            # Heard by every rank at the next gather: all raise it.
+            error = CheckpointError(f"could not move {path} aside: {moving!r}", path=path)
+            error.__cause__ = moving
+        info = older
 
 
 def _move_damaged_aside(saver: Saver, path: Any, step: int, reason: str) -> None:

@@ -59,7 +59,8 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._commit import commit_dir, discard, lock_root, make_temp_dir, move_aside, recover
+from ._atomicity import strategy_for
+from ._commit import discard, lock_root, move_aside, recover
 from ._coord import Coordinator, GlooGroup, Solo
 from ._dist import load_rank
 from ._errors import (
@@ -171,7 +172,8 @@ def copy_checkpoint(
             path=final,
         )
     names = [n for n in _files(sfs, src) if n not in (MANIFEST_NAME, COMMIT_MARKER_NAME)]
-    tmp = make_temp_dir(dfs, root, step, final=final)
+    strategy = strategy_for(dfs)
+    tmp = strategy.begin(dfs, root, step, final)
     try:
         parents = sorted({n.rpartition("/")[0] for n in names} - {""})
         for parent in parents:
@@ -184,7 +186,7 @@ def copy_checkpoint(
         _copy_file(sfs, src / MANIFEST_NAME, dfs, tmp / MANIFEST_NAME)
         for parent in reversed(parents):
             dfs.fsync_dir(tmp / parent)
-        commit_dir(dfs, tmp, final, overwrite=overwrite)
+        strategy.commit(dfs, tmp, final, overwrite=overwrite)
     except BaseException:
         discard(dfs, tmp)
         raise

@@ -198,7 +198,7 @@ async def update(saver: Saver, step: int, key: str, value: Any) -> CheckpointInf
             step=step,
             path=path,
         )
-    if not saver.fs.atomic_rename:
+    if not saver.strategy.renames:
         raise CheckpointError(
             f"update() swaps directories atomically, which {saver.fs!r} cannot; "
             "save the step under a new number instead",

@@ -142,7 +142,7 @@ class MegatronSaver:
                 "and distributed=True for a single rank)",
                 path=ckpt.root,
             )
-        if not ckpt._saver.fs.atomic_rename:
+        if not ckpt._saver.strategy.renames:
             raise CheckpointError(
                 "megatron-core's writers do local file I/O into the directory prepare() "
                 f"returns; {ckpt.root} is on {ckpt._saver.fs!r} (commit by marker): use a "

@@ -18,17 +18,30 @@ one run, with:
 For each: the seconds ``save()`` / ``async_save()`` blocked the caller, and the
 seconds until durable (``await handle`` / ``future.result()``), the median of
 ``--repeats`` rounds, the slower rank's figure each round. References on the same
-machine: a host memcpy of one rank's bytes, and a raw sequential write + fsync of
-them (per rank, both ranks at once). The 2 cores are shared with other work, so
-figures are noisy; compare within one run.
+machine, measured in every round between the methods (every rank at once): a host
+memcpy of one rank's bytes; a raw sequential write + fsync of them into one file
+(``raw write+fsync``); and the same bytes as the files asyncsave's per-rank save
+wrote for that rank (their number and sizes, read from its manifest), written by
+one thread per file, each fsynced, then the directory fsynced (``raw, same
+files``: what making new files durable costs without asyncsave's staging,
+checksums, collectives and commit), also with their 4096-aligned bulk written
+with ``O_DIRECT`` from page-aligned buffers, as asyncsave's writer does by default
+(``O_DIRECT``). ``--rows per-rank`` runs only the per-rank
+rows and the references (for large ``--mib``). asyncsave writes the bulk of its
+files with ``O_DIRECT`` (``direct_io=True``, the default) and the references
+through the page cache; ``--buffered`` makes asyncsave write as they do. The 2
+cores are shared with other work, so figures are noisy; compare within one run.
 
-usage: python bench/dist_save.py [--world 2] [--mib 256] [--repeats 3] [--dir DIR] [--out FILE]
+usage: python bench/dist_save.py [--world 2] [--mib 256] [--repeats 3] [--rows all|per-rank]
+                                 [--buffered] [--dir DIR] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -74,22 +87,167 @@ def _slowest(x: float) -> float:
     return float(t.item())
 
 
-def _bench(rank: int, world: int, mib: int, repeats: int, base: str) -> dict[str, Any]:
-    sharded, local = _state(mib)
+def _raw_files(
+    directory: Path, flat: torch.Tensor, sizes: list[int], aligned: list[mmap.mmap] | None = None
+) -> None:
+    """``flat``'s bytes as files of ``sizes`` bytes in a new ``directory``, one
+    thread per file, each fsynced, then the directory fsynced. With ``aligned``
+    (each file's bytes in a page-aligned buffer), the 4096-byte-aligned bulk of
+    each file is written with ``O_DIRECT`` and the rest through the page cache,
+    as asyncsave's writer does with ``direct_io=True``."""
+    os.mkdir(directory)
+    view = memoryview(flat.numpy())  # type: ignore[arg-type]
+
+    def one(i: int, start: int, size: int) -> None:
+        path = directory / f"f{i}"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            done = 0
+            if aligned is not None:
+                bulk = size // 4096 * 4096
+                dfd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+                try:
+                    src = memoryview(aligned[i])
+                    for pos in range(0, bulk, 8 << 20):
+                        os.write(dfd, src[pos : min(pos + (8 << 20), bulk)])
+                finally:
+                    os.close(dfd)
+                os.lseek(fd, bulk, os.SEEK_SET)
+                done = bulk
+            for pos in range(start + done, start + size, 8 << 20):
+                os.write(fd, view[pos : min(pos + (8 << 20), start + size)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    with concurrent.futures.ThreadPoolExecutor(len(sizes)) as pool:
+        futures = [pool.submit(one, i, sum(sizes[:i]), n) for i, n in enumerate(sizes)]
+        for f in futures:
+            f.result()
+    dfd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _raw_one_file(path: Path, flat: torch.Tensor) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    view = memoryview(flat.numpy())  # type: ignore[arg-type]
+    for pos in range(0, len(view), 8 << 20):
+        os.write(fd, view[pos : pos + (8 << 20)])
+    os.fsync(fd)
+    os.close(fd)
+
+
+def _rank_file_sizes(checkpoint: Path, rank: int) -> list[int]:
+    """The sizes of the data files rank ``rank`` wrote, from the manifest."""
+    doc = json.loads((checkpoint / "manifest.json").read_text())
+    lo, hi = doc["ranks"][rank]["entries"]
+    files = sorted({e["file"] for e in doc["entries"][lo:hi]})
+    return [doc["files"][f]["nbytes"] for f in files]
+
+
+def _bench(
+    rank: int, world: int, mib: int, repeats: int, base: str, rows: str, direct_io: bool
+) -> dict[str, Any]:
+    if rows == "per-rank":  # no DTensor: each rank makes only its own shard
+        world_rows = 1024 // world
+        numel = mib * (1 << 20) // 4 // N_TENSORS // 1024 * world_rows
+        g = torch.Generator().manual_seed(rank)
+        local = {
+            f"t{i}": torch.randn(world_rows, numel // world_rows, generator=g)
+            for i in range(N_TENSORS)
+        }
+        sharded: dict[str, Any] = {}
+    else:
+        sharded, local = _state(mib)
     local_bytes = sum(t.numel() * t.element_size() for t in local.values())
     results: dict[str, dict[str, list[float]]] = {}
+    ref: dict[str, list[float]] = {
+        "host_memcpy_s": [],
+        "raw_write_fsync_s": [],
+        "raw_same_files_s": [],
+        "raw_same_files_direct_s": [],
+    }
+    flat = torch.cat([t.reshape(-1) for t in local.values()]).view(torch.uint8)
+    dst = torch.empty_like(flat)
+    sizes: list[int] = []
 
     def record(name: str, blocked: float, durable: float) -> None:
         r = results.setdefault(name, {"blocked_s": [], "durable_s": []})
         r["blocked_s"].append(_slowest(blocked))
         r["durable_s"].append(_slowest(durable))
 
+    def one_file(step: int) -> float:
+        path = Path(base) / f"raw-{rank}"
+        t0 = time.perf_counter()
+        _raw_one_file(path, flat)
+        seconds = time.perf_counter() - t0
+        path.unlink()
+        return seconds
+
+    files: list[torch.Tensor] = []  # the files' bytes: the data, headers as zeros
+    aligned: list[mmap.mmap] = []  # the same, page-aligned (O_DIRECT)
+
+    def file_bytes() -> torch.Tensor:
+        if not files:
+            files.append(torch.zeros(sum(sizes), dtype=torch.uint8))
+            files[0][: len(flat)] = flat
+            start = 0
+            for size in sizes:
+                buf = mmap.mmap(-1, size)
+                buf[:] = files[0][start : start + size].numpy().tobytes()
+                aligned.append(buf)
+                start += size
+        return files[0]
+
+    def same_files(step: int) -> float:
+        payload = file_bytes()
+        directory = Path(base) / f"raw-{rank}-{step}"
+        t0 = time.perf_counter()
+        _raw_files(directory, payload, sizes)
+        seconds = time.perf_counter() - t0
+        shutil.rmtree(directory)
+        return seconds
+
+    def same_files_direct(step: int) -> float:
+        payload = file_bytes()
+        directory = Path(base) / f"raw-direct-{rank}-{step}"
+        t0 = time.perf_counter()
+        _raw_files(directory, payload, sizes, aligned)
+        seconds = time.perf_counter() - t0
+        shutil.rmtree(directory)
+        return seconds
+
+    def references(step: int) -> None:
+        dist.barrier()
+        t0 = time.perf_counter()
+        dst.copy_(flat)
+        ref["host_memcpy_s"].append(_slowest(time.perf_counter() - t0))
+        # The writes take turns at going first: the first fsync after a
+        # pause may also pay for other processes' dirty pages (ext4 commits
+        # them in the same journal transaction).
+        order = [
+            ("raw_write_fsync_s", one_file),
+            ("raw_same_files_s", same_files),
+            ("raw_same_files_direct_s", same_files_direct),
+        ]
+        turn = step % len(order)
+        for key, measure in order[turn:] + order[:turn]:
+            dist.barrier()
+            ref[key].append(_slowest(measure(step)))
+
     async def rounds() -> None:
-        # Methods interleaved round by round, so that the disk's mood on this shared
-        # machine spreads over all of them alike.
+        # Methods and references interleaved round by round, so that the disk's
+        # mood on this shared machine spreads over all of them alike.
         async with (
-            asyncsave.Checkpointer(f"{base}/as-dtensor", dist_timeout_s=600) as c_dt,
-            asyncsave.Checkpointer(f"{base}/as-plain", dist_timeout_s=600) as c_pl,
+            asyncsave.Checkpointer(
+                f"{base}/as-dtensor", dist_timeout_s=600, direct_io=direct_io
+            ) as c_dt,
+            asyncsave.Checkpointer(
+                f"{base}/as-plain", dist_timeout_s=600, direct_io=direct_io
+            ) as c_pl,
         ):
             for step in range(1, repeats + 1):
                 for name, ckpt, state, lazy, at in (
@@ -97,12 +255,20 @@ def _bench(rank: int, world: int, mib: int, repeats: int, base: str) -> dict[str
                     ("asyncsave per-rank", c_pl, local, False, 2 * step - 1),
                     ("asyncsave per-rank lazy", c_pl, local, True, 2 * step),
                 ):
+                    if rows == "per-rank" and state is sharded:
+                        continue
                     dist.barrier()
                     t0 = time.perf_counter()
                     handle = await ckpt.save(at, state, lazy=lazy)
                     blocked = time.perf_counter() - t0
-                    await handle
+                    info = await handle
                     record(name, blocked, time.perf_counter() - t0)
+                    if not sizes and state is local:
+                        assert info is not None
+                        sizes.extend(_rank_file_sizes(info.path, rank))
+                await anyio.to_thread.run_sync(references, step)
+                if rows == "per-rank":
+                    continue
                 for name, writer in (
                     ("dcp.async_save FileSystemWriter", dcp.FileSystemWriter(f"{base}/dcp-{step}")),
                     ("dcp.async_save asyncsave writer", StorageWriter(f"{base}/dcp-as", step)),
@@ -113,30 +279,10 @@ def _bench(rank: int, world: int, mib: int, repeats: int, base: str) -> dict[str
                     blocked = time.perf_counter() - t0
                     fut.result()
                     record(name, blocked, time.perf_counter() - t0)
+                shutil.rmtree(f"{base}/dcp-{step}", ignore_errors=True)
 
     anyio.run(rounds)
-
-    # References: one rank's bytes copied in host memory, and written + fsynced raw.
-    flat = torch.cat([t.reshape(-1) for t in local.values()]).view(torch.uint8)
-    dst = torch.empty_like(flat)
-    ref: dict[str, list[float]] = {"host_memcpy_s": [], "raw_write_fsync_s": []}
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dst.copy_(flat)
-        ref["host_memcpy_s"].append(_slowest(time.perf_counter() - t0))
-        dist.barrier()
-        path = Path(base) / f"raw-{rank}"
-        t0 = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        view = memoryview(flat.numpy())  # type: ignore[arg-type]
-        for pos in range(0, len(view), 8 << 20):
-            os.write(fd, view[pos : pos + (8 << 20)])
-        os.fsync(fd)
-        os.close(fd)
-        ref["raw_write_fsync_s"].append(_slowest(time.perf_counter() - t0))
-        path.unlink()
-    return {"local_bytes": local_bytes, "results": results, "reference": ref}
+    return {"local_bytes": local_bytes, "files": sizes, "results": results, "reference": ref}
 
 
 def main() -> None:
@@ -144,6 +290,12 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rows", choices=("all", "per-rank"), default="all")
+    ap.add_argument(
+        "--buffered",
+        action="store_true",
+        help="asyncsave writes through the page cache (direct_io=False), as the references do",
+    )
     ap.add_argument("--dir", default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -151,7 +303,17 @@ def main() -> None:
     base.mkdir(parents=True, exist_ok=True)
     try:
         r0 = values(
-            run_ranks(_bench, args.world, base, args.mib, args.repeats, str(base), timeout_s=1800)
+            run_ranks(
+                _bench,
+                args.world,
+                base,
+                args.mib,
+                args.repeats,
+                str(base),
+                args.rows,
+                not args.buffered,
+                timeout_s=1800,
+            )
         )[0]
     finally:
         shutil.rmtree(base, ignore_errors=True)
@@ -163,33 +325,50 @@ def main() -> None:
         f"({r0['local_bytes'] / 2**20:.0f} MiB per rank), "
         f"median of {args.repeats}, slower rank"
     )
+    raw, same = ref["raw_write_fsync_s"], ref["raw_same_files_s"]
+    direct = ref["raw_same_files_direct_s"]
     print(
-        f"  reference: host memcpy {ref['host_memcpy_s']:.3f} s, "
-        f"raw write+fsync {ref['raw_write_fsync_s']:.3f} s (per rank, both at once)"
+        f"  reference: host memcpy {ref['host_memcpy_s']:.3f} s, raw write+fsync {raw:.3f} s, "
+        f"raw same files {same:.3f} s, the same with O_DIRECT {direct:.3f} s "
+        f"({len(r0['files'])} files per rank; every rank at once)"
     )
-    print(f"  {'':34s} {'blocked s':>10s} {'durable s':>10s} {'durable/raw':>12s}")
+    print(
+        f"  {'':34s} {'blocked s':>10s} {'durable s':>10s} {'durable/raw':>12s} "
+        f"{'/same files':>12s} {'/O_DIRECT':>10s}"
+    )
     for name, r in rows.items():
         print(
             f"  {name:34s} {r['blocked_s']:10.3f} {r['durable_s']:10.3f} "
-            f"{r['durable_s'] / ref['raw_write_fsync_s']:12.2f}"
+            f"{r['durable_s'] / raw:12.2f} {r['durable_s'] / same:12.2f} "
+            f"{r['durable_s'] / direct:10.2f}"
         )
     eager, lazy = rows["asyncsave per-rank"], rows["asyncsave per-rank lazy"]
-    print(
-        f"  lazy blocked / eager blocked: {lazy['blocked_s'] / eager['blocked_s']:.3f}; "
-        f"eager durable / raw write+fsync: "
-        f"{eager['durable_s'] / ref['raw_write_fsync_s']:.2f}"
-    )
+    print(f"  lazy blocked / eager blocked: {lazy['blocked_s'] / eager['blocked_s']:.3f}")
+    # The disk's mood drifts between rounds: the ratio within each round, then
+    # the median over rounds, is steadier than a ratio of medians.
+    per_round: dict[str, float] = {}
+    for name in ("asyncsave per-rank", "asyncsave per-rank lazy"):
+        durable = r0["results"][name]["durable_s"]
+        for ref_name in ("raw_write_fsync_s", "raw_same_files_s", "raw_same_files_direct_s"):
+            refs = r0["reference"][ref_name]
+            key = f"{name} / {ref_name.removesuffix('_s')}"
+            per_round[key] = med([d / x for d, x in zip(durable, refs, strict=True)])
+            print(f"  median per-round ratio {key}: {per_round[key]:.2f}")
     doc = {
         "world_size": args.world,
         "mib_total": args.mib,
         "repeats": args.repeats,
+        "rows": args.rows,
+        "direct_io": not args.buffered,
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "reference_median_s": ref,
         "median_s": rows,
+        "median_per_round_ratio": per_round,
         "raw": r0,
     }
-    out = Path(args.out or f"bench/results/dist_save_cpu_{args.world}ranks.json")
+    suffix = ("" if args.mib == 256 else f"_{args.mib}mib") + ("_buffered" if args.buffered else "")
+    out = Path(args.out or f"bench/results/dist_save_cpu_{args.world}ranks{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))
     print(f"wrote {out}")

@@ -14,7 +14,9 @@ Every test forks 2 gloo ranks (``tests/distributed.py``).
 from __future__ import annotations
 
 import errno
+import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -525,8 +527,6 @@ def test_update_is_refused_and_overwrite_retention_training_info_work_on_two_ran
 
 
 def json_of(path: Path) -> Any:
-    import json
-
     return json.loads(path.read_text())
 
 
@@ -592,6 +592,43 @@ def _different_steps_policy(rank: int, world: int, root: str) -> str:
 def test_ranks_asking_about_different_steps_get_a_typed_error(tmp_path: Path) -> None:
     for text in values(run_ranks(_different_steps_policy, 2, tmp_path, str(tmp_path / "r"))):
         assert "different steps ([3, 4])" in text
+
+
+def _dies_in_should_save(rank: int, world: int, root: str, victim: int) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        # dist_timeout_s far beyond the harness deadline: only the heartbeat
+        # through the store can end the survivor's exchange in time.
+        try:
+            async with asyncsave.Checkpointer(root, dist_timeout_s=600) as ckpt:
+                policy = ckpt.agree(asyncsave.SaveEvery(2))
+                for step in (1, 2, 3):
+                    if rank == victim and step == 3:
+                        os.kill(os.getpid(), signal.SIGKILL)  # dies in the exchange
+                    try:
+                        if policy.should_save(step):
+                            await (await ckpt.save(step, state_of(rank, step)))
+                    except asyncsave.RankFailedError as exc:
+                        seen["error"] = (dict(exc.ranks), exc.step, str(exc))
+                        return
+        except asyncsave.CheckpointError:
+            pass
+
+    anyio.run(main)
+    return seen
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_dead_in_should_save_is_named_on_the_survivor(tmp_path: Path, victim: int) -> None:
+    root = tmp_path / "run"
+    results = run_ranks(_dies_in_should_save, 2, tmp_path, str(root), victim, timeout_s=60)
+    assert results[victim] == ("exit", -signal.SIGKILL)
+    (survivor,) = values({1 - victim: results[1 - victim]})
+    ranks, step, text = survivor["error"]
+    assert list(ranks) == [victim] and f"rank {victim} died" in ranks[victim], text
+    assert step == 3 and "save-policy" in text
+    assert asyncsave.latest(root).step == 2  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
@@ -694,3 +731,94 @@ def test_a_rank_dying_inside_dcps_save_is_named(tmp_path: Path) -> None:
     name, ranks = survivor["error"]
     assert name == "RankFailedError" and list(ranks) == [1] and "died" in ranks[1]
     assert (root / TRACKER).read_text().strip() == "1"
+
+
+# -- item 2: load_latest agreed by every rank --------------------------------------------
+
+
+def _save_steps(rank: int, world: int, root: str) -> None:
+    async def main() -> None:
+        async with asyncsave.Checkpointer(root, dist_timeout_s=60) as ckpt:
+            for step in (1, 2):
+                await (await ckpt.save(step, state_of(rank, step)))
+
+    anyio.run(main)
+
+
+def _damage_rank_part(step_dir: Path, rank: int) -> None:
+    """Flip one data byte of a file rank ``rank`` wrote: its checksum fails."""
+    doc = json.loads((step_dir / "manifest.json").read_text())
+    lo = doc["ranks"][rank]["entries"][0]
+    entry = doc["entries"][lo]
+    path = step_dir / doc["files"][entry["file"]]["name"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"]] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _resume_agreed(rank: int, world: int, root: str, fallback: bool) -> Any:
+    async def main() -> Any:
+        async with asyncsave.Checkpointer(root, dist_timeout_s=60) as ckpt:
+            try:
+                restored = await ckpt.load_latest(fallback=fallback)
+            except asyncsave.CheckpointError as exc:
+                corrupt = isinstance(exc, asyncsave.CorruptCheckpointError)
+                return ("error", corrupt, exc.rank, str(exc))
+            assert restored is not None
+            step = restored.info.step
+            assert torch.equal(restored.state["w"], state_of(rank, step)["w"])
+            # The damaged step is not "committed" any more: saved afresh.
+            info = await (await ckpt.save(2, state_of(rank, 2)))
+            return ("resumed", step, info.step if info else None)
+
+    return anyio.run(main)
+
+
+@pytest.mark.parametrize("damaged_rank", [0, 1])
+def test_every_rank_falls_back_together_when_one_ranks_part_is_damaged(
+    tmp_path: Path, damaged_rank: int
+) -> None:
+    root = tmp_path / "run"
+    values(run_ranks(_save_steps, 2, tmp_path, str(root)))
+    _damage_rank_part(root / "step_2", damaged_rank)
+    # Without fallback: every rank raises, naming the damaged rank's part.
+    for kind, corrupt, rank, text in values(
+        run_ranks(_resume_agreed, 2, tmp_path, str(root), False)
+    ):
+        assert kind == "error" and corrupt, text
+        assert rank == damaged_rank or f"rank(s) [{damaged_rank}]" in text, text
+    assert (root / "step_2").is_dir()  # nothing moved without fallback
+    # With fallback: every rank resumes step 1; rank 0 moved step 2 aside (bytes
+    # kept), and step 2 is saved again.
+    assert values(run_ranks(_resume_agreed, 2, tmp_path, str(root), True)) == [
+        ("resumed", 1, 2),
+        ("resumed", 1, 2),
+    ]
+    assert [p for p in os.listdir(root) if p.startswith(".asyncsave-damaged-2-")]
+    assert asyncsave.verify(root / "step_2").world_size == 2
+    assert asyncsave.latest(root).step == 2  # type: ignore[union-attr]
+
+
+def _resume_from(rank: int, world: int, roots: list[str]) -> Any:
+    async def main() -> Any:
+        async with asyncsave.Checkpointer(roots[rank], dist_timeout_s=60) as ckpt:
+            try:
+                restored = await ckpt.load_latest()
+            except asyncsave.CheckpointError as exc:
+                return ("error", str(exc))
+            return ("resumed", restored.info.step if restored else None)
+
+    return anyio.run(main)
+
+
+def test_ranks_that_find_different_checkpoints_get_a_typed_error(tmp_path: Path) -> None:
+    """Storage the ranks do not share: rank 1's copy of the root lacks step 2, so
+    the ranks would resume different steps; every rank raises instead."""
+    root = tmp_path / "run"
+    values(run_ranks(_save_steps, 2, tmp_path, str(root)))
+    other = tmp_path / "copy"
+    shutil.copytree(root, other)
+    shutil.rmtree(other / "step_2")
+    (other / TRACKER).write_text("1")
+    for kind, text in values(run_ranks(_resume_from, 2, tmp_path, [str(root), str(other)])):
+        assert kind == "error" and "different checkpoints" in text and "[1, 2]" in text, text
