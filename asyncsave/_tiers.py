@@ -38,6 +38,11 @@ Rules (docs/decisions.md, "Tiers"):
   persister's own, so copies never interleave with the saves' collectives; every
   rank's ``persisted()`` resolves after that broadcast. The tier's policy must
   answer the same on every rank (a step-based policy such as ``SaveEvery``).
+- **Node-local roots** (``Tier(local_scope="rank")``): rank ``r`` commits its own
+  part under ``root/rank{r}/`` as a checkpoint of one rank (``Saver.per_rank``);
+  at open the ranks agree on the local steps every rank has (the others are moved
+  aside); every rank copies its own part and rank 0 commits the merged N-rank
+  checkpoint (:meth:`Persister._copy_ranks`); resume loads each rank's own part.
 
 Sources: Orbax's emergency checkpointing (local and persistent managers), NVIDIA
 Resiliency Extension's local checkpointing, Gemini (SOSP'23): checkpoints kept
