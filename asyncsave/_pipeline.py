@@ -495,46 +495,49 @@ class Saver:
                     # streamed save and for Megatron's prepare).
                     name: str | None = None if tmp is None else tmp.name
                     if self.per_rank:  # every rank in its own root
-                        tmp, outcomes, written_s = await self._write_own(save, local_error)
-                    elif tmp is None:
-                        if coord.leader and local_error is None:
-                            try:
-                                tmp = await self.make_tmp(step)
-                                name = tmp.name
-                            except Exception as exc:
-                                local_error = exc
-                        if coord.leader and local_error is not None:
-                            name = f"error: {local_error!r}"
-                        name = await coord.broadcast("temp-dir", name, step)
-                    if self.per_rank:
-                        pass
-                    elif isinstance(name, str) and name.startswith("error: "):
-                        outcomes = [name.removeprefix("error: ")] + [None] * (coord.world_size - 1)
-                    else:
-                        assert isinstance(name, str)
-                        tmp = self.root / name
-                        # B: this rank's files, then everyone's outcome.
-                        if local_error is None and not _same_step(fs, name, step, final):
-                            local_error = CheckpointError(
-                                f"rank {coord.rank} saved step {step} while rank 0 saved "
-                                f"another step ({name}): every rank must call save() with "
-                                "the same steps in the same order",
-                                step=step,
-                                rank=coord.rank,
-                            )
-                        part: dict[str, Any] | None = None
-                        if local_error is None:
-                            assert isinstance(job, Job)
-                            try:
-                                part = await job.write(self, coord, tmp)
-                            except Exception as exc:
-                                local_error = exc
-                        written_s = time.perf_counter() - t0
-                        outcomes = await coord.all_gather(
-                            "files-durable",
-                            repr(local_error) if local_error is not None else ("ok", part),
-                            step,
+                        tmp, outcomes, written_s, local_error = await self._write_own(
+                            save, local_error
                         )
+                    else:
+                        if tmp is None:
+                            if coord.leader and local_error is None:
+                                try:
+                                    tmp = await self.make_tmp(step)
+                                    name = tmp.name
+                                except Exception as exc:
+                                    local_error = exc
+                            if coord.leader and local_error is not None:
+                                name = f"error: {local_error!r}"
+                            name = await coord.broadcast("temp-dir", name, step)
+                        assert isinstance(name, str)
+                        if name.startswith("error: "):
+                            outcomes = [name.removeprefix("error: ")] + [None] * (
+                                coord.world_size - 1
+                            )
+                        else:
+                            tmp = self.root / name
+                            # B: this rank's files, then everyone's outcome.
+                            if local_error is None and not _same_step(fs, name, step, final):
+                                local_error = CheckpointError(
+                                    f"rank {coord.rank} saved step {step} while rank 0 saved "
+                                    f"another step ({name}): every rank must call save() with "
+                                    "the same steps in the same order",
+                                    step=step,
+                                    rank=coord.rank,
+                                )
+                            part: dict[str, Any] | None = None
+                            if local_error is None:
+                                assert isinstance(job, Job)
+                                try:
+                                    part = await job.write(self, coord, tmp)
+                                except Exception as exc:
+                                    local_error = exc
+                            written_s = time.perf_counter() - t0
+                            outcomes = await coord.all_gather(
+                                "files-durable",
+                                repr(local_error) if local_error is not None else ("ok", part),
+                                step,
+                            )
                     _raise_failure(coord, "save of", step, outcomes, local_error, tmp)
                     assert isinstance(job, Job) and tmp is not None
                     parts: list[dict[str, Any]] = [o[1] for o in outcomes]
@@ -701,10 +704,12 @@ class Saver:
 
     async def _write_own(
         self, save: _Save, local_error: BaseException | None
-    ) -> tuple[Path | None, list[Any], float]:
+    ) -> tuple[Path | None, list[Any], float, BaseException | None]:
         """Phases A and B in a root of this rank's own (``per_rank``): its own
         temporary directory and files, then every rank's outcome (with its step,
-        so that ranks saving different steps all fail)."""
+        so that ranks saving different steps all fail). Returns the temporary
+        directory (``None`` once removed after this rank's failure), the outcomes,
+        the time written and this rank's error."""
         step, job, tmp = save.handle.step, save.job, save.tmp
         if local_error is None and not isinstance(job, PlainJob):
             local_error = CheckpointError(
@@ -737,7 +742,7 @@ class Saver:
         if local_error is not None:
             await self.discard(tmp)
             tmp = None
-        return tmp, outcomes, written_s
+        return tmp, outcomes, written_s, local_error
 
     async def _agree_committed(
         self, outcome: tuple[str, str, bool] | None, step: int, error: Exception | None

@@ -135,3 +135,65 @@ def test_node_local_roots_persist_to_s3(tmp_path: Path, s3: Any) -> None:
 def test_local_scope_is_validated() -> None:
     with pytest.raises(ValueError, match="local_scope"):
         Tier("/x", local_scope="node")
+
+
+@pytest.mark.anyio
+async def test_one_process_with_a_node_local_root(tmp_path: Path) -> None:
+    """A world of one: ``root/rank0``, streamed and overwriting saves, resume
+    from either tier."""
+    local, remote = tmp_path / "node", tmp_path / "remote"
+    tier = Tier(remote, policy=asyncsave.SaveEvery(2), local_scope="rank")
+    big = {"w": torch.arange(4096, dtype=torch.float32)}  # streamed: over the budget
+    async with asyncsave.Checkpointer(local, persistent=tier, budget_bytes=8192) as ckpt:
+        for s in (1, 2, 3):
+            await (await ckpt.save(s, rank_state(0, s))).persisted()
+        h = await ckpt.save(4, big)
+        assert (await h).path == local / "rank0" / "step_4"
+        assert (await h.persisted()).path == remote / "step_4"  # type: ignore[union-attr]
+        h = await ckpt.save(4, rank_state(0, 4), overwrite=True)
+        await h.persisted()
+    assert steps(local / "rank0") == [1, 2, 3, 4] and steps(remote) == [2, 4]
+    assert torch.equal(asyncsave.load(remote / "step_4")["w"], rank_state(0, 4)["w"])
+    async with asyncsave.Checkpointer(local, persistent=tier) as ckpt:
+        restored = await ckpt.load_latest()
+        assert restored is not None and restored.info.path == local / "rank0" / "step_4"
+    shutil.rmtree(local)
+    async with asyncsave.Checkpointer(local, persistent=tier) as ckpt:
+        restored = await ckpt.load_latest()
+        assert restored is not None and restored.info.path == remote / "step_4"
+        assert torch.equal(restored.state["w"], rank_state(0, 4)["w"])
+
+
+def _fail_one(rank: int, world: int, base: Path, remote: str, case: str) -> Any:
+    """Rank 1 saves another step, or a state it cannot save: no rank commits."""
+
+    async def main() -> str:
+        bad = {"step": rank_state(rank, 2 + rank), "state": {"x": object()}}[case]
+        state = rank_state(rank, 2) if rank == 0 else bad
+        try:
+            async with asyncsave.Checkpointer(
+                base / f"node{rank}", persistent=_tier(remote, None), dist_timeout_s=20
+            ) as ckpt:
+                await (await ckpt.save(2 + (case == "step") * rank, state))
+        except asyncsave.CheckpointError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "saved"
+
+    return anyio.run(main, backend="trio" if case == "step" else "asyncio")
+
+
+@pytest.mark.parametrize("case", ["step", "state"])
+def test_a_rank_that_cannot_save_its_part_fails_every_rank(tmp_path: Path, case: str) -> None:
+    remote = str(tmp_path / "remote")
+    out = values(run_ranks(_fail_one, 2, tmp_path, tmp_path, remote, case))
+    # Rank 0 names rank 1; rank 1 raises its own error (its state), or, for steps
+    # that differ, names rank 0 (no rank can tell which step was meant).
+    assert out[0].startswith("RankFailedError: save of step 2 failed on rank(s) [1]"), out
+    if case == "step":
+        assert out[1].startswith("RankFailedError: save of step 3 failed on rank(s) [0]"), out
+    else:
+        assert out[1].startswith("UnsupportedTypeError"), out
+    for r in (0, 1):
+        left = [p.name for p in (tmp_path / f"node{r}" / f"rank{r}").iterdir()]
+        assert not [n for n in left if n.startswith(("step_", ".asyncsave-tmp"))], left
+    assert steps(Path(remote)) == []
