@@ -144,7 +144,10 @@ class Checkpointer:
     tier (node-local disk, ``/dev/shm``) where every save commits first; the saves
     the tier's policy picks are copied from there to the tier's root in the
     background (``await handle.persisted()``), and ``load_latest()`` resumes from
-    the nearest valid tier, agreed by every rank. See ``asyncsave._tiers``.
+    the nearest valid tier, agreed by every rank. When each node's ``root`` is
+    private (a node-local disk other nodes cannot see), pass
+    ``Tier(..., local_scope="rank")``: each rank then commits its own part under
+    ``root/rank{r}``. See ``asyncsave._tiers``.
 
     :param root: directory holding the checkpoints and the tracker; or a URL
         (``s3://bucket/prefix``, any fsspec URL), where checkpoints are committed by
