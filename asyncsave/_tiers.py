@@ -265,7 +265,9 @@ class Persister:
         """``local_scope="rank"``, several ranks: the local steps every rank has
         committed. A step only some ranks have (a replaced node, a crash between
         the ranks' local commits) can never be resumed or persisted whole: it is
-        moved aside (bytes kept), so that the step can be saved again."""
+        moved aside to ``.asyncsave-partial-<step>-<id>`` (bytes kept, should a
+        node's root only have been misconfigured), so that the step can be
+        saved again."""
         saver = self.saver
         views = await saver.coord.all_gather("local-steps", sorted(saver.committed))
         common = set(views[0]).intersection(*views[1:])
@@ -280,6 +282,7 @@ class Persister:
                 path,
                 step,
                 "a local part of a step not every rank has committed",
+                "partial",
             )
 
     async def open(self, unlock_local: Callable[[], Awaitable[None]]) -> None:
@@ -793,7 +796,8 @@ def _info(fs: LocalFileSystem, path: Path) -> CheckpointInfo:
     return info_of(path, read_checkpoint(fs, path))
 
 
-def _aside(saver: Saver, path: Path, step: int, reason: str) -> None:
-    """Move a damaged local checkpoint aside (its step can be saved again)."""
-    if move_aside(saver.fs, saver.root, path, "damaged", step, reason, quiet=True):
+def _aside(saver: Saver, path: Path, step: int, reason: str, why: str = "damaged") -> None:
+    """Move a damaged (or partial) local checkpoint aside (its step can be saved
+    again)."""
+    if move_aside(saver.fs, saver.root, path, why, step, reason, quiet=True):
         saver.fs.fsync_dir(saver.root)

@@ -109,6 +109,8 @@ def test_node_local_roots_save_persist_and_resume(tmp_path: Path, backend: str) 
     assert out[0] == out[1] == (4, [None, f"{remote}/step_6"])
     assert steps(tmp_path / "node1" / "rank1") == [5, 6]
     assert steps(tmp_path / "node0" / "rank0") == [5, 6]
+    partial = sorted(p.name[:20] for p in (tmp_path / "node0" / "rank0").glob(".asyncsave-*"))
+    assert partial == [f".asyncsave-partial-{s}" for s in (1, 2, 3, 4)]
     _check_persistent(f"{remote}/step_6", None, 6)
     # Rank 1's local step 6 is damaged: every rank drops it; local 5 is older
     # than persistent 6, which wins.
