@@ -167,11 +167,19 @@ async def test_one_process_with_a_node_local_root(tmp_path: Path) -> None:
 
 
 def _fail_one(rank: int, world: int, base: Path, remote: str, case: str) -> Any:
-    """Rank 1 saves another step, or a state it cannot save: no rank commits."""
+    """Rank 1 saves another step, or a state it cannot save, or both ranks save
+    DTensor state: no rank commits."""
 
     async def main() -> str:
-        bad = {"step": rank_state(rank, 2 + rank), "state": {"x": object()}}[case]
-        state = rank_state(rank, 2) if rank == 0 else bad
+        if case == "dtensor":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            mesh = init_device_mesh("cpu", (2,))
+            state: Any = {"w": distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])}
+        else:
+            bad = {"step": rank_state(rank, 2 + rank), "state": {"x": object()}}[case]
+            state = rank_state(rank, 2) if rank == 0 else bad
         try:
             async with asyncsave.Checkpointer(
                 base / f"node{rank}", persistent=_tier(remote, None), dist_timeout_s=20
@@ -182,6 +190,15 @@ def _fail_one(rank: int, world: int, base: Path, remote: str, case: str) -> Any:
         return "saved"
 
     return anyio.run(main, backend="trio" if case == "step" else "asyncio")
+
+
+def test_dtensor_state_is_refused_with_node_local_roots(tmp_path: Path) -> None:
+    """DCP's planner needs every rank's files in one directory: refused, on every
+    rank, naming the option to use; nothing is committed."""
+    out = values(run_ranks(_fail_one, 2, tmp_path, tmp_path, str(tmp_path / "r"), "dtensor"))
+    assert all("Tier(local_scope='rank') saves plain state trees only" in o for o in out), out
+    for r in (0, 1):
+        assert steps(tmp_path / f"node{r}" / f"rank{r}") == []
 
 
 @pytest.mark.parametrize("case", ["step", "state"])
