@@ -216,3 +216,38 @@ def test_a_rank_that_cannot_save_its_part_fails_every_rank(tmp_path: Path, case:
         left = [p.name for p in (tmp_path / f"node{r}" / f"rank{r}").iterdir()]
         assert not [n for n in left if n.startswith(("step_", ".asyncsave-tmp"))], left
     assert steps(Path(remote)) == []
+
+
+class _NoSpace(asyncsave.LocalFileSystem):
+    def create(self, path: Any) -> int:
+        raise OSError(28, "No space left on device", str(path))
+
+
+def _copy_fails_on_rank_1(rank: int, world: int, base: Path, remote: str) -> Any:
+    async def main() -> tuple[str, str]:
+        fs = _NoSpace() if rank == 1 else None
+        tier = Tier(remote, filesystem=fs, local_scope="rank")
+        try:
+            async with asyncsave.Checkpointer(base / f"node{rank}", persistent=tier) as ckpt:
+                handle = await ckpt.save(1, rank_state(rank, 1))
+                await handle  # committed locally on both nodes
+                try:
+                    await handle.persisted()
+                except asyncsave.SaveFailedError as exc:
+                    persisted = str(exc)
+        except asyncsave.SaveFailedError as exc:
+            return persisted, type(exc).__name__
+        return persisted, "closed"
+
+    return anyio.run(main, backend="trio")
+
+
+def test_a_rank_whose_copy_fails_fails_persisting_on_every_rank(tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    out = values(run_ranks(_copy_fails_on_rank_1, 2, tmp_path, tmp_path, str(remote)))
+    for persisted, closed in out:
+        assert "rank 1:" in persisted and "No space left" in persisted, out
+        assert closed == "SaveFailedError"  # raised again at close, as a failed save
+    assert [p.name for p in remote.iterdir()] == [".asyncsave.lock"]  # the temp dir discarded
+    for r in (0, 1):  # the local parts stay committed
+        assert steps(tmp_path / f"node{r}" / f"rank{r}") == [1]
