@@ -84,10 +84,10 @@ def _check_persistent(path: str, opts: Any, step: int) -> None:
     assert asyncsave.verify(path, storage_options=opts).world_size == 2
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_node_local_roots_save_persist_and_resume(tmp_path: Path, backend: str) -> None:
+def test_node_local_roots_save_persist_and_resume(tmp_path: Path) -> None:
+    """The runs alternate between asyncio and trio."""
     remote = str(tmp_path / "remote")
-    out = values(run_ranks(_save, 2, tmp_path, backend, tmp_path, remote, None, [1, 2, 3]))
+    out = values(run_ranks(_save, 2, tmp_path, "asyncio", tmp_path, remote, None, [1, 2, 3]))
     assert out[0] == out[1] == (None, [None, f"{remote}/step_2", None])
     # Each node holds only its own rank's part, a checkpoint of one rank.
     for r in (0, 1):
@@ -98,14 +98,14 @@ def test_node_local_roots_save_persist_and_resume(tmp_path: Path, backend: str) 
     _check_persistent(f"{remote}/step_2", None, 2)
     assert asyncsave.latest(remote).step == 2  # type: ignore[union-attr]
     # Every node has step 3: both resume it from their own local part, and go on.
-    out = values(run_ranks(_save, 2, tmp_path, backend, tmp_path, remote, None, [4]))
+    out = values(run_ranks(_save, 2, tmp_path, "trio", tmp_path, remote, None, [4]))
     assert out[0] == out[1] == (3, [f"{remote}/step_4"])
     _check_persistent(f"{remote}/step_4", None, 4)
     # Node 1 was replaced (its local root empty): both resume persistent step 4,
     # and node 0's local parts no rank can complete are moved aside, so the steps
     # after the resumed one are saved again on both nodes.
     shutil.rmtree(tmp_path / "node1")
-    out = values(run_ranks(_save, 2, tmp_path, backend, tmp_path, remote, None, [5, 6]))
+    out = values(run_ranks(_save, 2, tmp_path, "asyncio", tmp_path, remote, None, [5, 6]))
     assert out[0] == out[1] == (4, [None, f"{remote}/step_6"])
     assert steps(tmp_path / "node1" / "rank1") == [5, 6]
     assert steps(tmp_path / "node0" / "rank0") == [5, 6]
@@ -119,7 +119,7 @@ def test_node_local_roots_save_persist_and_resume(tmp_path: Path, backend: str) 
     raw = bytearray(data.read_bytes())
     raw[-3] ^= 0xFF
     data.write_bytes(bytes(raw))
-    out = values(run_ranks(_save, 2, tmp_path, backend, tmp_path, remote, None, []))
+    out = values(run_ranks(_save, 2, tmp_path, "trio", tmp_path, remote, None, []))
     assert out[0] == out[1] == (6, [])
 
 
