@@ -27,7 +27,7 @@ import torch
 
 from . import _resume, _update
 from ._commit import lock_root, recover
-from ._coord import GlooGroup, wants_distributed
+from ._coord import GlooGroup, Solo, wants_distributed
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
@@ -145,7 +145,10 @@ class Checkpointer:
     tier (node-local disk, ``/dev/shm``) where every save commits first; the saves
     the tier's policy picks are copied from there to the tier's root in the
     background (``await handle.persisted()``), and ``load_latest()`` resumes from
-    the nearest valid tier, agreed by every rank. See ``asyncsave._tiers``.
+    the nearest valid tier, agreed by every rank. When each node's ``root`` is
+    private (a node-local disk other nodes cannot see), pass
+    ``Tier(..., local_scope="rank")``: each rank then commits its own part under
+    ``root/rank{r}``. See ``asyncsave._tiers``.
 
     :param root: directory holding the checkpoints and the tracker; or a URL
         (``s3://bucket/prefix``, any fsspec URL), where checkpoints are committed by
@@ -179,7 +182,6 @@ class Checkpointer:
         self._reuse = Reuse(self.root, self.layout)  # used by incremental saves
         self._lock_fd: int | None = None
         self._loop_thread: int | None = None  # the thread running the event loop
-        self._final_lock = self._saver.final_lock
 
     # The saver's state, under the names the integrations and tests know.
     _fs = property(lambda s: s._saver.fs, lambda s, v: setattr(s._saver, "fs", v))
@@ -195,6 +197,7 @@ class Checkpointer:
     _failure = property(lambda s: s._saver.failure)
     _accepting = property(lambda s: s._saver.accepting)
     _queued = property(lambda s: s._saver.queued)
+    _final_lock = property(lambda s: s._saver.final_lock)
 
     @property
     def _dist(self) -> GlooGroup | None:
@@ -212,8 +215,11 @@ class Checkpointer:
         saver.limiter = anyio.CapacityLimiter(self.options.writer_threads)
         if wants_distributed(self.options.distributed):
             saver.coord = await GlooGroup.create(self.options.dist_timeout_s)
-        # Rank 0 alone locks and recovers; the others wait for its result.
-        committed, tracked = await saver.coord.open_root(self._open_root, self.root)
+        if self._tiers is not None:  # Tier(local_scope="rank"): this rank's own root
+            self.root = self._tiers.place_local()
+        # Rank 0 alone locks and recovers (each rank its own root); the others wait.
+        opener = Solo() if saver.per_rank else saver.coord
+        committed, tracked = await opener.open_root(self._open_root, self.root)
         saver.committed.update(dict.fromkeys(committed))
         if self._tiers is not None:  # on failure, releases what is open already
             await self._tiers.open(self._unlock)
@@ -221,7 +227,7 @@ class Checkpointer:
         # saves below it commit but do not move it (resume then needs fallback=True).
         steps = [s for s in (tracked, *committed) if s is not None]
         baseline = max(steps, default=None)
-        if self.layout.tracker_name is not None and saver.coord.leader:
+        if self.layout.tracker_name is not None and saver.owns_root:
             saver.tracker = TrackerWriter(saver.fs, self.root / self.layout.tracker_name, baseline)
         tg = anyio.create_task_group()
         await tg.__aenter__()

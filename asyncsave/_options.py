@@ -49,6 +49,15 @@ class Tier:
         ``CheckpointOptions``).
     :param timeout_s: seconds one copy may take (its local commit excluded)
         before it fails with :class:`CheckpointTimeoutError`.
+    :param local_scope: who sees the checkpointer's (local) root. ``"shared"``
+        (default): every rank sees the same root (as without tiers); a local
+        checkpoint is one N-rank checkpoint, and rank 0 copies it. ``"rank"``: the
+        root is private to each node (a node-local NVMe, ``/dev/shm``): rank ``r``
+        commits its own part as a checkpoint of one rank under ``root/rank{r}/``,
+        ``await handle`` returns once every rank has committed its part, and every
+        rank copies its own files to the persistent tier, where rank 0 commits
+        them as one ordinary N-rank checkpoint (loadable by :func:`asyncsave.load`
+        without tiers). Plain state trees only (no DTensor, no Megatron request).
     :raises ValueError: a field is invalid (named).
     """
 
@@ -59,8 +68,11 @@ class Tier:
     filesystem: LocalFileSystem | None = None
     storage_options: Mapping[str, Any] | None = None
     timeout_s: float = 3600.0
+    local_scope: str = "shared"
 
     def __post_init__(self) -> None:
+        if self.local_scope not in ("shared", "rank"):
+            raise ValueError(f"Tier.local_scope={self.local_scope!r} must be 'shared' or 'rank'")
         if self.policy is not None and not isinstance(self.policy, SavePolicy):
             raise ValueError(f"Tier.policy={self.policy!r} must be a SavePolicy or None")
         object.__setattr__(self, "retention", as_retention(self.retention))

@@ -149,7 +149,8 @@ def is_retired_name(name: str) -> bool:
 
 def aside_dir_name(why: str, step: int) -> str:
     """Where a final-named directory that is not a loadable checkpoint of ``step``
-    is moved at open (``why``: ``"damaged"`` or ``"incomplete"``): kept for
+    is moved at open (``why``: ``"damaged"``, ``"incomplete"``, or ``"partial"``:
+    a local part of a step not every rank has, ``asyncsave._tiers``): kept for
     inspection, out of every resolver's way (no ``step_`` substring)."""
     return f".asyncsave-{why}-{step}-{uuid.uuid4().hex[:12]}"
 

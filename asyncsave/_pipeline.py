@@ -18,6 +18,12 @@ C. the leader writes the merged manifest, fsyncs, renames to the final name (or
    committed. Every rank's handle resolves after that broadcast. Retention
    follows on the leader, outside the save's deadline.
 
+With ``Tier(local_scope="rank")`` (``Saver.per_rank``) every rank has a root of
+its own (a node-local disk): in A and B each rank writes its own temporary
+directory, in C each commits its own part as a checkpoint of one rank, tracks
+and retains it, and the commit outcomes are gathered (``asyncsave._tiers``
+persists the parts as one N-rank checkpoint).
+
 Each pipeline runs shielded from the caller's cancellation, bounded by
 ``save_timeout_s``. Once the leader's commit thread may rename, the temporary
 directory is never removed under it (a thread abandoned at the deadline leaves it
@@ -127,6 +133,9 @@ class Saver:
         # Saves due to persist whose persistent copy is not committed yet
         # (``asyncsave._tiers``): retention keeps them, close waits for them.
         self.held: dict[int, SaveHandle] = {}
+        # Each rank's own root (``Tier(local_scope="rank")``): every rank commits
+        # its own part as a checkpoint of one rank, tracks and retains it.
+        self.per_rank = False
         self.failure: SaveFailedError | None = None
         self.resumed_step: int | None = None
         # Held inside worker threads by everything that renames or removes a final
@@ -229,6 +238,11 @@ class Saver:
         self.set_failure(error)
         handle._fail(error)
         logger.error("%s", error, exc_info=error.__cause__)
+
+    @property
+    def owns_root(self) -> bool:
+        """Whether this rank commits, tracks and retains in ``root``."""
+        return self.coord.leader or self.per_rank
 
     @property
     def tracked_step(self) -> int | None:
@@ -393,7 +407,7 @@ class Saver:
                 or not self.accepting
             ):
                 error = self._snapshot_failed(save, exc)
-                if save.tmp is not None and self.coord.leader:
+                if save.tmp is not None and self.owns_root:
                     await self.discard(save.tmp)
                 await self.discard(save.private)
                 if isinstance(exc, OSError):  # a streamed round's write: an I/O failure
@@ -423,7 +437,7 @@ class Saver:
         own (the shared one is agreed in the turn, phase A), whose files the job
         moves into the shared one at phase B; removed by this rank on failure, or
         by the next open after a crash."""
-        if self.coord.world_size == 1:
+        if self.coord.world_size == 1 or self.per_rank:
             save.tmp = await self.make_tmp(save.handle.step)
             return save.tmp
         save.private = await self.make_tmp(save.handle.step)
@@ -496,44 +510,53 @@ class Saver:
                     # A: the temporary directory (agreed before the turn for a
                     # streamed save and for Megatron's prepare).
                     name: str | None = None if tmp is None else tmp.name
-                    if tmp is None:
-                        if coord.leader and local_error is None:
-                            try:
-                                tmp = await self.make_tmp(step)
-                                name = tmp.name
-                            except Exception as exc:
-                                local_error = exc
-                        if coord.leader and local_error is not None:
-                            name = f"error: {local_error!r}"
-                        name = await coord.broadcast("temp-dir", name, step)
-                    assert isinstance(name, str)
-                    if name.startswith("error: "):
-                        outcomes = [name.removeprefix("error: ")] + [None] * (coord.world_size - 1)
-                    else:
-                        tmp = self.root / name
-                        # B: this rank's files, then everyone's outcome.
-                        if local_error is None and not self.strategy.same_save(name, step, final):
-                            local_error = CheckpointError(
-                                f"rank {coord.rank} saved step {step} while rank 0 saved "
-                                f"another step ({name}): every rank must call save() with "
-                                "the same steps in the same order",
-                                step=step,
-                                rank=coord.rank,
-                            )
-                        part: dict[str, Any] | None = None
-                        if local_error is None:
-                            assert isinstance(job, Job)
-                            try:
-                                part = await job.write(self, coord, tmp)
-                                handle._progress.all_written(job.nbytes)
-                            except Exception as exc:
-                                local_error = exc
-                        written_s = time.perf_counter() - t0
-                        outcomes = await coord.all_gather(
-                            "files-durable",
-                            repr(local_error) if local_error is not None else ("ok", part),
-                            step,
+                    if self.per_rank:  # every rank in its own root
+                        tmp, outcomes, written_s, local_error = await self._write_own(
+                            save, local_error
                         )
+                    else:
+                        if tmp is None:
+                            if coord.leader and local_error is None:
+                                try:
+                                    tmp = await self.make_tmp(step)
+                                    name = tmp.name
+                                except Exception as exc:
+                                    local_error = exc
+                            if coord.leader and local_error is not None:
+                                name = f"error: {local_error!r}"
+                            name = await coord.broadcast("temp-dir", name, step)
+                        assert isinstance(name, str)
+                        if name.startswith("error: "):
+                            outcomes = [name.removeprefix("error: ")] + [None] * (
+                                coord.world_size - 1
+                            )
+                        else:
+                            tmp = self.root / name
+                            # B: this rank's files, then everyone's outcome.
+                            if local_error is None and not self.strategy.same_save(
+                                name, step, final
+                            ):
+                                local_error = CheckpointError(
+                                    f"rank {coord.rank} saved step {step} while rank 0 saved "
+                                    f"another step ({name}): every rank must call save() with "
+                                    "the same steps in the same order",
+                                    step=step,
+                                    rank=coord.rank,
+                                )
+                            part: dict[str, Any] | None = None
+                            if local_error is None:
+                                assert isinstance(job, Job)
+                                try:
+                                    part = await job.write(self, coord, tmp)
+                                    handle._progress.all_written(job.nbytes)
+                                except Exception as exc:
+                                    local_error = exc
+                            written_s = time.perf_counter() - t0
+                            outcomes = await coord.all_gather(
+                                "files-durable",
+                                repr(local_error) if local_error is not None else ("ok", part),
+                                step,
+                            )
                     _raise_failure(coord, "save of", step, outcomes, local_error, tmp)
                     assert isinstance(job, Job) and tmp is not None
                     parts: list[dict[str, Any]] = [o[1] for o in outcomes]
@@ -551,11 +574,12 @@ class Saver:
                     # C: the leader commits and moves the tracker; everyone hears.
                     outcome: tuple[str, str, bool] | None = None
                     commit_error: Exception | None = None
-                    if coord.leader:
+                    if self.owns_root:
                         try:
                             costs = {"blocked_s": blocked_s, "staged_s": staged_s}
                             costs["written_s"] = written_s
-                            doc = await self.run(job.manifest, tmp, step, parts)
+                            own = [parts[coord.rank]] if self.per_rank else parts
+                            doc = await self.run(job.manifest, tmp, step, own)
                             doc["costs"] = {k: v for k, v in costs.items() if math.isfinite(v)}
                             doc["training_info"] = save.training_info
                             if self.layout.info_name is not None:
@@ -590,7 +614,9 @@ class Saver:
                                 repr(exc),
                                 isinstance(exc, TimeoutError),
                             )
-                    if coord.world_size > 1:
+                    if self.per_rank:
+                        await self._agree_committed(outcome, step, commit_error)
+                    elif coord.world_size > 1:
                         try:
                             outcome = await coord.broadcast("commit", outcome, step)
                         except RankFailedError:
@@ -628,7 +654,7 @@ class Saver:
                 )
                 self.committed[step] = info
                 try:
-                    if coord.leader:
+                    if self.owns_root:
                         # Outside the save's deadline: the save is committed and
                         # tracked, a slow delete must not fail it (retention has
                         # its own bound).
@@ -661,7 +687,7 @@ class Saver:
                         rank=error.rank,
                     )
                     error.__cause__ = exc
-                elif committed:
+                elif committed and not self.per_rank:
                     error = SaveFailedError(
                         f"step {step} was committed (its directory is final and complete) "
                         f"but rank 0 did not report the tracker: {exc}",
@@ -671,7 +697,7 @@ class Saver:
                     )
                     error.__cause__ = exc
                 self.fail(handle, error)
-                if coord.leader and not committing and not committed:
+                if self.owns_root and not committing and not committed:
                     await self.discard(tmp)
             except anyio.get_cancelled_exc_class():
                 self.fail(
@@ -682,7 +708,7 @@ class Saver:
                         path=tmp,
                     ),
                 )
-                if coord.leader and not committing and not committed:
+                if self.owns_root and not committing and not committed:
                     await self.discard(tmp)
                 raise
             finally:
@@ -694,6 +720,71 @@ class Saver:
                 if self.pending.get(step) is handle:
                     del self.pending[step]
                 self.scopes.pop(step, None)
+
+    async def _write_own(
+        self, save: _Save, local_error: BaseException | None
+    ) -> tuple[Path | None, list[Any], float, BaseException | None]:
+        """Phases A and B in a root of this rank's own (``per_rank``): its own
+        temporary directory and files, then every rank's outcome (with its step,
+        so that ranks saving different steps all fail). Returns the temporary
+        directory (``None`` once removed after this rank's failure), the outcomes,
+        the time written and this rank's error."""
+        step, job, tmp = save.handle.step, save.job, save.tmp
+        if local_error is None and not isinstance(job, PlainJob):
+            local_error = CheckpointError(
+                f"step {step}: Tier(local_scope='rank') saves plain state trees only; "
+                f"a {type(job).__name__} (DTensor state, a Megatron request) needs a "
+                "local root every rank shares (local_scope='shared')",
+                step=step,
+                rank=self.coord.rank,
+            )
+        part: dict[str, Any] | None = None
+        try:
+            if local_error is not None:
+                raise local_error
+            if tmp is None:
+                tmp = await self.make_tmp(step)
+            assert isinstance(job, Job)
+            part = await job.write(self, self.coord, tmp)
+            save.handle._progress.all_written(job.nbytes)
+        except Exception as exc:
+            local_error = exc
+        written_s = time.perf_counter() - save.t0
+        mine = repr(local_error) if local_error is not None else ("ok", part, step)
+        outcomes = await self.coord.all_gather("files-durable", mine, step)
+        outcomes = [
+            f"saved step {o[2]}, not {step}: every rank must call save() with the same "
+            "steps in the same order"
+            if not isinstance(o, str) and o[2] != step
+            else o
+            for o in outcomes
+        ]
+        if local_error is not None:
+            await self.discard(tmp)
+            tmp = None
+        return tmp, outcomes, written_s, local_error
+
+    async def _agree_committed(
+        self, outcome: tuple[str, str, bool] | None, step: int, error: Exception | None
+    ) -> None:
+        """Every rank committed its own part (``per_rank``), or raise naming those
+        that did not (a part committed on some ranks only is never resumed: resume
+        takes a local step only when every rank has it)."""
+        views = await self.coord.all_gather("commit", outcome, step)
+        failed = {r: o[1] for r, o in enumerate(views) if o is not None}
+        if not failed:
+            return
+        if error is not None and self.coord.world_size == 1:
+            raise error
+        failure = RankFailedError(
+            f"the local commit of step {step} failed on rank(s) {sorted(failed)}: "
+            + "; ".join(f"rank {r}: {cause}" for r, cause in sorted(failed.items())),
+            step=step,
+            rank=min(failed),
+            ranks=failed,
+        )
+        failure.__cause__ = error
+        raise failure
 
     async def _committed_on_disk(self, final: Path, save: _Save) -> bool:
         """A rank that lost the leader after phase B: did the rename happen?

@@ -38,6 +38,11 @@ Rules (docs/decisions.md, "Tiers"):
   persister's own, so copies never interleave with the saves' collectives; every
   rank's ``persisted()`` resolves after that broadcast. The tier's policy must
   answer the same on every rank (a step-based policy such as ``SaveEvery``).
+- **Node-local roots** (``Tier(local_scope="rank")``): rank ``r`` commits its own
+  part under ``root/rank{r}/`` as a checkpoint of one rank (``Saver.per_rank``);
+  at open the ranks agree on the local steps every rank has (the others are moved
+  aside); every rank copies its own part and rank 0 commits the merged N-rank
+  checkpoint (:meth:`Persister._copy_ranks`); resume loads each rank's own part.
 
 Sources: Orbax's emergency checkpointing (local and persistent managers), NVIDIA
 Resiliency Extension's local checkpointing, Gemini (SOSP'23): checkpoints kept
@@ -49,6 +54,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -74,6 +80,7 @@ from ._errors import (
 from ._fs import LocalFileSystem
 from ._fsspec import open_root
 from ._handle import SaveHandle
+from ._jobs import check_visible, merge_parts
 from ._load import (
     _apply_template,
     _check_required,
@@ -83,13 +90,15 @@ from ._load import (
     scan_steps,
     verify,
 )
+from ._manifest import SELF_CHECKSUM, encode_manifest
 from ._marker import is_committed
 from ._options import Tier
 from ._paths import COMMIT_MARKER_NAME, MANIFEST_NAME, Layout
-from ._pipeline import Saver
+from ._pipeline import Saver, _final_lock_for
 from ._retention import apply_retention
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
+from ._write import write_bytes
 
 __all__ = ["Persister", "committed_steps", "copy_checkpoint", "load_nearest"]
 
@@ -242,6 +251,42 @@ class Persister:
         return f"Persister({str(self.root)!r})"
 
     # -- lifecycle ----------------------------------------------------------------
+    def place_local(self) -> Path:
+        """The local root this rank opens, once its rank is known: the
+        checkpointer's root, or with ``local_scope="rank"`` its own
+        ``root/rank{r}`` (a private root: this rank locks, recovers, commits,
+        tracks and retains there)."""
+        saver = self.saver
+        if self.tier.local_scope == "rank" and not saver.per_rank:
+            saver.per_rank = True
+            saver.root = saver.root / f"rank{saver.coord.rank}"
+            saver.final_lock = _final_lock_for(saver.root)
+        return saver.root
+
+    async def _agree_local(self) -> None:
+        """``local_scope="rank"``, several ranks: the local steps every rank has
+        committed. A step only some ranks have (a replaced node, a crash between
+        the ranks' local commits) can never be resumed or persisted whole: it is
+        moved aside to ``.asyncsave-partial-<step>-<id>`` (bytes kept, should a
+        node's root only have been misconfigured), so that the step can be
+        saved again."""
+        saver = self.saver
+        views = await saver.coord.all_gather("local-steps", sorted(saver.committed))
+        common = set(views[0]).intersection(*views[1:])
+        partial = sorted(set(saver.committed) - common)
+        for step in partial:
+            del saver.committed[step]
+            path = saver.root / self.layout.dir_name(step)
+            await anyio.to_thread.run_sync(
+                saver.under_final_lock,
+                _aside,
+                saver,
+                path,
+                step,
+                "a local part of a step not every rank has committed",
+                "partial",
+            )
+
     async def open(self, unlock_local: Callable[[], Awaitable[None]]) -> None:
         """Lock and recover the persistent root (rank 0), as a checkpointer opens
         its own root; on several ranks, create the persister's gloo group. On
@@ -258,6 +303,8 @@ class Persister:
 
     async def _open(self) -> None:
         self._slots = anyio.Semaphore(self.tier.queue_size)
+        if self.saver.per_rank and self.saver.coord.world_size > 1:
+            await self._agree_local()
         if self.saver.coord.world_size > 1:
             # The other ranks wait in a broadcast while rank 0 copies: the bound is
             # the copy's (a dead rank 0 is still seen at once, by the heartbeats).
@@ -412,7 +459,7 @@ class Persister:
             handle._persist_done(info, error)
             if self.saver.held.get(step) is handle:
                 del self.saver.held[step]
-                if info is not None and self.coord.leader and not scope.cancel_called:
+                if info is not None and self.saver.owns_root and not scope.cancel_called:
                     # Released: the local rule may retire it now, not only after
                     # the next local commit (a small /dev/shm tier).
                     with anyio.CancelScope(shield=True):
@@ -434,6 +481,8 @@ class Persister:
         """Rank 0 copies and commits, moves the tracker, applies retention; every
         rank hears the outcome. ``None``: not copied (``check`` found ``src``
         damaged; logged)."""
+        if self.saver.per_rank:
+            return await self._copy_ranks(step, src, overwrite, check)
         t0 = time.perf_counter()
         final = self.root / self.layout.dir_name(step)
         outcome: str | None = None
@@ -485,11 +534,16 @@ class Persister:
                 overwrite=there,
                 threads=self.saver.options.writer_threads,
             )
+        self._after_commit(step)
+        return True
+
+    def _after_commit(self, step: int) -> None:
+        """Move the persistent tracker to ``step``, apply the persistent retention."""
         if self.tracker is not None:
             self.tracker.advance(step)
         rule = self.tier.retention
         if rule is None:
-            return True
+            return
 
         def protected() -> Iterable[int]:
             steps = {step, *self.saver.held}
@@ -503,7 +557,133 @@ class Persister:
                 self.committed.pop(gone, None)
         except OSError as exc:
             logger.warning("persistent retention failed (re-applied next time): %r", exc)
-        return True
+
+    # -- local_scope="rank": every rank copies its own part --------------------------
+    async def _copy_ranks(self, step: int, src: Path, overwrite: bool, check: bool) -> Path | None:
+        """The N-rank commit protocol on the persistent tier, from private local
+        roots: rank 0 makes the temporary directory (on object stores: the final
+        prefix) or finds the step committed there already; every rank copies its
+        own committed local files into it (fsynced) and sends its part of the
+        manifest; rank 0 checks every rank's files are there, writes the merged
+        manifest (the one a save of N ranks into a shared root writes), commits,
+        tracks and retains; every rank hears the outcome. ``None``: not copied
+        (``check`` found a rank's local part damaged; logged)."""
+        coord, t0 = self.coord, time.perf_counter()
+        final = self.root / self.layout.dir_name(step)
+        cause: BaseException | None = None
+        begun: Any = None
+        if coord.leader:
+            try:
+                begun = await self._run(self._begin, step, overwrite)
+            except Exception as exc:
+                cause, begun = exc, f"rank 0: {exc!r}"
+        begun = await coord.broadcast("persist-begin", begun, step)
+        if isinstance(begun, str):
+            raise SaveFailedError(begun, step=step, path=final, rank=0) from cause
+        name, exchange = begun
+        tmp = None if name is None else self.root / name
+        mine: Any
+        try:
+            mine = await self._run(self._upload, src, tmp, check)
+        except Exception as exc:
+            cause, mine = exc, repr(exc)
+        views = await coord.all_gather("persist-files", mine, step)
+        outcome: str | None = None
+        if coord.leader:
+            try:
+                outcome = await self._run(self._finish, step, src, tmp, views, exchange)
+            except Exception as exc:
+                cause, outcome = exc, f"rank 0: {exc!r}"
+        outcome = await coord.broadcast("persisted", outcome, step)
+        if outcome == "skipped":
+            return None
+        if outcome is not None:
+            raise SaveFailedError(
+                f"persisting step {step} failed: {outcome}", step=step, path=final
+            ) from cause
+        self.committed[step] = final
+        logger.info(
+            "rank %d: persisted step %d to %s in %.3f s",
+            coord.rank,
+            step,
+            final,
+            time.perf_counter() - t0,
+        )
+        return final
+
+    def _begin(self, step: int, overwrite: bool) -> tuple[str | None, bool]:
+        """Rank 0: (the temporary directory's name, whether the commit replaces a
+        committed step), or ``(None, False)``: committed there already, kept."""
+        final = self.root / self.layout.dir_name(step)
+        there = self.fs.exists(final) and is_committed(self.fs, final)
+        if there and not overwrite:
+            logger.info("step %d is on the persistent tier already: not copied again", step)
+            return None, False
+        if there and not self.fs.atomic_rename:
+            raise CheckpointError(
+                f"cannot overwrite {final} on {self.fs!r}: without an atomic rename the new "
+                "files would replace the committed ones before the new commit",
+                step=step,
+                path=final,
+            )
+        return strategy_for(self.fs).begin(self.fs, self.root, step, final).name, there
+
+    def _upload(self, src: Path, tmp: Path | None, check: bool) -> tuple[str, Any]:
+        """This rank: copy its committed local part ``src`` into ``tmp`` (data
+        files, and rank 0 the layout's info file); ``("ok", part)``, or
+        ``("skipped", why)`` when ``check`` finds ``src`` damaged."""
+        sfs = self.saver.fs
+        if check:
+            try:
+                verify(src, filesystem=sfs)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+                logger.warning("not persisting %s, left by an earlier run: %s", src, exc)
+                return "skipped", repr(exc)
+        if tmp is None:
+            return "ok", None
+        manifest = read_checkpoint(sfs, src)
+        names = [f["name"] for f in manifest.files]
+        info = self.layout.info_name
+        if self.coord.leader and info is not None and sfs.exists(src / info):
+            names.append(info)
+        threads = max(1, self.saver.options.writer_threads)
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            for done in [pool.submit(_copy_file, sfs, src / n, self.fs, tmp / n) for n in names]:
+                done.result()
+        part = {k: getattr(manifest, k) for k in ("files", "entries", "tensors", "tree")}
+        return "ok", part
+
+    def _finish(
+        self, step: int, src: Path, tmp: Path | None, views: list[Any], exchange: bool
+    ) -> str | None:
+        """Rank 0, once every rank copied: the merged manifest, the commit, the
+        tracker, the retention. The outcome: ``None``, ``"skipped"`` or the
+        failure named by rank."""
+        errors = {r: v for r, v in enumerate(views) if isinstance(v, str)}
+        skipped = any(not isinstance(v, str) and v[0] == "skipped" for v in views)
+        try:
+            if errors or skipped:
+                if tmp is not None:
+                    discard(self.fs, tmp)
+                if errors:
+                    return "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+                return "skipped"
+            if tmp is not None:
+                parts = [v[1] for v in views]
+                raw = json.loads(self.saver.fs.read_bytes(src / MANIFEST_NAME))
+                raw.pop(SELF_CHECKSUM, None)
+                doc = {**raw, **merge_parts(parts)} if len(parts) > 1 else raw
+                write_bytes(self.fs, tmp / MANIFEST_NAME, encode_manifest(doc))
+                check_visible(self.fs, tmp, parts)
+                final = self.root / self.layout.dir_name(step)
+                strategy_for(self.fs).commit(self.fs, tmp, final, overwrite=exchange)
+                tmp = None
+        except BaseException:
+            if tmp is not None:
+                discard(self.fs, tmp)
+            raise
+        self._after_commit(step)
+        return None
 
 
 # -- resuming -----------------------------------------------------------------------
@@ -565,7 +745,8 @@ async def _load_nearest(
             step, where, fs, root = best_remote, "persistent", persister.fs, persister.root
         path = root / saver.layout.dir_name(step)
         reader: Any = functools.partial(load, path)
-        if coord.world_size > 1:
+        # A local part of local_scope="rank" is a checkpoint of one rank: its own.
+        if coord.world_size > 1 and not (where == "local" and saver.per_rank):
             reader = functools.partial(load_rank, path, coord.rank, coord.world_size)
         state: Any = None
         failure: str | None = None
@@ -595,7 +776,7 @@ async def _load_nearest(
             "; ".join(failures),
         )
         (local_ok if where == "local" else remote_ok).discard(step)
-        if where == "local" and coord.world_size == 1 and failure is not None:
+        if where == "local" and (coord.world_size == 1 or saver.per_rank) and failure:
             saver.committed.pop(step, None)
             await anyio.to_thread.run_sync(
                 saver.under_final_lock, _aside, saver, path, step, failure
@@ -618,7 +799,8 @@ def _info(fs: LocalFileSystem, path: Path) -> CheckpointInfo:
     return info_of(path, read_checkpoint(fs, path))
 
 
-def _aside(saver: Saver, path: Path, step: int, reason: str) -> None:
-    """Move a damaged local checkpoint aside (its step can be saved again)."""
-    if move_aside(saver.fs, saver.root, path, "damaged", step, reason, quiet=True):
+def _aside(saver: Saver, path: Path, step: int, reason: str, why: str = "damaged") -> None:
+    """Move a damaged (or partial) local checkpoint aside (its step can be saved
+    again)."""
+    if move_aside(saver.fs, saver.root, path, why, step, reason, quiet=True):
         saver.fs.fsync_dir(saver.root)

@@ -95,14 +95,19 @@ def _counting(base: type, tier: str, calls: _Calls) -> type:
     )
 
 
-def _tier(remote: str, opts: Any, calls: _Calls) -> Tier:
+def _local(base: Path, rank: int, scope: str) -> Path:
+    """The local root: shared by the ranks, or each rank's node's own."""
+    return base / "local" if scope == "shared" else base / f"node{rank}"
+
+
+def _tier(remote: str, opts: Any, calls: _Calls, scope: str) -> Tier:
     if opts is None:
         fs: LocalFileSystem = _counting(LocalFileSystem, "persistent", calls)()
     else:
         import s3fs
 
         fs = _counting(FsspecFileSystem, "persistent", calls)(s3fs.S3FileSystem(**opts))
-    return Tier(remote, filesystem=fs, queue_size=2)
+    return Tier(remote, filesystem=fs, queue_size=2, local_scope=scope)
 
 
 def _ack(base: Path, rank: int, what: str, step: int) -> None:
@@ -128,6 +133,7 @@ def _scenario(
     victim: int,
     kill_at: int | None,
     backend: str,
+    scope: str = "shared",
 ) -> list[tuple[str, str]]:
     from asyncsave._coord import GlooGroup
 
@@ -145,10 +151,10 @@ def _scenario(
     async def main() -> None:
         try:
             async with asyncsave.Checkpointer(
-                base / "local",
+                _local(base, rank, scope),
                 filesystem=local_fs,
                 dist_timeout_s=6,
-                persistent=_tier(remote, opts, calls),
+                persistent=_tier(remote, opts, calls, scope),
             ) as ckpt:
                 for step in (1, 2):
                     calls.armed = step == 2
@@ -165,10 +171,12 @@ def _scenario(
     return calls.names
 
 
-def _resume(rank: int, world: int, base: Path, remote: str, opts: Any, backend: str) -> Any:
+def _resume(
+    rank: int, world: int, base: Path, remote: str, opts: Any, backend: str, scope: str
+) -> Any:
     async def main() -> int | None:
-        tier = Tier(remote, storage_options=opts)
-        async with asyncsave.Checkpointer(base / "local", persistent=tier) as ckpt:
+        tier = Tier(remote, storage_options=opts, local_scope=scope)
+        async with asyncsave.Checkpointer(_local(base, rank, scope), persistent=tier) as ckpt:
             restored = await ckpt.load_latest()
             if restored is None:
                 return None
@@ -195,18 +203,28 @@ def _points(recorded: list[tuple[str, str]], picks: list[Pick]) -> list[int]:
     return sorted(out)
 
 
-def _temp_left(base: Path, remote: str, opts: Any) -> list[str]:
-    left = [p.name for p in (base / "local").iterdir() if p.name.startswith(".asyncsave-tmp")]
+def _temp_left(base: Path, remote: str, opts: Any, scope: str) -> list[str]:
+    roots = [base / "local"] if scope == "shared" else list(base.glob("node*/rank*"))
+    left = [p.name for r in roots for p in r.iterdir() if p.name.startswith(".asyncsave-tmp")]
     if opts is None and Path(remote).exists():
         left += [p.name for p in Path(remote).iterdir() if p.name.startswith(".asyncsave-tmp")]
     return left
 
 
-def _matrix(tmp: Path, world: int, remote_of: Any, opts: Any, picks: dict[int, list[Pick]]) -> None:
+def _matrix(
+    tmp: Path,
+    world: int,
+    remote_of: Any,
+    opts: Any,
+    picks: dict[int, list[Pick]],
+    scope: str = "shared",
+) -> None:
+    """With ``scope="rank"`` each rank's local root is its node's own, and the
+    replaced node is rank 1's alone."""
     rec = tmp / "rec"
     rec.mkdir()
     recorded = values(
-        run_ranks(_scenario, world, rec, rec, remote_of(rec), opts, -1, None, "asyncio")
+        run_ranks(_scenario, world, rec, rec, remote_of(rec), opts, -1, None, "asyncio", scope)
     )
     assert ("local", "rename") in recorded[0]
     assert any(t == "persistent" for t, _ in recorded[0])
@@ -222,7 +240,7 @@ def _matrix(tmp: Path, world: int, remote_of: Any, opts: Any, picks: dict[int, l
             # The killed run and the resumes alternate between asyncio and trio.
             backend = "trio" if k % 2 else "asyncio"
             results = run_ranks(
-                _scenario, world, base, base, remote, opts, victim, k, backend, timeout_s=60
+                _scenario, world, base, base, remote, opts, victim, k, backend, scope, timeout_s=60
             )
             if results[victim] != ("exit", -signal.SIGKILL):
                 failures.append(f"{what}: {results}")
@@ -231,14 +249,14 @@ def _matrix(tmp: Path, world: int, remote_of: Any, opts: Any, picks: dict[int, l
                 failures.append(f"{what}: the survivor: {results[1 - victim]}")
                 continue
             acked_local, acked_remote = _acked(base, "local"), _acked(base, "persistent")
-            resumed = values(run_ranks(_resume, world, base, base, remote, opts, backend))
+            resumed = values(run_ranks(_resume, world, base, base, remote, opts, backend, scope))
             if len(set(resumed)) != 1 or (resumed[0] or 0) < acked_local:
                 failures.append(f"{what}: acknowledged {acked_local}, resumed {resumed}")
-            left = _temp_left(base, remote, opts)
+            left = _temp_left(base, remote, opts, scope)
             if left:
                 failures.append(f"{what}: temporary directories left after reopening: {left}")
-            shutil.rmtree(base / "local")  # a replaced node
-            resumed = values(run_ranks(_resume, world, base, base, remote, opts, backend))
+            shutil.rmtree(_local(base, world - 1, scope))  # a replaced node
+            resumed = values(run_ranks(_resume, world, base, base, remote, opts, backend, scope))
             if len(set(resumed)) != 1 or (resumed[0] or 0) < acked_remote:
                 failures.append(
                     f"{what}, local tier wiped: persisted {acked_remote}, resumed {resumed}"
@@ -291,3 +309,15 @@ def test_two_ranks_killed_while_persisting_to_s3(tmp_path: Path, s3: Any) -> Non
     root, opts, _ = s3
     picks = {0: [("persistent", "close", "first")]}  # the first object of the copy
     _matrix(tmp_path, 2, lambda b: f"{root}/{b.name}", opts, picks)
+
+
+def test_two_nodes_killed_during_the_local_commit_and_persisting(tmp_path: Path) -> None:
+    """``Tier(local_scope="rank")``: the ranks' local roots are different
+    directories (two nodes); rank 1 killed during its own local commit and during
+    its own copy to the persistent tier; then node 1 replaced. (The S3 copy of
+    node-local parts is the same code with the marker commit: tested without a
+    kill in tests/test_tiers_nodelocal.py, to keep the suite short.)"""
+    picks: dict[int, list[Pick]] = {
+        1: [("local", "rename", "last"), ("persistent", "write", "first")],
+    }
+    _matrix(tmp_path, 2, lambda b: str(b / "remote"), None, picks, "rank")
