@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,7 +31,7 @@ from ._errors import (
     SaveFailedError,
     StagingBudgetError,
 )
-from ._plan import Entry, Plan, storage_key
+from ._plan import Entry, Plan, ViewCache, storage_key
 
 __all__ = [
     "LAZY_EAGER_MAX_BYTES",
@@ -102,6 +103,8 @@ class StagingPool:
         self._poisoned = False
         self._closed = False
         self.allocations = 0  # how many times an arena was allocated (S10)
+        # Plans' views of the arena (see _views): dropped with the arena.
+        self.views: weakref.WeakSet[ViewCache] = weakref.WeakSet()
 
     @property
     def capacity(self) -> int:
@@ -174,6 +177,8 @@ class StagingPool:
         self._busy.release()
 
     def _free(self) -> None:
+        for cache in list(self.views):
+            cache.clear()
         if self._arena is not None and self._pinned:
             _unregister(self._arena)
         self._arena = None
@@ -226,14 +231,78 @@ def _copy_blob(dst: torch.Tensor, e: Entry, *, non_blocking: bool) -> None:
             dst[start:end].copy_(src, non_blocking=non_blocking)
 
 
-def _copy_cpu(buffer: torch.Tensor, entries: list[Entry]) -> None:
-    for e in entries:
-        assert e.source is not None
-        dst = _destination(buffer, e)
+# Dtypes whose same-dtype copy_ moves bits unchanged (plain loads and stores, no
+# arithmetic): their entries are copied as themselves, by one _foreach_copy_ for
+# all of them. Others go through their integer view (as_bits), one by one.
+_PLAIN_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
+
+
+def _views(
+    buffer: torch.Tensor,
+    entries: list[Entry],
+    cache: ViewCache | None,
+) -> list[torch.Tensor]:
+    """Every entry's destination in ``buffer`` (see :func:`_destination`), made
+    once per plan structure and arena when ``cache`` is the plan's
+    ``staging_views`` (a 10,000-tensor state then costs no Python call per tensor
+    to find its place)."""
+    if cache is None:
+        return [_destination(buffer, e) for e in entries]
+    key = (buffer.data_ptr(), buffer.numel())
+    views = cache.get(key)
+    if views is None or len(views) != len(entries):
+        cache.clear()  # one arena at a time: an old one's views would keep it alive
+        views = cache[key] = [_destination(buffer, e) for e in entries]
+    return views
+
+
+def _copy_batched(
+    buffer: torch.Tensor,
+    entries: list[Entry],
+    cache: ViewCache | None,
+    *,
+    non_blocking: bool,
+) -> None:
+    """Copy every entry's source into its place in ``buffer``: entries of plain
+    dtypes by one ``torch._foreach_copy_`` (one call from Python for thousands of
+    small tensors; its kernels run with the GIL released), blobs and other dtypes
+    one by one."""
+    views = _views(buffer, entries, cache)
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for e, dst in zip(entries, views, strict=True):
+        src = e.source
+        assert src is not None
         if e.is_blob:
-            _copy_blob(dst, e, non_blocking=False)
+            _copy_blob(dst, e, non_blocking=non_blocking)
+        elif e.dtype in _PLAIN_DTYPES:
+            dsts.append(dst)
+            srcs.append(src)
         else:
-            as_bits(dst).copy_(as_bits(e.source))
+            as_bits(dst).copy_(as_bits(src), non_blocking=non_blocking)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+
+
+def _copy_cpu(
+    buffer: torch.Tensor,
+    entries: list[Entry],
+    cache: ViewCache | None = None,
+) -> None:
+    _copy_batched(buffer, entries, cache, non_blocking=False)
 
 
 # Lazy saves copy entries up to this size before save() returns (module buffers
@@ -338,13 +407,7 @@ def _enqueue_cuda(
             stream.wait_event(ready[device])
         try:
             with torch.cuda.stream(stream):
-                for e in group:
-                    assert e.source is not None
-                    dst = _destination(buffer, e)
-                    if e.is_blob:
-                        _copy_blob(dst, e, non_blocking=True)
-                    else:
-                        as_bits(dst).copy_(as_bits(e.source), non_blocking=True)
+                _copy_batched(buffer, group, None, non_blocking=True)
         finally:
             event = torch.cuda.Event()
             event.record(stream)
@@ -391,6 +454,7 @@ async def stage_entries(
     poll_interval_s: float,
     timeout_s: float,
     ready: dict[torch.device, Any] | None = None,
+    views: ViewCache | None = None,
 ) -> None:
     """Copy every entry's source into the lease's buffer at its staging offset.
 
@@ -401,6 +465,8 @@ async def stage_entries(
 
     :param ready: CUDA events marking what the caller queued before ``save()`` (see
         :func:`producer_events`); recorded here, on the calling thread, if ``None``.
+    :param views: the plan's ``staging_views`` when ``entries`` are all of a
+        plan's entries (CPU sources: their destinations are made once per plan).
     :raises CheckpointTimeoutError: the copies did not finish within ``timeout_s``
         (one deadline for enqueuing, copying and waiting). If the caller is
         cancelled, or the deadline passes, copies already queued are waited for
@@ -427,7 +493,11 @@ async def stage_entries(
                     f"queueing device-to-host copies took over {timeout_s} s"
                 )
         if cpu:
-            await anyio.to_thread.run_sync(_copy_cpu, buffer, cpu)
+            if views is not None and lease._pool is not None:
+                lease._pool.views.add(views)
+            await anyio.to_thread.run_sync(
+                _copy_cpu, buffer, cpu, views if len(cpu) == len(entries) else None
+            )
         if not await _wait_events(events, poll_interval_s, deadline):
             raise CheckpointTimeoutError(
                 f"device-to-host copies did not finish within {timeout_s} s (a kernel "
