@@ -20,13 +20,11 @@ its own contiguous bytes.
 from __future__ import annotations
 
 import base64
-import contextlib
 import dataclasses
-import gc
 import pickle
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,7 +35,7 @@ from ._errors import (
     UnsupportedTensorError,
     UnsupportedTypeError,
 )
-from ._types import Tagged
+from ._types import Tagged, gc_paused
 
 __all__ = [
     "Entry",
@@ -196,18 +194,6 @@ def _is_tensordict(obj: Any) -> bool:
     # already imported.
     td = sys.modules.get("tensordict")
     return td is not None and isinstance(obj, td.TensorDictBase)
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (re-enabled after, if it was)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def make_plan(state: Any, *, allow_pickle: bool) -> Plan:

@@ -13,6 +13,7 @@ the plan and still save the new values (no stale bytes).
 from __future__ import annotations
 
 import copy
+import json
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -365,3 +366,27 @@ def test_random_mutations_between_saves_round_trip(
                     assert counter.calls == before, "a change of values only replanned"
         for step, exp in enumerate(expected, start=1):
             _assert_loads(Path(tmp) / f"step_{step}", exp)
+
+
+def test_manifest_self_checksum_holds_for_written_and_respelled_manifests(tmp_path: Path) -> None:
+    """The manifest's own checksum is checked on its bytes as written (no
+    re-encoding of every entry), and still on the canonical encoding for any other
+    spelling: a re-indented manifest loads, an edited one is refused."""
+    state = {f"experts.{i}.w0": torch.randn(3) for i in range(50)}
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, state).result()
+    mpath = tmp_path / "step_1" / "manifest.json"
+    raw = mpath.read_bytes()
+    doc = json.loads(raw)
+    mpath.write_bytes(json.dumps(doc, indent=2).encode())  # same content, respelled
+    out = asyncsave.load(tmp_path / "step_1")
+    assert all(torch.equal(out[k], v) for k, v in state.items())
+    doc["entries"][3]["offset"] += 4  # edited, checksum field kept
+    mpath.write_bytes(json.dumps(doc, separators=(",", ":")).encode())
+    with pytest.raises(asyncsave.CorruptCheckpointError, match="own checksum"):
+        asyncsave.load(tmp_path / "step_1")
+    edited = raw.replace(b'"step":1', b'"step":7', 1)
+    assert edited != raw
+    mpath.write_bytes(edited)
+    with pytest.raises(asyncsave.CorruptCheckpointError):
+        asyncsave.load(tmp_path / "step_1")
