@@ -42,6 +42,7 @@ from ._paths import Layout
 from ._plan import Entry, Plan, is_stateful
 from ._stage import Lease, StagingPool, snapshot_eager_entries, stage_entries
 from ._stream import Piece, StreamWriter, piece_entries
+from ._types import gc_paused
 from ._write import write_data_file
 
 __all__ = [
@@ -340,6 +341,13 @@ def manifest_doc(
     costs: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The manifest of a plain state tree saved by one rank (pure)."""
+    with gc_paused():  # a dict per entry: see gc_paused
+        return _manifest_doc(step, plan, layouts, costs)
+
+
+def _manifest_doc(
+    step: int, plan: Plan, layouts: list[FileLayout], costs: dict[str, float] | None
+) -> dict[str, Any]:
     entries = [
         {"name": e.name, "file": e.file, "offset": e.offset, "nbytes": e.nbytes, CHECKSUM: e.digest}
         for e in plan.entries

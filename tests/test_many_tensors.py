@@ -390,3 +390,49 @@ def test_manifest_self_checksum_holds_for_written_and_respelled_manifests(tmp_pa
     mpath.write_bytes(edited)
     with pytest.raises(asyncsave.CorruptCheckpointError):
         asyncsave.load(tmp_path / "step_1")
+
+
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.text(max_size=4)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=600) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=300,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=st.dictionaries(st.text(max_size=3), _json, max_size=4))
+def test_manifest_encoding_in_pieces_is_byte_identical(doc: dict[str, Any]) -> None:
+    """The manifest is encoded in pieces (so a worker thread never holds the GIL
+    for the whole document): the bytes are exactly one ``json.dumps``'s."""
+    from asyncsave._manifest import _canonical
+
+    assert _canonical(doc) == json.dumps(doc, separators=(",", ":")).encode()
+
+
+def test_gc_pauses_overlapping_in_threads_restore_the_collector() -> None:
+    """Pauses of the cyclic GC that overlap in two threads (a plan and a manifest
+    at once) re-enable it when the last one ends, not before."""
+    import gc
+
+    from asyncsave._types import gc_paused
+
+    inside, release = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with gc_paused():
+            inside.set()
+            release.wait(10)
+
+    assert gc.isenabled()
+    t = threading.Thread(target=other)
+    with gc_paused():
+        t.start()
+        assert inside.wait(10)
+    assert not gc.isenabled()  # the other thread's pause still holds
+    release.set()
+    t.join()
+    assert gc.isenabled()
