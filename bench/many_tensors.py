@@ -72,6 +72,8 @@ def _copy_loop(state: dict[str, torch.Tensor], dst: list[torch.Tensor]) -> float
     t0 = time.perf_counter()
     for d, s in zip(dst, state.values(), strict=True):
         d.copy_(s)
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
@@ -115,15 +117,20 @@ async def _save(
     return {"blocked_s": blocked, "durable_s": durable, **hb.figures()}
 
 
-async def bench_count(n: int, root: Path, repeats: int, hb: Heartbeat) -> dict[str, Any]:
-    """Every figure of the module docstring for a state of ``n`` tensors."""
+async def bench_count(
+    n: int, root: Path, repeats: int, hb: Heartbeat, device: str = "cpu"
+) -> dict[str, Any]:
+    """Every figure of the module docstring for a state of ``n`` tensors on
+    ``device`` (CUDA: the ``copy_`` loop copies to preallocated host tensors)."""
     from safetensors.torch import load_file
 
-    state = moe_state(n)
+    host = moe_state(n)
+    state = host if device == "cpu" else {k: v.to(device) for k, v in host.items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    dst = [torch.empty_like(t) for t in state.values()]
+    dst = [torch.empty_like(t, device="cpu") for t in state.values()]
     _copy_loop(state, dst)  # fault the destinations in
-    flat_bytes = torch.cat([t.view(-1).view(torch.uint8) for t in state.values()])
+    flat_bytes = torch.cat([t.view(-1).view(torch.uint8) for t in host.values()])
+    del host
     root.mkdir(parents=True, exist_ok=True)
     samples: dict[str, list[float]] = {}
 
@@ -266,16 +273,19 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-async def bench(counts: list[int], root: Path, repeats: int, hb: Heartbeat) -> dict[str, Any]:
+async def bench(
+    counts: list[int], root: Path, repeats: int, hb: Heartbeat, device: str = "cpu"
+) -> dict[str, Any]:
     """Rows for every count (the heartbeat task ``hb`` must be running)."""
+    where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     result: dict[str, Any] = {
         "bench": "bench/many_tensors.py",
-        "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}",
+        "machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}, state on {where}",
         "repeats": repeats,
         "rows": [],
     }
     for n in counts:
-        row = await bench_count(n, root / f"n{n}", repeats, hb)
+        row = await bench_count(n, root / f"n{n}", repeats, hb, device)
         row["targets"] = targets(row)
         result["rows"].append(row)
         print(
@@ -302,7 +312,7 @@ async def main(args: argparse.Namespace) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(hb.run)
         counts = [int(c) for c in args.counts.split(",")]
-        result = await bench(counts, args.dir, args.repeats, hb)
+        result = await bench(counts, args.dir, args.repeats, hb, args.device)
         tg.cancel_scope.cancel()
     write_results(result, args.out)
     print(markdown(result))
@@ -312,6 +322,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--counts", default="1000,10000,100000")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/asyncsave-many-tensors"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     anyio.run(main, parser.parse_args())
