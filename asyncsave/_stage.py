@@ -32,6 +32,7 @@ from ._errors import (
     StagingBudgetError,
 )
 from ._plan import Entry, Plan, ViewCache, storage_key
+from ._types import gc_paused
 
 __all__ = [
     "LAZY_EAGER_MAX_BYTES",
@@ -302,7 +303,11 @@ def _copy_cpu(
     entries: list[Entry],
     cache: ViewCache | None = None,
 ) -> None:
-    _copy_batched(buffer, entries, cache, non_blocking=False)
+    # 100,000 views and lists of tensors are GC-tracked objects: a generation-2
+    # pass they trigger over a large state holds the GIL for ~1 s (measured at
+    # 100,000 tensors), stalling the event loop.
+    with gc_paused():
+        _copy_batched(buffer, entries, cache, non_blocking=False)
 
 
 # Lazy saves copy entries up to this size before save() returns (module buffers
@@ -319,6 +324,11 @@ def snapshot_eager_entries(plan: Plan, ready: dict[torch.device, Any] | None) ->
     re-recorded after the clones, so the staging copies see them. It costs device
     memory of those entries' size (buffers and small tensors only, freed once
     staged). Returns the bytes copied."""
+    with gc_paused():  # 1,000s of clones: see _copy_cpu
+        return _snapshot_eager(plan, ready)
+
+
+def _snapshot_eager(plan: Plan, ready: dict[torch.device, Any] | None) -> int:
     copied = 0
     cloned_on: set[torch.device] = set()
 
@@ -447,6 +457,13 @@ def _enqueue_cuda(
     device memory staging allocates, reused batch after batch on the stream) and
     copied to the host by one copy per batch (see :func:`gather_batches`); every
     other source is either contiguous or staged as its raw storage span."""
+    with gc_paused():  # see _copy_cpu
+        _enqueue_cuda_now(buffer, entries, ready, done)
+
+
+def _enqueue_cuda_now(
+    buffer: torch.Tensor, entries: list[Entry], ready: dict[torch.device, Any], done: list[Any]
+) -> None:
     by_device: dict[torch.device, list[Entry]] = {}
     for e in entries:
         assert e.source is not None
