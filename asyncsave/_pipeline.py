@@ -325,7 +325,12 @@ class Saver:
             return handle
         assert self.tg is not None
         try:
-            job.snapshot_eager(ready)
+            if isinstance(job, PlainJob) and all(d.type == "cpu" for d in job.devices()):
+                # Host clones of 1,000s of small tensors: in a worker thread, so the
+                # loop keeps ticking (CUDA clones stay on the caller's stream).
+                await anyio.to_thread.run_sync(job.snapshot_eager, ready)
+            else:
+                job.snapshot_eager(ready)
         except BaseException as exc:
             self._snapshot_failed(save, exc)
             raise

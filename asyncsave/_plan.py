@@ -155,6 +155,7 @@ class Plan:
     # length); shared by the plans of one structure (``_replan``), filled by the
     # stager.
     staging_views: ViewCache = dataclasses.field(default_factory=lambda: ViewCache())
+    _devices: set[torch.device] | None = dataclasses.field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -163,7 +164,14 @@ class Plan:
 
     @property
     def devices(self) -> set[torch.device]:
-        return {leaf.tensor.device for leaf in self.leaves if leaf.tensor is not None}
+        """The devices of the tensor leaves (kept once computed while the leaves
+        are held: a pass over 100,000 leaves is not repeated on the event loop)."""
+        if self._devices is None:
+            found = {leaf.tensor.device for leaf in self.leaves if leaf.tensor is not None}
+            if self.leaves and self.leaves[0].tensor is None:
+                return found  # released: not cached
+            self._devices = found
+        return set(self._devices)
 
     def release_sources(self) -> None:
         """Drop every reference to the caller's tensors once they are staged, so

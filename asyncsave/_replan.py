@@ -193,7 +193,9 @@ class Planner:
         # The cyclic GC paused throughout (see make_plan): its passes over the
         # 100,000s of objects a large plan makes would cost more than the plan.
         with gc_paused():
-            return self._plan(state, allow_pickle, rank, max_files, call)
+            out = self._plan(state, allow_pickle, rank, max_files, call)
+        out[0].devices  # noqa: B018  (computed here, in the worker, and kept)
+        return out
 
     def _plan(
         self,

@@ -506,3 +506,31 @@ async def test_many_small_cuda_tensors_gathered_round_trip_within_s12(tmp_path: 
             out[k].contiguous().view(-1).view(torch.uint8),
             v.contiguous().view(-1).view(torch.uint8),
         ), k
+
+
+async def test_lazy_host_snapshot_runs_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lazy save's copies taken before ``save()`` returns (small entries, module
+    buffers: 1,000s of clones for a many-tensor state) run in a worker thread for
+    host state, and the checkpoint holds the values at ``save()``."""
+    import asyncsave._jobs as jobs
+
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    real = jobs.snapshot_eager_entries
+
+    def recorded(plan: Any, ready: Any) -> int:
+        threads.append(threading.get_ident())
+        return real(plan, ready)
+
+    monkeypatch.setattr(jobs, "snapshot_eager_entries", recorded)
+    state = _base()
+    exp = _snapshot(state)
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        handle = await ckpt.save(1, state, lazy=True)
+        for v in state.values():
+            v.add_(1)  # small entries were copied before save() returned
+        await handle
+    assert threads and loop_thread not in threads
+    _assert_loads(tmp_path / "step_1", exp)
