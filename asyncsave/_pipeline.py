@@ -792,3 +792,6 @@ def as_save_error(exc: Exception, step: int, tmp: Path | None, timeout_s: float)
 
 def _write_manifest(fs: Any, path: Path, manifest: dict[str, Any]) -> None:
     write_bytes(fs, path, encode_manifest(manifest))
+    # Emptied here, in the worker (the pipeline does not read it again): its
+    # 100,000s of dicts are freed off the event loop.
+    manifest.clear()
