@@ -40,7 +40,7 @@ from ._errors import (
     SaveFailedError,
     StagingBudgetError,
 )
-from ._format import layout_files, staging_nbytes
+from ._format import staging_nbytes
 from ._fsspec import open_root
 from ._handle import SaveHandle
 from ._incremental import Reuse, incremental_layout
@@ -53,10 +53,10 @@ from ._manifest import check_training_info
 from ._options import CheckpointOptions
 from ._paths import LAYOUTS
 from ._pipeline import Saver, WorkerDiedError, as_save_error
-from ._plan import make_plan
+from ._plan import ViewCache
 from ._policy import AgreedPolicy, SavePolicy
+from ._replan import Planner, admitting, plan_off_loop
 from ._stage import StagingPool, producer_events
-from ._stream import plan_rounds
 from ._tiers import Persister, load_nearest
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
@@ -182,6 +182,8 @@ class Checkpointer:
         self._reuse = Reuse(self.root, self.layout)  # used by incremental saves
         self._lock_fd: int | None = None
         self._loop_thread: int | None = None  # the thread running the event loop
+        self._planner = Planner()  # plans reused while the state's structure holds
+        self._planning: anyio.Lock | None = None
 
     # The saver's state, under the names the integrations and tests know.
     _fs = property(lambda s: s._saver.fs, lambda s, v: setattr(s._saver, "fs", v))
@@ -211,6 +213,7 @@ class Checkpointer:
         if saver.state != "new":
             raise CheckpointerClosedError("a Checkpointer can be entered only once", path=self.root)
         saver.pool = StagingPool(self.options.budget_bytes)
+        self._planning = anyio.Lock()
         self._loop_thread = threading.get_ident()
         saver.limiter = anyio.CapacityLimiter(self.options.writer_threads)
         if wants_distributed(self.options.distributed):
@@ -531,51 +534,55 @@ class Checkpointer:
                 step=step,
                 path=self.root / self.layout.dir_name(step),
             )
-        pending = self._pending.get(step)
-        if pending is not None and not overwrite:
-            # The first call may still be staging: the caller may mutate its
-            # tensors once we return, so the snapshot must be taken by then.
-            await pending._staged.wait()
-            return pending
-        if pending is not None:  # overwrite: one save of a step at a time
-            await self._saver.queue_behind(step, "overwrite")
-        if step in self._committed and not overwrite:
-            if step == self._resumed_step:  # saving right after resuming: harmless
-                logger.info("step %d is the checkpoint this run resumed from; kept as is", step)
-            return SaveHandle.resolved(step, await self._committed_info(step))
-        if step in self._committed and not self._saver.strategy.renames:
-            raise CheckpointError(
-                f"cannot overwrite step {step} on {self._fs!r}: without an atomic rename "
-                "the new files would replace the committed ones before the new commit",
-                step=step,
-                path=self.root / self.layout.dir_name(step),
-            )
-        saver = self._saver
-        job: Job | BaseException
-        try:
-            job = self._job_of(state)
-        except Exception as exc:  # with several ranks, the others hear of it
-            job = exc
-        if isinstance(job, Job) and lazy and ready is None:
-            cuda_devices = {d for d in job.devices() if d.type == "cuda"}
-            if cuda_devices:
-                # The copies run later: they must see only what was queued before now.
-                ready = producer_events(cuda_devices)
+        # One save() at a time from here to its dispatch: planning awaits a worker
+        # thread, and saves must still be admitted in the order of their calls (the
+        # ranks' tickets) and a step only once. While it plans, the save counts as
+        # admitted: a close begun meanwhile waits for it (S18). Leaving the lock
+        # does not yield, and dispatch() makes the save pending before it first
+        # yields: no other save() runs in between.
+        assert self._planning is not None
+        async with self._planning, admitting(self._saver.queued, step):
+            pending = self._pending.get(step)
+            if pending is not None and not overwrite:
+                # The first call may still be staging: the caller may mutate its
+                # tensors once we return, so the snapshot must be taken by then.
+                await pending._staged.wait()
+                return pending
+            if pending is not None:  # overwrite: one save of a step at a time
+                await self._saver.queue_behind(step, "overwrite")
+            if step in self._committed and not overwrite:
+                if step == self._resumed_step:  # saving right after resuming: harmless
+                    logger.info("step %d is the checkpoint this run resumed from; kept as is", step)
+                return SaveHandle.resolved(step, await self._committed_info(step))
+            if step in self._committed and not self._saver.strategy.renames:
+                raise CheckpointError(
+                    f"cannot overwrite step {step} on {self._fs!r}: without an atomic rename "
+                    "the new files would replace the committed ones before the new commit",
+                    step=step,
+                    path=self.root / self.layout.dir_name(step),
+                )
+            saver = self._saver
+            job: Job | BaseException
+            try:
+                job = await self._job_of(state)
+            except Exception as exc:  # with several ranks, the others hear of it
+                job = exc
+            if isinstance(job, Job) and lazy and ready is None:
+                cuda_devices = {d for d in job.devices() if d.type == "cuda"}
+                if cuda_devices:
+                    # The copies run later: they must see only what was queued before now.
+                    ready = producer_events(cuda_devices)
         # With a persistent tier, its dispatch takes a slot in the persisting queue.
         return await (self._tiers or saver).dispatch(
-            step,
-            job,
-            t0=t0,
-            ready=ready,
-            overwrite=overwrite,
-            lazy=lazy,
-            training_info=info_doc,
+            step, job, t0=t0, ready=ready, overwrite=overwrite, lazy=lazy, training_info=info_doc
         )
 
-    def _job_of(self, state: Any) -> Job:
+    async def _job_of(self, state: Any) -> Job:
         """The job that snapshots ``state`` on this rank: DTensor state of several
         ranks goes through DCP's planner (the integration's job); any other state
-        is a plain tree, streamed through a smaller explicit budget (S15)."""
+        is a plain tree, planned in a worker thread (the plan of the previous save
+        reused while the structure holds, ``_replan``) and streamed through a
+        smaller explicit budget (S15)."""
         coord = self._saver.coord
         if coord.world_size > 1 and contains_dtensor(state):
             if not self._saver.strategy.renames:
@@ -588,16 +595,21 @@ class Checkpointer:
                 )
             job: Job = dtensor_job_class()(state)
             return job
-        plan = make_plan(state, allow_pickle=self.options.allow_pickle)
+        plan, layouts, nbytes = await plan_off_loop(
+            self._planner,
+            state,
+            allow_pickle=self.options.allow_pickle,
+            rank=coord.rank,
+            max_files=self.options.writer_threads,
+        )
         incremental = self.options.incremental and coord.world_size == 1
         if incremental:
-            chunks = self._reuse.split_rows(plan)
+            # Files of their own (one per large tensor, row chunks of grown ones):
+            # the reused layout, and the staging views made for it, do not apply.
+            plan.staging_views = ViewCache()
+            chunks = await anyio.to_thread.run_sync(self._reuse.split_rows, plan)
             layouts = incremental_layout(plan.entries, rank=coord.rank, own=chunks)
-        else:
-            layouts = layout_files(
-                plan.entries, rank=coord.rank, max_files=self.options.writer_threads
-            )
-        nbytes = staging_nbytes(layouts)
+            nbytes = staging_nbytes(layouts)
         budget = self.options.budget_bytes
         rounds = None
         if budget and nbytes > budget:
@@ -610,7 +622,7 @@ class Checkpointer:
                     "upload every byte twice); give each rank a budget its state fits",
                 )
             # The rounds are planned (and a tensor that cannot be cut refused) up front.
-            rounds = plan_rounds(plan.entries, layouts, budget)
+            rounds = self._planner.rounds(plan, layouts, budget)
         job = PlainJob(plan, layouts, nbytes, rounds)
         if incremental and rounds is None:
             job.reuse = self._reuse

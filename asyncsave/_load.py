@@ -41,7 +41,7 @@ from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout
 from ._plan import is_stateful, key_str
 from ._read import read_entries
 from ._track import read_tracker
-from ._types import CheckpointInfo, Tagged
+from ._types import CheckpointInfo, Tagged, gc_paused
 
 __all__ = [
     "latest",
@@ -661,10 +661,11 @@ def load(
             path=p,
         )
     raw = _read(fs, p, manifest, verify=verify, device=target)
-    tensors = _build_tensors(manifest, raw, target)
-    state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(
-        manifest.tree
-    )
+    with gc_paused():  # 10,000s of tensors and tree nodes made at once
+        tensors = _build_tensors(manifest, raw, target)
+        state = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=allow_pickle).node(
+            manifest.tree
+        )
     _check_required(state, required, p)
     return _apply_template(state, template, (), p)
 

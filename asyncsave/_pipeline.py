@@ -357,7 +357,12 @@ class Saver:
             return handle
         assert self.tg is not None
         try:
-            job.snapshot_eager(ready)
+            if isinstance(job, PlainJob) and all(d.type == "cpu" for d in job.devices()):
+                # Host clones of 1,000s of small tensors: in a worker thread, so the
+                # loop keeps ticking (CUDA clones stay on the caller's stream).
+                await anyio.to_thread.run_sync(job.snapshot_eager, ready)
+            else:
+                job.snapshot_eager(ready)
         except BaseException as exc:
             self._snapshot_failed(save, exc)
             raise
@@ -887,3 +892,6 @@ def as_save_error(exc: Exception, step: int, tmp: Path | None, timeout_s: float)
 
 def _write_manifest(fs: Any, path: Path, manifest: dict[str, Any]) -> None:
     write_bytes(fs, path, encode_manifest(manifest))
+    # Emptied here, in the worker (the pipeline does not read it again): its
+    # 100,000s of dicts are freed off the event loop.
+    manifest.clear()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -30,7 +31,8 @@ from ._errors import (
     SaveFailedError,
     StagingBudgetError,
 )
-from ._plan import Entry, Plan, storage_key
+from ._plan import Entry, Plan, ViewCache, storage_key
+from ._types import gc_paused
 
 __all__ = [
     "LAZY_EAGER_MAX_BYTES",
@@ -102,6 +104,8 @@ class StagingPool:
         self._poisoned = False
         self._closed = False
         self.allocations = 0  # how many times an arena was allocated (S10)
+        # Plans' views of the arena (see _views): dropped with the arena.
+        self.views: weakref.WeakSet[ViewCache] = weakref.WeakSet()
 
     @property
     def capacity(self) -> int:
@@ -174,6 +178,8 @@ class StagingPool:
         self._busy.release()
 
     def _free(self) -> None:
+        for cache in list(self.views):
+            cache.clear()
         if self._arena is not None and self._pinned:
             _unregister(self._arena)
         self._arena = None
@@ -226,16 +232,85 @@ def _copy_blob(dst: torch.Tensor, e: Entry, *, non_blocking: bool) -> None:
             dst[start:end].copy_(src, non_blocking=non_blocking)
 
 
-def _copy_cpu(buffer: torch.Tensor, entries: list[Entry], on_staged: Any = None) -> None:
-    for e in entries:
-        assert e.source is not None
-        dst = _destination(buffer, e)
+# Dtypes whose same-dtype copy_ moves bits unchanged (plain loads and stores, no
+# arithmetic): their entries are copied as themselves, by one _foreach_copy_ for
+# all of them. Others go through their integer view (as_bits), one by one.
+_PLAIN_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
+
+
+def _views(
+    buffer: torch.Tensor,
+    entries: list[Entry],
+    cache: ViewCache | None,
+) -> list[torch.Tensor]:
+    """Every entry's destination in ``buffer`` (see :func:`_destination`), made
+    once per plan structure and arena when ``cache`` is the plan's
+    ``staging_views`` (a 10,000-tensor state then costs no Python call per tensor
+    to find its place)."""
+    if cache is None:
+        return [_destination(buffer, e) for e in entries]
+    key = (buffer.data_ptr(), buffer.numel())
+    views = cache.get(key)
+    if views is None or len(views) != len(entries):
+        cache.clear()  # one arena at a time: an old one's views would keep it alive
+        views = cache[key] = [_destination(buffer, e) for e in entries]
+    return views
+
+
+def _copy_batched(
+    buffer: torch.Tensor,
+    entries: list[Entry],
+    cache: ViewCache | None,
+    *,
+    non_blocking: bool,
+) -> None:
+    """Copy every entry's source into its place in ``buffer``: entries of plain
+    dtypes by one ``torch._foreach_copy_`` (one call from Python for thousands of
+    small tensors; its kernels run with the GIL released), blobs and other dtypes
+    one by one."""
+    views = _views(buffer, entries, cache)
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    for e, dst in zip(entries, views, strict=True):
+        src = e.source
+        assert src is not None
         if e.is_blob:
-            _copy_blob(dst, e, non_blocking=False)
+            _copy_blob(dst, e, non_blocking=non_blocking)
+        elif e.dtype in _PLAIN_DTYPES:
+            dsts.append(dst)
+            srcs.append(src)
         else:
-            as_bits(dst).copy_(as_bits(e.source))
-        if on_staged is not None:
-            on_staged(e.nbytes)
+            as_bits(dst).copy_(as_bits(src), non_blocking=non_blocking)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+
+
+def _copy_cpu(
+    buffer: torch.Tensor,
+    entries: list[Entry],
+    cache: ViewCache | None = None,
+    on_staged: Any = None,
+) -> None:
+    # 100,000 views and lists of tensors are GC-tracked objects: a generation-2
+    # pass they trigger over a large state holds the GIL for ~1 s (measured at
+    # 100,000 tensors), stalling the event loop.
+    with gc_paused():
+        _copy_batched(buffer, entries, cache, non_blocking=False)
+    if on_staged is not None:  # progress: one count for the batch
+        on_staged(sum(e.nbytes for e in entries))
 
 
 # Lazy saves copy entries up to this size before save() returns (module buffers
@@ -252,6 +327,11 @@ def snapshot_eager_entries(plan: Plan, ready: dict[torch.device, Any] | None) ->
     re-recorded after the clones, so the staging copies see them. It costs device
     memory of those entries' size (buffers and small tensors only, freed once
     staged). Returns the bytes copied."""
+    with gc_paused():  # 1,000s of clones: see _copy_cpu
+        return _snapshot_eager(plan, ready)
+
+
+def _snapshot_eager(plan: Plan, ready: dict[torch.device, Any] | None) -> int:
     copied = 0
     cloned_on: set[torch.device] = set()
 
@@ -321,6 +401,53 @@ def _side_stream(device: torch.device) -> Any:
         return stream
 
 
+# CUDA entries of plain dtypes up to GATHER_MAX_ENTRY bytes that lie back to back
+# in the arena are gathered on the device (one cat kernel per batch) into at most
+# GATHER_BYTES of scratch and copied to the host by one copy: 10,000 small tensors
+# cost ~100s of copies instead of 10,000 (each a launch of several us), issue 12.
+# The scratch stays under S12's 1 MiB of device memory.
+GATHER_MAX_ENTRY = 64 << 10
+GATHER_BYTES = 512 << 10
+
+
+def _flat_bytes(src: torch.Tensor | None) -> torch.Tensor:
+    assert src is not None
+    return src.reshape(-1).view(torch.uint8)
+
+
+def gather_batches(entries: list[Entry]) -> tuple[list[list[Entry]], list[Entry]]:
+    """Split ``entries`` into batches to gather (each of at least two entries of
+    a plain dtype, contiguous, 1..``GATHER_MAX_ENTRY`` bytes, lying back to back in
+    the arena in staging order, at most ``GATHER_BYTES`` in all) and the rest, to
+    copy one by one. Every entry is in exactly one of the two."""
+    small = sorted(
+        (
+            e
+            for e in entries
+            if not e.is_blob
+            and e.dtype in _PLAIN_DTYPES
+            and 0 < e.nbytes <= GATHER_MAX_ENTRY
+            and e.source is not None
+            and e.source.is_contiguous()
+        ),
+        key=lambda e: e.staging_offset,
+    )
+    batches: list[list[Entry]] = []
+    cur: list[Entry] = []
+    end = size = 0
+    for e in small:
+        if cur and (e.staging_offset != end or size + e.nbytes > GATHER_BYTES):
+            batches.append(cur)
+            cur, size = [], 0
+        cur.append(e)
+        end, size = e.staging_offset + e.nbytes, size + e.nbytes
+    if cur:
+        batches.append(cur)
+    batches = [b for b in batches if len(b) > 1]
+    gathered = {id(e) for b in batches for e in b}
+    return batches, [e for e in entries if id(e) not in gathered]
+
+
 def _enqueue_cuda(
     buffer: torch.Tensor, entries: list[Entry], ready: dict[torch.device, Any], done: list[Any]
 ) -> None:
@@ -328,8 +455,18 @@ def _enqueue_cuda(
     waiting for the producer's ``ready`` event; append one completion event per
     device to ``done`` (also when enqueuing fails part-way, so that copies already
     queued are waited for). Runs in a worker thread: creating a stream or launching
-    copies may block behind a busy device. Allocates no device memory: every source
-    is either contiguous or staged as its raw storage span."""
+    copies may block behind a busy device. Small contiguous tensors are gathered
+    on the device into a scratch buffer of at most :data:`GATHER_BYTES` (the only
+    device memory staging allocates, reused batch after batch on the stream) and
+    copied to the host by one copy per batch (see :func:`gather_batches`); every
+    other source is either contiguous or staged as its raw storage span."""
+    with gc_paused():  # see _copy_cpu
+        _enqueue_cuda_now(buffer, entries, ready, done)
+
+
+def _enqueue_cuda_now(
+    buffer: torch.Tensor, entries: list[Entry], ready: dict[torch.device, Any], done: list[Any]
+) -> None:
     by_device: dict[torch.device, list[Entry]] = {}
     for e in entries:
         assert e.source is not None
@@ -340,13 +477,17 @@ def _enqueue_cuda(
             stream.wait_event(ready[device])
         try:
             with torch.cuda.stream(stream):
-                for e in group:
-                    assert e.source is not None
-                    dst = _destination(buffer, e)
-                    if e.is_blob:
-                        _copy_blob(dst, e, non_blocking=True)
-                    else:
-                        as_bits(dst).copy_(as_bits(e.source), non_blocking=True)
+                batches, rest = gather_batches(group)
+                for batch in batches:
+                    start = batch[0].staging_offset
+                    total = batch[-1].staging_offset + batch[-1].nbytes - start
+                    scratch = torch.empty(total, dtype=torch.uint8, device=device)
+                    torch.cat([_flat_bytes(e.source) for e in batch], out=scratch)
+                    buffer[start : start + total].copy_(scratch, non_blocking=True)
+                    # Freed to the caching allocator in stream order: the next
+                    # batch reuses the block after this copy (never two alive).
+                    del scratch
+                _copy_batched(buffer, rest, None, non_blocking=True)
         finally:
             event = torch.cuda.Event()
             event.record(stream)
@@ -394,6 +535,7 @@ async def stage_entries(
     timeout_s: float,
     ready: dict[torch.device, Any] | None = None,
     on_staged: Any = None,
+    views: ViewCache | None = None,
 ) -> None:
     """Copy every entry's source into the lease's buffer at its staging offset.
 
@@ -407,6 +549,8 @@ async def stage_entries(
     :param on_staged: called with each host entry's byte count once it is copied
         (from the worker thread), and with the device entries' total once their
         copies have landed (progress).
+    :param views: the plan's ``staging_views`` when ``entries`` are all of a
+        plan's entries (CPU sources: their destinations are made once per plan).
     :raises CheckpointTimeoutError: the copies did not finish within ``timeout_s``
         (one deadline for enqueuing, copying and waiting). If the caller is
         cancelled, or the deadline passes, copies already queued are waited for
@@ -433,7 +577,11 @@ async def stage_entries(
                     f"queueing device-to-host copies took over {timeout_s} s"
                 )
         if cpu:
-            await anyio.to_thread.run_sync(_copy_cpu, buffer, cpu, on_staged)
+            if views is not None and lease._pool is not None:
+                lease._pool.views.add(views)
+            await anyio.to_thread.run_sync(
+                _copy_cpu, buffer, cpu, views if len(cpu) == len(entries) else None, on_staged
+            )
         if not await _wait_events(events, poll_interval_s, deadline):
             raise CheckpointTimeoutError(
                 f"device-to-host copies did not finish within {timeout_s} s (a kernel "

@@ -2,11 +2,43 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
-__all__ = ["CheckpointInfo", "Restored", "SaveProgress", "Tagged"]
+__all__ = ["CheckpointInfo", "Restored", "SaveProgress", "Tagged", "gc_paused"]
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0  # threads inside gc_paused()
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while 100,000s of objects are made at
+    once (a plan, a manifest of 10,000 tensors): its generation-2 passes over
+    everything alive cost more than the work, and hold the GIL throughout (the
+    event loop stalls). Counted across threads: the collector is re-enabled when
+    the last pause ends, if it was enabled when the first began."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
+
 
 T = TypeVar("T")
 

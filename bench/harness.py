@@ -882,6 +882,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"S14 2 GiB: heartbeat max gap {s['hb_max_ms']:.1f} ms, p99 {s['hb_p99_ms']:.2f} ms"
             )
+        many = args.many_tensors or ("1000,10000" if quick else "1000,10000,100000")
+        if many != "none":
+            import many_tensors  # bench/many_tensors.py: issue 12's rows and figure
+
+            counts = [int(c) for c in many.split(",")]
+            result["many_tensors"] = await many_tensors.bench(
+                counts, root / "many", repeats, hb, device
+            )
+            many_tensors.write_results(result["many_tensors"], args.out)
         result["s9_rss"] = await rss_over_saves(
             root / "s9", (16 if quick else 64) * MiB, 50 if quick else 200, device
         )
@@ -1251,6 +1260,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--writer-threads", type=int, default=2)
     p.add_argument("--skip-gpt2", action="store_true")
     p.add_argument("--skip-s14", action="store_true")
+    p.add_argument(
+        "--many-tensors",
+        default=None,
+        help="tensor counts of the many-tensor rows (bench/many_tensors.py), comma-separated; "
+        "default 1000,10000,100000 (quick: 1000,10000); 'none' skips them",
+    )
     p.add_argument("--dir", type=Path, default=Path("/tmp/asyncsave-harness"))
     p.add_argument(
         "--out",
