@@ -255,11 +255,13 @@ class Reuse:
         if len(entries) == len(plan.entries):
             return set()
         plan.entries = entries
-        for rec in plan.records:
-            new = moved[rec["entry"]]
-            rec["entry"] = new[0]
-            if len(new) > 1:
-                rec["chunks"] = new
+        # New record dicts: a reused plan's records are its template's, shared with
+        # every save of the same structure (one still writing its manifest, too).
+        plan.records = [
+            {**rec, "entry": new[0], **({"chunks": new} if len(new) > 1 else {})}
+            for rec in plan.records
+            for new in (moved[rec["entry"]],)
+        ]
         return {j for new in moved.values() if len(new) > 1 for j in new}
 
     def seed(self, fs: LocalFileSystem) -> None:

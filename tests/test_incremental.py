@@ -519,3 +519,44 @@ async def test_what_is_remembered_stays_bounded_over_many_saves(tmp_path: Path) 
             remembered = ckpt._reuse._by_header, ckpt._reuse._known
             assert max(len(r) for r in remembered) <= files, (step, files)
     assert_equal_tree(asyncsave.load(tmp_path / "step_12"), {"rb": buf, "small": small})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("await_each", [False, True], ids=["overlapping", "awaited"])
+async def test_reused_plans_keep_every_tensor_after_a_chunked_one(
+    tmp_path: Path, await_each: bool
+) -> None:
+    """A grown tensor split into row chunks, then saves of the same structure
+    (a reused plan), some still writing when the next one plans: every tensor
+    after the chunked one keeps its own bytes (the records of a reused plan are
+    shared with its template and with a save still writing its manifest; they
+    must never be rewritten in place). Two trailing tensors of one size would
+    load each other's bytes if their entries were shifted."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randint(0, 255, (OWN // 256, 256), generator=g, dtype=torch.uint8)
+    state: dict[str, Any] = {
+        "a_big": big,
+        "b": torch.randn(10, generator=g),
+        "c": torch.randn(10, generator=g),
+        "d": torch.randn(20, generator=g),
+    }
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    handles = []
+    async with asyncsave.Checkpointer(tmp_path, incremental=True, retention=None) as ckpt:
+        for step in range(1, 7):
+            if step in (2, 5):  # grow: chunks from here on
+                extra = torch.randint(0, 255, (7, 256), generator=g, dtype=torch.uint8)
+                state["a_big"] = torch.cat([state["a_big"], extra])
+            for k in ("b", "c", "d"):
+                state[k].add_(step)
+            expected[step] = {k: v.clone() for k, v in state.items()}
+            handle = await ckpt.save(step, state)
+            if await_each:
+                await handle
+            handles.append(handle)
+        for handle in handles:
+            await handle
+    for step, want in expected.items():
+        got = asyncsave.load(tmp_path / f"step_{step}")
+        assert_equal_tree(got, want)
+    assert any("chunks" in t for t in manifest(tmp_path / "step_6")["tensors"])
