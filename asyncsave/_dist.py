@@ -63,6 +63,7 @@ from ._errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatE
 from ._fs import LocalFileSystem
 from ._jobs import Job, contains_dtensor, merge_parts
 from ._load import _build_tensors, _Decoder, _read_entries, _step_of_name, read_checkpoint
+from ._manifest import renumbered
 from ._paths import MANIFEST_NAME
 
 __all__ = [
@@ -130,10 +131,7 @@ def load_rank(
         raise CorruptCheckpointError(
             f"damaged manifest {path / MANIFEST_NAME}: no valid ranks[{rank}]", path=path
         ) from exc
-    tensors = [dict(t, entry=t["entry"] - e0) for t in manifest.tensors[t0:t1]]
-    for t in tensors:
-        if "chunks" in t:
-            t["chunks"] = [j - e0 for j in t["chunks"]]
+    tensors = [renumbered(t, lambda j: j - e0) for t in manifest.tensors[t0:t1]]
     if not all(0 <= j < e1 - e0 for t in tensors for j in t.get("chunks", [t["entry"]])):
         raise CorruptCheckpointError(f"damaged manifest {path}: rank {rank}'s tensors", path=path)
     sub = dataclasses.replace(manifest, entries=manifest.entries[e0:e1], tensors=tensors, tree=tree)

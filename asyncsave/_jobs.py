@@ -26,6 +26,7 @@ import contextlib
 import functools
 import importlib
 import math
+import operator
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,7 +41,7 @@ from ._format import FileLayout
 from ._fs import LocalFileSystem
 from ._handle import ProgressCounter
 from ._incremental import Report, Reuse
-from ._manifest import CHECKSUM, CHUNKS_VERSION, FORMAT, FORMAT_VERSION
+from ._manifest import CHECKSUM, CHUNKS_VERSION, FORMAT, FORMAT_VERSION, renumbered
 from ._options import CheckpointOptions
 from ._paths import Layout
 from ._plan import Entry, Plan, is_stateful
@@ -445,14 +446,6 @@ def _shift(node: Any, offset: int) -> Any:
     return node
 
 
-def _moved(rec: dict[str, Any], by: int) -> dict[str, Any]:
-    """A copy of a tensor record whose entry (and chunks) are moved by ``by``."""
-    out = dict(rec, entry=rec["entry"] + by)
-    if "chunks" in rec:
-        out["chunks"] = [j + by for j in rec["chunks"]]
-    return out
-
-
 def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """The manifest fields of a save of ``len(parts)`` ranks from each rank's
     ``files``, ``entries``, ``tensors`` and ``tree``: concatenated, indices moved;
@@ -467,7 +460,7 @@ def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
         f0, e0, t0 = len(files), len(entries), len(tensors)
         files.extend(part["files"])
         entries.extend(dict(e, file=e["file"] + f0) for e in part["entries"])
-        tensors.extend(_moved(t, e0) for t in part["tensors"])
+        tensors.extend(renumbered(t, functools.partial(operator.add, e0)) for t in part["tensors"])
         items.append([["i", r], _shift(part["tree"], t0)])
         ranks.append(
             {"entries": [e0, len(entries)], "tensors": [t0, len(tensors)], "tree": part["tree"]}

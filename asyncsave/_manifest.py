@@ -14,7 +14,7 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -376,6 +376,15 @@ def record_entries(rec: dict[str, Any]) -> list[int]:
     (a tensor stored as row ranges by an incremental save), else its one entry."""
     chunks = rec.get("chunks")
     return list(chunks) if chunks is not None else [rec["entry"]]
+
+
+def renumbered(rec: dict[str, Any], entry: Callable[[int], int]) -> dict[str, Any]:
+    """A copy of a tensor record whose entry (and ``chunks``) go through ``entry``
+    (manifests merged from ranks, compacted by ``update()``, split per rank)."""
+    out = {**rec, "entry": entry(rec["entry"])}
+    if "chunks" in rec:
+        out["chunks"] = [entry(j) for j in rec["chunks"]]
+    return out
 
 
 def _check_chunks(

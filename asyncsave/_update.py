@@ -38,7 +38,7 @@ from ._format import FileLayout, layout_files, staging_nbytes
 from ._fs import LocalFileSystem
 from ._handle import SaveHandle
 from ._load import read_checkpoint
-from ._manifest import CHECKSUM, SELF_CHECKSUM, encode_manifest, record_entries
+from ._manifest import CHECKSUM, SELF_CHECKSUM, encode_manifest, record_entries, renumbered
 from ._paths import MANIFEST_NAME
 from ._pipeline import Saver, as_save_error
 from ._plan import Plan, make_plan
@@ -73,14 +73,6 @@ def _leaf_indices(node: Any, found: set[int]) -> set[int]:
     return found
 
 
-def _moved(rec: dict[str, Any], entry: Callable[[int], int]) -> dict[str, Any]:
-    """A copy of a tensor record whose entries (and chunks) go through ``entry``."""
-    out = {**rec, "entry": entry(rec["entry"])}
-    if "chunks" in rec:
-        out["chunks"] = [entry(j) for j in rec["chunks"]]
-    return out
-
-
 def _compact(doc: dict[str, Any]) -> None:
     """Drop tensors, entries and files the tree no longer references (the replaced
     item's), renumbering what is left, so repeated updates do not grow the
@@ -93,7 +85,7 @@ def _compact(doc: dict[str, Any]) -> None:
     e_map = {old: new for new, old in enumerate(used_e)}
     f_map = {old: new for new, old in enumerate(used_f)}
     doc["tree"] = _remap_leaves(doc["tree"], t_map.__getitem__)
-    doc["tensors"] = [_moved(tensors[i], e_map.__getitem__) for i in used_t]
+    doc["tensors"] = [renumbered(tensors[i], e_map.__getitem__) for i in used_t]
     doc["entries"] = [{**entries[j], "file": f_map[entries[j]["file"]]} for j in used_e]
     doc["files"] = [files[k] for k in used_f]
 
@@ -151,7 +143,7 @@ def rewrite_item(
             {"name": e.name, "file": n_files + e.file, "offset": e.offset, "nbytes": e.nbytes}
         )
     for rec in plan.records:
-        doc["tensors"].append(_moved(rec, lambda j: j + n_entries))
+        doc["tensors"].append(renumbered(rec, lambda j: j + n_entries))
     items[slot] = [["s", key], _remap_leaves(new_node, lambda i: i + n_tensors)]
     old_data = {f["name"] for f in doc["files"][:n_files]}
     _compact(doc)
