@@ -12,7 +12,8 @@ staging size and streamed rounds.
 A save still flattens its tree (the values of plain leaves change, ``Stateful``
 objects return new dicts); then each tensor leaf's *signature* is compared with
 the template's: key, kind, ``requires_grad``, dtype, shape, strides, device, the
-tensor's address and its storage's address and length. Equal signatures mean
+tensor's offset in its storage and its storage's address and length (built by
+``flatten`` in the same pass as the leaf, compared as tuples in C). Equal signatures mean
 every tensor covers the same bytes of the same memory as last time, so tensors
 share memory exactly as they did and the grouping, offsets and layout hold; the
 template's entries are copied and bound to this save's tensors. Any difference
@@ -40,7 +41,16 @@ import anyio.to_thread
 import torch
 
 from ._format import FileLayout, layout_files, staging_nbytes
-from ._plan import Entry, Plan, TensorLeaf, ViewCache, flatten, gc_paused, group_plan
+from ._plan import (
+    Entry,
+    Plan,
+    TensorLeaf,
+    ViewCache,
+    flatten,
+    gc_paused,
+    group_plan,
+    tensor_signature,
+)
 from ._stream import Piece, plan_rounds
 
 __all__ = ["Planner", "admitting", "leaf_signature", "plan_off_loop"]
@@ -53,33 +63,18 @@ _PartRef = tuple[int, int, int, int]
 
 
 def leaf_signature(leaves: list[TensorLeaf]) -> list[tuple[Any, ...]]:
-    """One tuple per tensor leaf naming everything the plan depends on: key, kind,
-    ``requires_grad``, dtype, shape, strides, device, the tensor's address and its
-    storage's address and length. A pickled leaf (always a fresh buffer of its
-    own) is named by key and size only."""
+    """One tuple per tensor leaf naming everything the plan depends on (see
+    :func:`~asyncsave._plan.tensor_signature`; a pickled leaf, always a fresh
+    buffer of its own, by key and size only): what :func:`flatten` builds in
+    its own pass when given a list."""
     out: list[tuple[Any, ...]] = []
-    append = out.append
     for leaf in leaves:
         t = leaf.tensor
         assert t is not None
         if leaf.kind == "pickle":
-            append((leaf.key, "pickle", t.numel()))
-            continue
-        s = t.untyped_storage()
-        append(
-            (
-                leaf.key,
-                leaf.kind,
-                leaf.requires_grad,
-                t.dtype,
-                t.shape,
-                t.stride(),
-                t.device,
-                t.data_ptr(),
-                s.data_ptr(),
-                s.nbytes(),
-            )
-        )
+            out.append((leaf.key, "pickle", t.numel()))
+        else:
+            out.append(tensor_signature(leaf.key, leaf.kind, leaf.requires_grad, t))
     return out
 
 
@@ -95,6 +90,7 @@ class _Template:
     lone: list[tuple[int, int]]  # (entry, leaf) of entries that are one tensor
     blobs: list[tuple[int, list[_PartRef]]]  # (entry, its parts) of shared regions
     key: tuple[int, int]  # (rank, max_files) the layout was made for
+    devices: set[torch.device] = dataclasses.field(default_factory=set)
     rounds: dict[int, list[list[Piece]]] = dataclasses.field(default_factory=dict)
     # Typed views of the staging arena, one per entry, keyed by the arena's
     # (address, length): built once per plan and arena (see _stage).
@@ -205,8 +201,8 @@ class Planner:
         max_files: int,
         call: Callable[[Callable[[], Any]], Any] | None,
     ) -> tuple[Plan, list[FileLayout], int]:
-        flat = flatten(state, allow_pickle=allow_pickle, call=call)
-        sig = leaf_signature(flat.leaves)
+        sig: list[tuple[Any, ...]] = []
+        flat = flatten(state, allow_pickle=allow_pickle, call=call, signature=sig)
         key = (rank, max_files)
         last = self._last
         if last is not None and last.key == key and last.signature == sig:
@@ -221,6 +217,7 @@ class Planner:
         layouts = layout_files(plan.entries, rank=rank, max_files=max_files)
         nbytes = staging_nbytes(layouts)
         self._last = _template(plan, layouts, nbytes, sig, key)
+        self._last.devices = plan.devices  # the signature names every leaf's device
         plan.staging_views = self._last.views
         return plan, layouts, nbytes
 
@@ -260,6 +257,7 @@ class Planner:
             records=t.records,
             buffer_storages=flat.buffer_storages,
             staging_views=t.views,
+            _devices=set(t.devices),  # equal signatures: the same devices
         )
 
 

@@ -127,6 +127,24 @@ def _empty(s: dict[str, Any]) -> None:
     s["experts.0.w1"] = torch.empty(0, dtype=torch.bfloat16)
 
 
+def _set_other_storage(s: dict[str, Any]) -> None:
+    # The same tensor object, moved in place onto memory of its own (no new key,
+    # shape or object: only its addresses say so).
+    x = s["experts.0.w0"]
+    x.set_(torch.randn(24).untyped_storage(), 0, (4, 6), (6, 1))
+
+
+def _offset_moved(s: dict[str, Any]) -> None:
+    # The same tensor object, moved in place within its storage: it now overlaps
+    # "tied.b" differently (same storage, same shape, another offset).
+    x = s["tied.a"]
+    x.set_(x.untyped_storage(), 8, (32,), (1,))
+
+
+def _requires_grad_in_place(s: dict[str, Any]) -> None:
+    s["experts.0.w0"].requires_grad_(True)
+
+
 TRIGGERS: dict[str, Callable[[dict[str, Any]], None]] = {
     "new key": _new_key,
     "removed key": _removed_key,
@@ -141,6 +159,9 @@ TRIGGERS: dict[str, Callable[[dict[str, Any]], None]] = {
     "kind: ndarray": _kind_ndarray,
     "requires_grad": _requires_grad,
     "emptied": _empty,
+    "in place: set_ onto other memory": _set_other_storage,
+    "in place: offset moved in its storage": _offset_moved,
+    "in place: requires_grad_": _requires_grad_in_place,
 }
 
 
