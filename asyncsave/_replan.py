@@ -19,7 +19,8 @@ share memory exactly as they did and the grouping, offsets and layout hold; the
 template's entries are copied and bound to this save's tensors. Any difference
 (a new or removed key, one shape, a storage re-allocated by offloading, S5, a
 view that now aliases another tensor) makes a new plan and a new template. The
-check is one tuple per tensor: about 10x cheaper than planning.
+check is one tuple per tensor, built while flattening: about 10x cheaper than
+planning.
 
 Planning runs in a worker thread (:func:`plan_off_loop`) so the event loop keeps
 ticking while ``save()`` awaits it; ``state_dict()`` of ``Stateful`` objects is
