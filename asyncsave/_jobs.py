@@ -294,7 +294,8 @@ class PlainJob(Job):
         # loop when the pipeline drops the job (~100 ms of deallocation per
         # 100,000 tensors). The tree lives on in ``doc`` (freed after writing).
         self.plan.entries, self.plan.leaves, self.plan.tree = [], [], {}
-        self._release_gc()  # they died young: no collector pass ever scanned them
+        # The collector's pause (Plan.gc_hold) lasts until release(), at the
+        # pipeline's end: the tree lives on in ``doc`` until it is written.
         return doc
 
     def release(self) -> None:

@@ -62,9 +62,9 @@ logger = logging.getLogger(__name__)
 
 # Plans of at least this many tensor leaves keep the cyclic GC paused from their
 # planning until the save has freed their per-tensor objects (``GcHold``: released
-# by ``PlainJob.manifest`` once they are dropped, by ``job.release()`` on every
-# other end of a save, when the plan is freed, or at the next plan at the
-# latest). Released earlier, the collector's first passes scan the ~5 objects per
+# by ``job.release()`` at the end of the save's pipeline, after its manifest (and
+# the tree in it) is written and freed, or on any other end of a save; when the
+# plan is freed, at close, or at the next plan at the latest). Released earlier, the collector's first passes scan the ~5 objects per
 # tensor a plan keeps (TensorLeaf, Entry and its dict, two tree lists) while they
 # are young, holding the GIL: generation 0 then 1, 6-11 ms each per 10,000
 # tensors, 0.3-1.5 s per 100,000 (measured with gc.callbacks, each coinciding
