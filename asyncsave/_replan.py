@@ -202,10 +202,12 @@ class Planner:
         :raises InvalidStateError: (or a subclass) naming the key, as
             :func:`~asyncsave._plan.make_plan`.
         """
-        self.release()  # the previous save's pause ends now at the latest
         # The cyclic GC paused throughout (see make_plan): its passes over the
         # 100,000s of objects a large plan makes would cost more than the plan.
         with gc_paused():
+            # The previous save's hold ends now at the latest (inside this pause:
+            # a save still in flight stays covered while this one plans).
+            self.release()
             out = self._plan(state, allow_pickle, rank, max_files, call)
             plan = out[0]
             if len(plan.leaves) >= GC_HOLD_MIN_LEAVES:
