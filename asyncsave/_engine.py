@@ -40,7 +40,7 @@ from ._errors import (
     SaveFailedError,
     StagingBudgetError,
 )
-from ._format import staging_nbytes
+from ._format import FileLayout, staging_nbytes
 from ._fsspec import open_root
 from ._handle import SaveHandle
 from ._incremental import Reuse, incremental_layout
@@ -53,7 +53,7 @@ from ._manifest import check_training_info
 from ._options import CheckpointOptions
 from ._paths import LAYOUTS
 from ._pipeline import Saver, WorkerDiedError, as_save_error
-from ._plan import ViewCache
+from ._plan import Plan, ViewCache
 from ._policy import AgreedPolicy, SavePolicy
 from ._replan import Planner, admitting, plan_off_loop
 from ._stage import StagingPool, producer_events
@@ -339,6 +339,7 @@ class Checkpointer:
                 await saver.pool.aclose()
                 await self._unlock()
             saver.coord.close()
+            self._planner.release()  # a cancelled save's collector pause (_replan)
             if self._tiers is not None:
                 self._tiers.close()
             self._state = "closed"
@@ -602,6 +603,15 @@ class Checkpointer:
             rank=coord.rank,
             max_files=self.options.writer_threads,
         )
+        try:
+            return await self._plain_job(plan, layouts, nbytes)
+        except BaseException:
+            if plan.gc_hold is not None:  # no job will release it
+                plan.gc_hold.release()
+            raise
+
+    async def _plain_job(self, plan: Plan, layouts: list[FileLayout], nbytes: int) -> Job:
+        coord = self._saver.coord
         incremental = self.options.incremental and coord.world_size == 1
         if incremental:
             # Files of their own (one per large tensor, row chunks of grown ones):

@@ -276,7 +276,7 @@ class PlainJob(Job):
             if self.stream.directory != tmp:  # a rank's own directory (several ranks)
                 names = [fl.name for fl in self.layouts]
                 await saver.run(_move_files, saver.fs, self.stream.directory, tmp, names)
-        self.release()  # written and fsynced: the pool is free for the next save
+        self._release_lease()  # written and fsynced: the pool is free for the next save
         # A dict per entry and tensor: CPU work (10 ms per 10,000 tensors), in a
         # worker thread, not on the event loop.
         doc = await saver.run(manifest_doc, 0, self.plan, self.layouts)
@@ -295,11 +295,21 @@ class PlainJob(Job):
         # loop when the pipeline drops the job (~100 ms of deallocation per
         # 100,000 tensors). The tree lives on in ``doc`` (freed after writing).
         self.plan.entries, self.plan.leaves, self.plan.tree = [], [], {}
+        # The collector's pause (Plan.gc_hold) lasts until release(), at the
+        # pipeline's end: the tree lives on in ``doc`` until it is written.
         return doc
 
     def release(self) -> None:
+        self._release_lease()
+        self._release_gc()
+
+    def _release_lease(self) -> None:
         if self.lease is not None:
             self.lease.release()
+
+    def _release_gc(self) -> None:
+        if self.plan.gc_hold is not None:
+            self.plan.gc_hold.release()
 
 
 async def write_files(

@@ -12,13 +12,15 @@ staging size and streamed rounds.
 A save still flattens its tree (the values of plain leaves change, ``Stateful``
 objects return new dicts); then each tensor leaf's *signature* is compared with
 the template's: key, kind, ``requires_grad``, dtype, shape, strides, device, the
-tensor's address and its storage's address and length. Equal signatures mean
+tensor's offset in its storage and its storage's address and length (built by
+``flatten`` in the same pass as the leaf, compared as tuples in C). Equal signatures mean
 every tensor covers the same bytes of the same memory as last time, so tensors
 share memory exactly as they did and the grouping, offsets and layout hold; the
 template's entries are copied and bound to this save's tensors. Any difference
 (a new or removed key, one shape, a storage re-allocated by offloading, S5, a
 view that now aliases another tensor) makes a new plan and a new template. The
-check is one tuple per tensor: about 10x cheaper than planning.
+check is one tuple per tensor, built while flattening: about 10x cheaper than
+planning.
 
 Planning runs in a worker thread (:func:`plan_off_loop`) so the event loop keeps
 ticking while ``save()`` awaits it; ``state_dict()`` of ``Stateful`` objects is
@@ -31,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -40,12 +43,34 @@ import anyio.to_thread
 import torch
 
 from ._format import FileLayout, layout_files, staging_nbytes
-from ._plan import Entry, Plan, TensorLeaf, ViewCache, flatten, gc_paused, group_plan
+from ._plan import (
+    Entry,
+    Plan,
+    TensorLeaf,
+    ViewCache,
+    flatten,
+    gc_paused,
+    group_plan,
+    tensor_signature,
+)
 from ._stream import Piece, plan_rounds
+from ._types import GcHold
 
 __all__ = ["Planner", "admitting", "leaf_signature", "plan_off_loop"]
 
 logger = logging.getLogger(__name__)
+
+# Plans of at least this many tensor leaves keep the cyclic GC paused from their
+# planning until the save has freed their per-tensor objects (``GcHold``: released
+# by ``job.release()`` at the end of the save's pipeline, after its manifest (and
+# the tree in it) is written and freed, or on any other end of a save; when the
+# plan is freed, at close, or at the next plan at the latest). Released earlier, the collector's first passes scan the ~5 objects per
+# tensor a plan keeps (TensorLeaf, Entry and its dict, two tree lists) while they
+# are young, holding the GIL: generation 0 then 1, 6-11 ms each per 10,000
+# tensors, 0.3-1.5 s per 100,000 (measured with gc.callbacks, each coinciding
+# with the event loop's largest heartbeat gap of the save). Below it (a large
+# model's few hundred tensors) the save is long and the passes short: no hold.
+GC_HOLD_MIN_LEAVES = 1024
 
 # (offset in the entry, leaf whose storage holds the part, byte offset in that
 # storage, length in bytes)
@@ -53,33 +78,18 @@ _PartRef = tuple[int, int, int, int]
 
 
 def leaf_signature(leaves: list[TensorLeaf]) -> list[tuple[Any, ...]]:
-    """One tuple per tensor leaf naming everything the plan depends on: key, kind,
-    ``requires_grad``, dtype, shape, strides, device, the tensor's address and its
-    storage's address and length. A pickled leaf (always a fresh buffer of its
-    own) is named by key and size only."""
+    """One tuple per tensor leaf naming everything the plan depends on (see
+    :func:`~asyncsave._plan.tensor_signature`; a pickled leaf, always a fresh
+    buffer of its own, by key and size only): what :func:`flatten` builds in
+    its own pass when given a list."""
     out: list[tuple[Any, ...]] = []
-    append = out.append
     for leaf in leaves:
         t = leaf.tensor
         assert t is not None
         if leaf.kind == "pickle":
-            append((leaf.key, "pickle", t.numel()))
-            continue
-        s = t.untyped_storage()
-        append(
-            (
-                leaf.key,
-                leaf.kind,
-                leaf.requires_grad,
-                t.dtype,
-                t.shape,
-                t.stride(),
-                t.device,
-                t.data_ptr(),
-                s.data_ptr(),
-                s.nbytes(),
-            )
-        )
+            out.append((leaf.key, "pickle", t.numel()))
+        else:
+            out.append(tensor_signature(leaf.key, leaf.kind, leaf.requires_grad, t))
     return out
 
 
@@ -95,6 +105,7 @@ class _Template:
     lone: list[tuple[int, int]]  # (entry, leaf) of entries that are one tensor
     blobs: list[tuple[int, list[_PartRef]]]  # (entry, its parts) of shared regions
     key: tuple[int, int]  # (rank, max_files) the layout was made for
+    devices: set[torch.device] = dataclasses.field(default_factory=set)
     rounds: dict[int, list[list[Piece]]] = dataclasses.field(default_factory=dict)
     # Typed views of the staging arena, one per entry, keyed by the arena's
     # (address, length): built once per plan and arena (see _stage).
@@ -171,6 +182,7 @@ class Planner:
 
     def __init__(self) -> None:
         self._last: _Template | None = None
+        self._hold: GcHold | None = None
         self.made = 0
         self.reused = 0
 
@@ -193,8 +205,16 @@ class Planner:
         # The cyclic GC paused throughout (see make_plan): its passes over the
         # 100,000s of objects a large plan makes would cost more than the plan.
         with gc_paused():
+            # The previous save's hold ends now at the latest (inside this pause:
+            # a save still in flight stays covered while this one plans).
+            self.release()
             out = self._plan(state, allow_pickle, rank, max_files, call)
-        out[0].devices  # noqa: B018  (computed here, in the worker, and kept)
+            plan = out[0]
+            if len(plan.leaves) >= GC_HOLD_MIN_LEAVES:
+                # ... and kept paused until the save is done with them.
+                plan.gc_hold = self._hold = hold = GcHold()
+                weakref.finalize(plan, hold.release)
+        plan.devices  # noqa: B018  (computed here, in the worker, and kept)
         return out
 
     def _plan(
@@ -205,8 +225,8 @@ class Planner:
         max_files: int,
         call: Callable[[Callable[[], Any]], Any] | None,
     ) -> tuple[Plan, list[FileLayout], int]:
-        flat = flatten(state, allow_pickle=allow_pickle, call=call)
-        sig = leaf_signature(flat.leaves)
+        sig: list[tuple[Any, ...]] = []
+        flat = flatten(state, allow_pickle=allow_pickle, call=call, signature=sig)
         key = (rank, max_files)
         last = self._last
         if last is not None and last.key == key and last.signature == sig:
@@ -221,8 +241,15 @@ class Planner:
         layouts = layout_files(plan.entries, rank=rank, max_files=max_files)
         nbytes = staging_nbytes(layouts)
         self._last = _template(plan, layouts, nbytes, sig, key)
+        self._last.devices = plan.devices  # the signature names every leaf's device
         plan.staging_views = self._last.views
         return plan, layouts, nbytes
+
+    def release(self) -> None:
+        """End the collector's pause of the last plan, if a save still holds it."""
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.release()
 
     def rounds(self, plan: Plan, layouts: list[FileLayout], budget: int) -> list[list[Piece]]:
         """The streamed rounds of ``plan`` for ``budget`` (made once per template)."""
@@ -260,6 +287,7 @@ class Planner:
             records=t.records,
             buffer_storages=flat.buffer_storages,
             staging_views=t.views,
+            _devices=set(t.devices),  # equal signatures: the same devices
         )
 
 

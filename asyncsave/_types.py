@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
-__all__ = ["CheckpointInfo", "Restored", "SaveProgress", "Tagged", "gc_paused"]
+__all__ = ["CheckpointInfo", "GcHold", "Restored", "SaveProgress", "Tagged", "gc_paused"]
 
 
 _gc_lock = threading.Lock()
@@ -38,6 +38,29 @@ def gc_paused() -> Iterator[None]:
             _gc_pauses -= 1
             if _gc_pauses == 0 and _gc_was_enabled:
                 gc.enable()
+
+
+class GcHold:
+    """A :func:`gc_paused` pause begun now and ended by :meth:`release` (from any
+    thread, once; later calls do nothing): for objects that live from one
+    thread's work to another's (a save's plan, from its planning to its
+    manifest), so that they are freed young without a collector pass over them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pause: contextlib.AbstractContextManager[None] | None = gc_paused()
+        self._pause.__enter__()
+
+    def release(self) -> None:
+        with self._lock:
+            pause, self._pause = self._pause, None
+        if pause is not None:
+            pause.__exit__(None, None, None)
+
+    @property
+    def held(self) -> bool:
+        return self._pause is not None
 
 
 T = TypeVar("T")
