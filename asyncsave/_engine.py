@@ -231,9 +231,11 @@ class Checkpointer:
         # From the committed steps as the tier's open left them (node-local roots:
         # the steps only some ranks have are moved aside there).
         steps = [s for s in (tracked, *saver.committed) if s is not None]
-        baseline = max(steps, default=None)
+        baseline = tracked if saver.per_rank else max(steps, default=None)
         if self.layout.tracker_name is not None and saver.owns_root:
             saver.tracker = TrackerWriter(saver.fs, self.root / self.layout.tracker_name, baseline)
+            if saver.per_rank and saver.committed:  # forward to a step every rank has
+                await anyio.to_thread.run_sync(saver.tracker.advance, max(saver.committed))
         tg = anyio.create_task_group()
         await tg.__aenter__()
         saver.tg = tg
@@ -265,7 +267,8 @@ class Checkpointer:
                 path=self.root,
             )
         try:
-            return recover(self._fs, self.root, self.layout)
+            # Node-local roots: the tracker moves forward after the ranks agree.
+            return recover(self._fs, self.root, self.layout, forward=not self._saver.per_rank)
         finally:
             self._final_lock.release()
 
