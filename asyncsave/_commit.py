@@ -282,7 +282,9 @@ class Recovered:
     damaged: list[Path]  # damaged checkpoints, moved aside (kept for inspection)
 
 
-def recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
+def recover(
+    fs: LocalFileSystem, root: Path, layout: Layout, *, forward: bool = True
+) -> Recovered:
     """Bring ``root`` to a clean state when a checkpointer opens.
 
     Removes temporary files and directories of saves that never committed, except
@@ -296,8 +298,9 @@ def recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     under names no resolver matches, so their bytes are kept and their step can be
     saved again;
     moves the tracker forward to the newest committed checkpoint if a crash came
-    between commit and tracker update. The caller holds the root's lock
-    (:func:`lock_root`).
+    between commit and tracker update (``forward``; node-local roots of several
+    ranks move it after the ranks agree on their steps, ``asyncsave._tiers``).
+    The caller holds the root's lock (:func:`lock_root`).
 
     Symlinks are never followed to delete (S22): a symlink under a temporary name is
     unlinked; a symlink under a final name that points to a checkpoint is one (it
@@ -311,12 +314,12 @@ def recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
     :raises CorruptCheckpointError: the tracker is a directory.
     """
     try:
-        return _recover(fs, root, layout)
+        return _recover(fs, root, layout, forward)
     except OSError as exc:
         raise CheckpointError(f"cannot recover checkpoint root {root}: {exc!r}", path=root) from exc
 
 
-def _recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
+def _recover(fs: LocalFileSystem, root: Path, layout: Layout, forward: bool) -> Recovered:
     fs.makedirs(root)
     removed: list[Path] = []
     names = fs.listdir(root)
@@ -371,7 +374,7 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout) -> Recovered:
         except CorruptCheckpointError as exc:
             logger.warning("%s; it will be rewritten at the next commit", exc)
         newest = max(committed, default=None)
-        if newest is not None and (tracked is None or tracked < newest):
+        if forward and newest is not None and (tracked is None or tracked < newest):
             logger.warning(
                 "%s but step %d is committed; moving it forward",
                 "there is no tracker" if tracked is None else f"the tracker names step {tracked}",

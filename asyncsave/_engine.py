@@ -228,10 +228,14 @@ class Checkpointer:
             await self._tiers.open(self._unlock)
         # Forward only, even past a tracker that names a checkpoint that is gone:
         # saves below it commit but do not move it (resume then needs fallback=True).
-        steps = [s for s in (tracked, *committed) if s is not None]
-        baseline = max(steps, default=None)
+        # From the committed steps as the tier's open left them (node-local roots:
+        # the steps only some ranks have are moved aside there).
+        steps = [s for s in (tracked, *saver.committed) if s is not None]
+        baseline = tracked if saver.per_rank else max(steps, default=None)
         if self.layout.tracker_name is not None and saver.owns_root:
             saver.tracker = TrackerWriter(saver.fs, self.root / self.layout.tracker_name, baseline)
+            if saver.per_rank and saver.committed:  # forward to a step every rank has
+                await anyio.to_thread.run_sync(saver.tracker.advance, max(saver.committed))
         tg = anyio.create_task_group()
         await tg.__aenter__()
         saver.tg = tg
@@ -263,7 +267,8 @@ class Checkpointer:
                 path=self.root,
             )
         try:
-            return recover(self._fs, self.root, self.layout)
+            # Node-local roots: the tracker moves forward after the ranks agree.
+            return recover(self._fs, self.root, self.layout, forward=not self._saver.per_rank)
         finally:
             self._final_lock.release()
 
@@ -549,7 +554,7 @@ class Checkpointer:
                 # tensors once we return, so the snapshot must be taken by then.
                 await pending._staged.wait()
                 return pending
-            if pending is not None:  # overwrite: one save of a step at a time
+            if overwrite and self._saver.busy(step):  # one save (or copy) of a step at a time
                 await self._saver.queue_behind(step, "overwrite")
             if step in self._committed and not overwrite:
                 if step == self._resumed_step:  # saving right after resuming: harmless
@@ -573,7 +578,8 @@ class Checkpointer:
                 if cuda_devices:
                     # The copies run later: they must see only what was queued before now.
                     ready = producer_events(cuda_devices)
-        # With a persistent tier, its dispatch takes a slot in the persisting queue.
+            if self._tiers is not None:  # a slot in the persisting queue, in save() order
+                await self._tiers.reserve(step)
         return await (self._tiers or saver).dispatch(
             step, job, t0=t0, ready=ready, overwrite=overwrite, lazy=lazy, training_info=info_doc
         )

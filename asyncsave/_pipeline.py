@@ -200,9 +200,16 @@ class Saver:
         finally:
             self.staging_scopes.discard(scope)
 
+    def busy(self, step: int) -> bool:
+        """Whether a save or update of ``step`` is pending, or its committed
+        directory is being copied to the persistent tier (``held``)."""
+        return step in self.pending or step in self.held
+
     async def queue_behind(self, step: int, what: str) -> None:
-        """Wait until no save (or update) of ``step`` is pending: an ``overwrite``
-        save or an ``update()`` admitted while an earlier one of its step runs.
+        """Wait until no save (or update) of ``step`` is pending and no copy of it
+        to the persistent tier is queued or running (``held``): an ``overwrite``
+        save or an ``update()`` admitted while an earlier one of its step runs, or
+        while the persistent tier copies the directory it would swap.
 
         Admitted already (the checkpointer was open when it was called): queued,
         so close waits for it and flushes it like a pending save (S18), and no
@@ -216,8 +223,13 @@ class Saver:
         gate = anyio.Event()
         self.queued[gate] = step
         try:
-            while (pending := self.pending.get(step)) is not None:
-                await pending._done.wait()
+            while True:
+                if (pending := self.pending.get(step)) is not None:
+                    await pending._done.wait()
+                elif (held := self.held.get(step)) is not None:
+                    await held._persisted.wait()
+                else:
+                    break
             if not self.accepting:
                 raise CheckpointerClosedError(
                     f"the Checkpointer for {self.root} gave up after close_timeout_s="
@@ -610,7 +622,8 @@ class Saver:
                                 final,
                             )
                             committing, committed, tmp = False, True, None
-                            await self.track(step)
+                            if not self.per_rank:  # per_rank: once every rank committed
+                                await self.track(step)
                         except Exception as exc:
                             committing = False  # the thread finished: nothing runs on
                             commit_error = exc
@@ -621,6 +634,9 @@ class Saver:
                             )
                     if self.per_rank:
                         await self._agree_committed(outcome, step, commit_error)
+                        # Only a step every rank committed is tracked: a part some
+                        # ranks lack is moved aside at the next open.
+                        await self.track(step)
                     elif coord.world_size > 1:
                         try:
                             outcome = await coord.broadcast("commit", outcome, step)

@@ -17,8 +17,16 @@ Rules (docs/decisions.md, "Tiers"):
 - **Back-pressure.** At most ``Tier.queue_size`` saves are due to persist and not
   yet persisted (the one being copied included). A ``save()`` due to persist
   while that many are outstanding waits for a slot *before* its snapshot; the
-  wait counts in its ``blocked_s``. Saves not due to persist never wait for the
-  persistent tier.
+  wait counts in its ``blocked_s``. It waits in ``save()``'s admission, so the
+  ``save()`` calls after it wait behind it (save order is kept, a step is
+  admitted once); saves not due to persist wait for the persistent tier only then.
+- **One writer of a step.** An ``update()`` or an ``overwrite`` save of a step
+  whose copy is queued or running waits for that copy (``Saver.queue_behind``);
+  a copy reads the local manifest first and copies exactly what it names.
+- **Abandoned copies.** The thread that copies, commits, tracks and retains holds
+  the persistent root's in-process ``final_lock``, and so does recovery at open: a
+  tier reopened in the same process while an abandoned copy still runs waits
+  ``close_timeout_s`` for it, then raises :class:`RootInUseError`.
 - **Retention.** A local checkpoint due to persist is protected from the local
   retention until its persistent copy is committed (``Saver.held``).
 - **Order.** Copies run one at a time, in ``save()`` order.
@@ -65,7 +73,7 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._atomicity import strategy_for
+from ._atomicity import CommitStrategy, strategy_for
 from ._commit import discard, lock_root, move_aside, recover
 from ._coord import Coordinator, GlooGroup, Solo
 from ._dist import load_rank
@@ -75,6 +83,7 @@ from ._errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     CorruptCheckpointError,
+    RootInUseError,
     SaveFailedError,
 )
 from ._fs import LocalFileSystem
@@ -90,7 +99,7 @@ from ._load import (
     scan_steps,
     verify,
 )
-from ._manifest import SELF_CHECKSUM, encode_manifest
+from ._manifest import SELF_CHECKSUM, encode_manifest, parse_manifest
 from ._marker import is_committed
 from ._options import Tier
 from ._paths import COMMIT_MARKER_NAME, MANIFEST_NAME, Layout
@@ -154,12 +163,19 @@ def copy_checkpoint(
     *,
     overwrite: bool = False,
     threads: int = 1,
+    strategy: CommitStrategy | None = None,
 ) -> Path:
     """Copy the committed checkpoint ``src`` into ``root`` as step ``step``, with
-    the commit protocol of ``dfs``: files into a temporary directory (or, without
-    an atomic rename, under the final prefix), each fsynced, the manifest last,
-    then the commit (rename and parent fsync, or the marker). Blocking (a worker
-    thread). A failure removes what was written (nothing is committed).
+    the commit protocol of ``dfs`` (``strategy``, by default the one of ``dfs``):
+    files into a temporary directory (or, without an atomic rename, under the
+    final prefix), each fsynced, the manifest last, then the commit (rename and
+    parent fsync, or the marker). Blocking (a worker thread). A failure removes
+    what was written (nothing is committed).
+
+    Self-consistent: the manifest is read first and its bytes are the ones
+    written; every data file it names must be copied at the size it names, so a
+    directory swapped under the copy (an ``update()``) fails it rather than
+    committing one manifest with another save's files.
 
     ``threads`` data files are copied at a time (8 MiB chunks each).
     With ``overwrite``, a committed ``step`` is replaced atomically (rename
@@ -167,7 +183,9 @@ def copy_checkpoint(
 
     :returns: the committed copy's path.
     :raises FileExistsError: step ``step`` exists under ``root`` and not ``overwrite``.
-    :raises CheckpointError: ``overwrite`` on an object store.
+    :raises CheckpointError: ``overwrite`` on an object store; ``src`` changed
+        while copied (a file its manifest names is missing or another size).
+    :raises CorruptCheckpointError: ``src``'s manifest is damaged.
     :raises OSError: reading or writing failed.
     """
     final = root / layout.dir_name(step)
@@ -180,8 +198,11 @@ def copy_checkpoint(
             step=step,
             path=final,
         )
-    names = [n for n in _files(sfs, src) if n not in (MANIFEST_NAME, COMMIT_MARKER_NAME)]
-    strategy = strategy_for(dfs)
+    raw = sfs.read_bytes(src / MANIFEST_NAME)
+    named = {f["name"]: f["nbytes"] for f in parse_manifest(raw, src / MANIFEST_NAME).files}
+    listed = [n for n in _files(sfs, src) if n not in (MANIFEST_NAME, COMMIT_MARKER_NAME)]
+    names = sorted(set(listed) | set(named))  # one the listing lacks fails its copy
+    strategy = strategy or strategy_for(dfs)
     tmp = strategy.begin(dfs, root, step, final)
     try:
         parents = sorted({n.rpartition("/")[0] for n in names} - {""})
@@ -189,10 +210,8 @@ def copy_checkpoint(
             dfs.makedirs(tmp / parent)
         # The data files in parallel (an object store's throughput grows with
         # concurrent uploads), then the manifest, then the commit.
-        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
-            for done in [pool.submit(_copy_file, sfs, src / n, dfs, tmp / n) for n in names]:
-                done.result()
-        _copy_file(sfs, src / MANIFEST_NAME, dfs, tmp / MANIFEST_NAME)
+        _copy_named(sfs, src, dfs, tmp, names, named, threads)
+        write_bytes(dfs, tmp / MANIFEST_NAME, raw)
         for parent in reversed(parents):
             dfs.fsync_dir(tmp / parent)
         strategy.commit(dfs, tmp, final, overwrite=overwrite)
@@ -200,6 +219,32 @@ def copy_checkpoint(
         discard(dfs, tmp)
         raise
     return final
+
+
+def _copy_named(
+    sfs: LocalFileSystem,
+    src: Path,
+    dfs: LocalFileSystem,
+    tmp: Path,
+    names: Sequence[str],
+    named: dict[str, int],
+    threads: int,
+) -> None:
+    """Copy ``names`` from ``src`` into ``tmp``, ``threads`` at a time; each file
+    the manifest read first names (``named``: name to bytes) must have its size.
+
+    :raises CheckpointError: a named file changed size (``src`` was swapped).
+    """
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+        futures = {n: pool.submit(_copy_file, sfs, src / n, dfs, tmp / n) for n in names}
+        for name, done in futures.items():
+            nbytes = done.result()
+            if name in named and nbytes != named[name]:
+                raise CheckpointError(
+                    f"{src / name} is {nbytes} bytes, not the {named[name]} its manifest "
+                    "(read before the copy) names: the checkpoint changed while copied",
+                    path=src / name,
+                )
 
 
 def committed_steps(fs: LocalFileSystem, root: Path, layout: Layout) -> dict[int, Path]:
@@ -232,6 +277,12 @@ class Persister:
         self.fs, self.root = open_root(
             tier.root, filesystem=tier.filesystem, storage_options=tier.storage_options
         )
+        # How this tier commits (rename, or a marker on object stores): chosen once.
+        self.strategy: CommitStrategy = strategy_for(self.fs)
+        # The persistent root's in-process lock (``Saver.final_lock``): held by the
+        # thread that copies, commits, tracks and retains, and by recovery at open,
+        # so an abandoned copy finishes before a reopened tier touches the root.
+        self.final_lock = _final_lock_for(self.root)
         if not self.fs.atomic_rename and self.layout.tracker_name is None:
             raise ValueError(
                 f"layout={self.layout.name!r} has no tracker, which a persistent tier on "
@@ -242,6 +293,7 @@ class Persister:
         self.committed: dict[int, Path] = {}
         self._lock_fd: int | None = None
         self._slots: anyio.Semaphore | None = None
+        self._reserved: set[int] = set()  # slots taken by reserve(), for dispatch()
         self._turn = 0  # copies run one at a time, in admission order
         self._next = 0
         self._ended: set[int] = set()  # turns ended before theirs came (abandoned)
@@ -349,7 +401,20 @@ class Persister:
         def run() -> tuple[list[int], int | None]:
             fd = lock_root(self.fs, self.root)
             try:
-                recovered = recover(self.fs, self.root, self.layout)
+                # A copy abandoned by an earlier checkpointer of this process (past
+                # close_timeout_s) may still be writing: recovery would remove its
+                # temporary directory (on object stores, the final prefix) under it.
+                if not self.final_lock.acquire(timeout=self.saver.options.close_timeout_s):
+                    raise RootInUseError(
+                        f"a copy to {self.root} abandoned by an earlier Checkpointer in "
+                        "this process is still running after close_timeout_s="
+                        f"{self.saver.options.close_timeout_s}; try again once it finishes",
+                        path=self.root,
+                    )
+                try:
+                    recovered = recover(self.fs, self.root, self.layout)
+                finally:
+                    self.final_lock.release()
             except BaseException:
                 self.fs.unlock(fd)
                 raise
@@ -367,34 +432,45 @@ class Persister:
         self.coord.close()
 
     # -- saving -------------------------------------------------------------------
-    async def dispatch(self, step: int, job: Any, **kwargs: Any) -> SaveHandle:
-        """:meth:`Saver.dispatch` (same arguments); if ``step`` is due to persist,
-        take a queue slot first (waiting while ``queue_size`` copies are
-        outstanding) and persist the save once it is committed locally."""
-        overwrite = bool(kwargs.get("overwrite", False))
-        start = functools.partial(self.saver.dispatch, step, job, **kwargs)
+    async def reserve(self, step: int) -> None:
+        """If ``step`` is due to persist, take its slot in the persisting queue,
+        waiting while ``queue_size`` copies are outstanding. Called by
+        ``save()`` inside its planning lock, last before :meth:`dispatch` (which
+        makes the save pending without yielding first): while a save waits for a
+        slot no other ``save()`` is admitted, so the same step is never saved
+        twice and later steps never take their turn first. The save counts as
+        admitted meanwhile (the planning lock's gate in ``saver.queued``): a close
+        begun meanwhile waits for it and flushes it (S18).
+
+        :raises CheckpointerClosedError: close gave up after ``close_timeout_s``
+            while this waited.
+        """
         policy = self.tier.policy
         if policy is not None and not policy.should_save(step):
-            return await start()
+            return
         assert self._slots is not None
-        # Admitted already: queued like an overwrite behind its step, so that a
-        # close begun meanwhile waits for this save and flushes it (S18).
-        gate = anyio.Event()
-        self.saver.queued[gate] = step
+        await self._slots.acquire()
+        if not self.saver.accepting:
+            self._slots.release()
+            raise CheckpointerClosedError(
+                f"the Checkpointer for {self.saver.root} gave up after close_timeout_s="
+                f"{self.saver.options.close_timeout_s} while the save of step {step} "
+                "waited for a slot in the persisting queue",
+                step=step,
+                path=self.saver.root,
+            )
+        self._reserved.add(step)
+
+    async def dispatch(self, step: int, job: Any, **kwargs: Any) -> SaveHandle:
+        """:meth:`Saver.dispatch` (same arguments); if :meth:`reserve` took a
+        queue slot for ``step``, persist the save once it is committed locally."""
+        overwrite = bool(kwargs.get("overwrite", False))
+        start = functools.partial(self.saver.dispatch, step, job, **kwargs)
+        if step not in self._reserved:
+            return await start()
+        self._reserved.discard(step)
+        assert self._slots is not None
         try:
-            await self._slots.acquire()
-        finally:
-            del self.saver.queued[gate]
-            gate.set()
-        try:
-            if not self.saver.accepting:
-                raise CheckpointerClosedError(
-                    f"the Checkpointer for {self.saver.root} gave up after close_timeout_s="
-                    f"{self.saver.options.close_timeout_s} while the save of step {step} "
-                    "waited for a slot in the persisting queue",
-                    step=step,
-                    path=self.saver.root,
-                )
             handle = await start()
         except BaseException:
             self._slots.release()
@@ -518,23 +594,27 @@ class Persister:
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 logger.warning("not persisting %s, left by an earlier run: %s", src, exc)
                 return False
-        final = self.root / self.layout.dir_name(step)
-        there = self.fs.exists(final) and is_committed(self.fs, final)
-        if there and not overwrite:
-            # Resumed from this tier and saved again: the same step, kept as is.
-            logger.info("step %d is on the persistent tier already: not copied again", step)
-        else:
-            copy_checkpoint(
-                self.saver.fs,
-                src,
-                self.fs,
-                self.root,
-                self.layout,
-                step,
-                overwrite=there,
-                threads=self.saver.options.writer_threads,
-            )
-        self._after_commit(step)
+        # Copy, commit, track and retain under the root's lock: a thread abandoned
+        # past close_timeout_s finishes before a reopened tier recovers the root.
+        with self.final_lock:
+            final = self.root / self.layout.dir_name(step)
+            there = self.fs.exists(final) and is_committed(self.fs, final)
+            if there and not overwrite:
+                # Resumed from this tier and saved again: the same step, kept as is.
+                logger.info("step %d is on the persistent tier already: not copied again", step)
+            else:
+                copy_checkpoint(
+                    self.saver.fs,
+                    src,
+                    self.fs,
+                    self.root,
+                    self.layout,
+                    step,
+                    overwrite=there,
+                    threads=self.saver.options.writer_threads,
+                    strategy=self.strategy,
+                )
+            self._after_commit(step)
         return True
 
     def _after_commit(self, step: int) -> None:
@@ -583,15 +663,17 @@ class Persister:
         name, exchange = begun
         tmp = None if name is None else self.root / name
         mine: Any
+        raw: bytes | None = None
         try:
-            mine = await self._run(self._upload, src, tmp, check)
+            *mine, raw = await self._run(self._upload, src, tmp, check)
+            mine = tuple(mine)
         except Exception as exc:
             cause, mine = exc, repr(exc)
         views = await coord.all_gather("persist-files", mine, step)
         outcome: str | None = None
         if coord.leader:
             try:
-                outcome = await self._run(self._finish, step, src, tmp, views, exchange)
+                outcome = await self._run(self._finish, step, raw, tmp, views, exchange)
             except Exception as exc:
                 cause, outcome = exc, f"rank 0: {exc!r}"
         outcome = await coord.broadcast("persisted", outcome, step)
@@ -626,39 +708,48 @@ class Persister:
                 step=step,
                 path=final,
             )
-        return strategy_for(self.fs).begin(self.fs, self.root, step, final).name, there
+        return self.strategy.begin(self.fs, self.root, step, final).name, there
 
-    def _upload(self, src: Path, tmp: Path | None, check: bool) -> tuple[str, Any]:
+    def _upload(self, src: Path, tmp: Path | None, check: bool) -> tuple[str, Any, bytes | None]:
         """This rank: copy its committed local part ``src`` into ``tmp`` (data
-        files, and rank 0 the layout's info file); ``("ok", part)``, or
-        ``("skipped", why)`` when ``check`` finds ``src`` damaged."""
+        files, and rank 0 the layout's info file); ``("ok", part, manifest)``, or
+        ``("skipped", why, None)`` when ``check`` finds ``src`` damaged. The
+        manifest is read first and the files it names copied at its sizes (see
+        :func:`copy_checkpoint`); rank 0 merges the bytes read then."""
         sfs = self.saver.fs
         if check:
             try:
                 verify(src, filesystem=sfs)
             except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
                 logger.warning("not persisting %s, left by an earlier run: %s", src, exc)
-                return "skipped", repr(exc)
+                return "skipped", repr(exc), None
         if tmp is None:
-            return "ok", None
-        manifest = read_checkpoint(sfs, src)
-        names = [f["name"] for f in manifest.files]
+            return "ok", None, None
+        raw = sfs.read_bytes(src / MANIFEST_NAME)
+        manifest = parse_manifest(raw, src / MANIFEST_NAME)
+        named = {f["name"]: f["nbytes"] for f in manifest.files}
+        names = list(named)
         info = self.layout.info_name
         if self.coord.leader and info is not None and sfs.exists(src / info):
             names.append(info)
-        threads = max(1, self.saver.options.writer_threads)
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            for done in [pool.submit(_copy_file, sfs, src / n, self.fs, tmp / n) for n in names]:
-                done.result()
+        threads = self.saver.options.writer_threads
+        _copy_named(sfs, src, self.fs, tmp, names, named, threads)
         part = {k: getattr(manifest, k) for k in ("files", "entries", "tensors", "tree")}
-        return "ok", part
+        return "ok", part, raw
 
     def _finish(
-        self, step: int, src: Path, tmp: Path | None, views: list[Any], exchange: bool
+        self, step: int, raw: bytes | None, tmp: Path | None, views: list[Any], exchange: bool
     ) -> str | None:
-        """Rank 0, once every rank copied: the merged manifest, the commit, the
-        tracker, the retention. The outcome: ``None``, ``"skipped"`` or the
-        failure named by rank."""
+        """Rank 0, once every rank copied: the merged manifest (from ``raw``, its
+        own manifest as read before its copy), the commit, the tracker, the
+        retention, under the persistent root's ``final_lock``. The outcome:
+        ``None``, ``"skipped"`` or the failure named by rank."""
+        with self.final_lock:
+            return self._finish_locked(step, raw, tmp, views, exchange)
+
+    def _finish_locked(
+        self, step: int, raw: bytes | None, tmp: Path | None, views: list[Any], exchange: bool
+    ) -> str | None:
         errors = {r: v for r, v in enumerate(views) if isinstance(v, str)}
         skipped = any(not isinstance(v, str) and v[0] == "skipped" for v in views)
         try:
@@ -670,13 +761,14 @@ class Persister:
                 return "skipped"
             if tmp is not None:
                 parts = [v[1] for v in views]
-                raw = json.loads(self.saver.fs.read_bytes(src / MANIFEST_NAME))
-                raw.pop(SELF_CHECKSUM, None)
-                doc = {**raw, **merge_parts(parts)} if len(parts) > 1 else raw
+                assert raw is not None
+                own = json.loads(raw)
+                own.pop(SELF_CHECKSUM, None)
+                doc = {**own, **merge_parts(parts)} if len(parts) > 1 else own
                 write_bytes(self.fs, tmp / MANIFEST_NAME, encode_manifest(doc))
                 check_visible(self.fs, tmp, parts)
                 final = self.root / self.layout.dir_name(step)
-                strategy_for(self.fs).commit(self.fs, tmp, final, overwrite=exchange)
+                self.strategy.commit(self.fs, tmp, final, overwrite=exchange)
                 tmp = None
         except BaseException:
             if tmp is not None:
