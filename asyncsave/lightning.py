@@ -60,6 +60,7 @@ import json
 import logging
 import os
 import threading
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ._errors import (
     CheckpointNotFoundError,
+    CheckpointWarning,
     UnsupportedFormatError,
     UnsupportedTypeError,
 )
@@ -180,6 +182,7 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         self._live: dict[str, int] = {}  # pointer path -> step, this run
         self._dirs: set[Path] = set()  # where pointers are written
         self._on_disk: set[int] = set()  # committed when the checkpointer opened
+        self._loaded: set[int] = set()  # global steps load_checkpoint() returned
         self._handles: dict[int, SyncSaveHandle] = {}  # saves of this checkpointer
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
         # (step, pointer write) in save order.
@@ -219,13 +222,27 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         with self._lock:
             self._live[target] = step
             self._dirs.add(Path(target).parent)
-        # A step saved already (this run: its handle; a committed one on disk:
-        # nothing to wait for) is not saved again: the path points at it.
+        # A step saved already (this run: its handle; the committed one this run
+        # resumed from: nothing to wait for) is not saved again: the path points
+        # at it. A committed step this run did not load (another run's, in the same
+        # directory) is replaced, atomically, so the path names this run's state.
         handle = self._handles.get(step)
-        if handle is None and step not in self._on_disk:
+        replace = step in self._on_disk and step not in self._loaded
+        if handle is None and (step not in self._on_disk or replace):
+            if replace:
+                warnings.warn(
+                    f"step {step} in {self.root} is a checkpoint of an earlier run that "
+                    f"this run did not resume from: replacing it (its older pointers "
+                    "now name this run's state); use a fresh dirpath to keep both",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
             try:
                 handle = ckpt.save(
-                    step, _plain(checkpoint), training_info={"epoch": _int(checkpoint, "epoch")}
+                    step,
+                    _plain(checkpoint),
+                    training_info={"epoch": _int(checkpoint, "epoch")},
+                    overwrite=replace,
                 )
             except BaseException as exc:
                 with self._lock:
@@ -349,6 +366,8 @@ class AsyncsaveCheckpointIO(CheckpointIO):
             raise FileNotFoundError(f"Checkpoint file not found: {p}")
         if not isinstance(state, dict):
             raise UnsupportedFormatError(f"{p} does not hold a Lightning checkpoint", path=p)
+        if type(state.get("global_step")) is int:
+            self._loaded.add(state["global_step"])  # saving it again keeps it as is
         return state
 
     # -- lifecycle --------------------------------------------------------------

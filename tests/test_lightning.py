@@ -244,3 +244,14 @@ def test_a_root_apart_from_the_pointers(tmp_path: Path, reference: dict[str, tor
     model = app.fit(ptrs, EPOCHS, plugin=AsyncsaveCheckpointIO(store), ckpt_path="last")
     assert _same(_weights(model), reference)
     assert [c.step for c in asyncsave.checkpoints(store)] == [12, 16]
+
+
+def test_a_second_run_into_the_same_directory_saves_its_own_state(tmp_path: Path) -> None:
+    """A fit run again into the same dirpath without ckpt_path: its checkpoints
+    hold its own weights (replacing the earlier run's at the same steps, with a
+    CheckpointWarning), never pointers at the earlier run's data."""
+    app.fit(tmp_path, EPOCHS)
+    with pytest.warns(asyncsave.CheckpointWarning, match="did not resume from"):
+        second = app.fit(tmp_path, EPOCHS, model=app.Tiny(lr=0.2))
+    last = app.AsyncsaveCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
+    assert _same({k: v for k, v in last["state_dict"].items()}, _weights(second))
