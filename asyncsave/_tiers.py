@@ -627,9 +627,11 @@ class Persister:
 
         def protected() -> Iterable[int]:
             steps = {step, *self.saver.held}
-            for s in (self.tracker.highest if self.tracker else None, self.saver.resumed_step):
-                if s is not None:
-                    steps.add(s)
+            if self.tracker is not None and self.tracker.highest is not None:
+                steps.add(self.tracker.highest)
+            resumed = self.saver.resumed_step
+            if resumed is not None and resumed >= step:  # kept until a newer one commits
+                steps.add(resumed)
             return steps
 
         try:

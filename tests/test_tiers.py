@@ -481,3 +481,21 @@ async def test_close_flushes_a_save_waiting_for_a_slot_in_the_persist_queue(
     assert [h.step for h in handles] == [2]
     assert (await handles[0].persisted()).path == remote / "step_2"  # type: ignore[union-attr]
     assert steps(local) == steps(remote) == [1, 2]
+
+
+async def test_the_resumed_step_is_retired_on_the_persistent_tier_once_newer_ones_commit(
+    tmp_path: Path,
+) -> None:
+    """Persistent retention keeps the step a run resumed from only until a newer
+    step commits there (as on the local tier), not for the whole run."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    tier = Tier(remote, retention=asyncsave.KeepLast(2))
+    async with asyncsave.Checkpointer(local, persistent=tier) as ckpt:
+        for step in (1, 2, 3):
+            await (await ckpt.save(step, state_of(step))).persisted()
+    async with asyncsave.Checkpointer(local, persistent=tier) as ckpt:
+        restored = await ckpt.load_latest()
+        assert restored is not None and restored.info.step == 3
+        for step in range(4, 9):
+            await (await ckpt.save(step, state_of(step))).persisted()
+    assert steps(remote) == [7, 8]
