@@ -419,6 +419,22 @@ def _prune(fs: LocalFileSystem, root: Path, args: argparse.Namespace, out: TextI
         print(f"asyncsave: {root} is not a directory", file=sys.stderr)
         return 1
     rule = _rule(args)
+    if args.keep_best:
+        # A metric no checkpoint records (a typo, another name) ranks nothing, and
+        # the rule would keep only what other rules keep: refuse instead.
+        from ._listing import checkpoints
+
+        infos = checkpoints(root, layout=args.layout, filesystem=fs)
+        seen = {k for c in infos for k in (c.training_info or {})}
+        for metric, _ in args.keep_best:
+            if infos and metric not in seen:
+                print(
+                    f"asyncsave: no checkpoint in {root} records {metric!r} in its "
+                    f"training_info (recorded: {', '.join(sorted(seen)) or 'nothing'}); "
+                    "nothing deleted",
+                    file=sys.stderr,
+                )
+                return 2
 
     def protected() -> set[int]:
         # The tracked step (what resume loads) and every step with a save in

@@ -219,12 +219,14 @@ def test_prune_respects_the_root_lock_but_dry_run_does_not_need_it(tmp_path: Pat
         (["prune", "ROOT", "--keep-last", "0"], "positive integer"),
         (["prune", "ROOT", "--keep-best", "loss", "x"], "positive integer"),
         (["prune", "ROOT/step_1", "--keep-last", "1"], "is one checkpoint"),
+        (["prune", "ROOT", "--keep-best", "lsos", "1"], "records 'lsos'"),
+        (["prune", "ROOT", "--keep-best", "lsos", "1", "--dry-run"], "records 'lsos'"),
     ],
 )
 def test_prune_bad_usage_exits_2_and_deletes_nothing(
     tmp_path: Path, argv: list[str], message: str
 ) -> None:
-    make_root(tmp_path, [1, 2])
+    make_root(tmp_path, [1, 2], info={1: 0.5, 2: 0.4})
     proc = cli(*(a.replace("ROOT", str(tmp_path)) for a in argv))
     assert proc.returncode == 2, proc.stdout
     assert message in proc.stderr
