@@ -25,6 +25,7 @@ opened a checkpointer):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,20 @@ import asyncsave
 import asyncsave._incremental
 from asyncsave._paths import LAYOUTS, is_temp_name
 
-# Incremental saves give a tensor of OWN_FILE_BYTES or more a data file of its own:
-# lowered so that this small state has one file per tensor, some shared, some not.
-asyncsave._incremental.OWN_FILE_BYTES = 64
+
+@contextlib.contextmanager
+def small_own_files() -> Iterator[None]:
+    """Incremental saves give a tensor of OWN_FILE_BYTES or more a data file of
+    its own: lowered, while the lab's scenarios run (in its forked children, or
+    around an in-process recording), so that this small state has one file per
+    tensor, some shared, some not. Never at import: other test files in the same
+    process rely on the library's value."""
+    old = asyncsave._incremental.OWN_FILE_BYTES
+    asyncsave._incremental.OWN_FILE_BYTES = 64
+    try:
+        yield
+    finally:
+        asyncsave._incremental.OWN_FILE_BYTES = old
 
 LAYOUT = LAYOUTS["asyncsave"]
 TRACKER = LAYOUT.tracker_name
@@ -401,7 +413,8 @@ def in_child(fn: Callable[..., Any], *args: Any, timeout_s: float = 60.0) -> tup
         os.close(r)
         code = 0
         try:
-            fn(*args)
+            with small_own_files():
+                fn(*args)
         except BaseException:
             os.write(w, traceback.format_exc().encode()[-4000:])
             code = 17

@@ -22,7 +22,16 @@ from typing import Any
 
 import anyio
 import pytest
-from crashlab import SCENARIOS, EventLog, Scenario, _ack, _save, check_root, make_base
+from crashlab import (
+    SCENARIOS,
+    EventLog,
+    Scenario,
+    _ack,
+    _save,
+    check_root,
+    make_base,
+    small_own_files,
+)
 from fstrace import TracingFS
 from powerloss import MarkLog, crash_states, events_before, materialise, volatile_and_forced
 from reliability import record
@@ -65,14 +74,15 @@ POWER_SCENARIOS = {
 
 def record_trace(root: Path, name: str) -> TracingFS:
     scen = POWER_SCENARIOS[name]
-    make_base(root, scen.base, scen.prepare, scen.options)
-    fs = TracingFS(root, max_write=MAX_WRITE)
+    with small_own_files():  # the crash lab's file layout for its small state
+        make_base(root, scen.base, scen.prepare, scen.options)
+        fs = TracingFS(root, max_write=MAX_WRITE)
 
-    async def go() -> None:
-        async with asyncsave_checkpointer(root, fs, scen.options) as ckpt:
-            await scen.body(ckpt, MarkLog(fs))
+        async def go() -> None:
+            async with asyncsave_checkpointer(root, fs, scen.options) as ckpt:
+                await scen.body(ckpt, MarkLog(fs))
 
-    anyio.run(go)
+        anyio.run(go)
     return fs
 
 
