@@ -287,9 +287,9 @@ def _parse(raw: bytes, path: Path) -> Manifest:
     if not isinstance(tensors, list):
         raise _fail(path, "tensors is not a list")
     for i, t in enumerate(tensors):
+        _check_tensor(path, i, t, entries)  # first: it checks that t is an object
         if "chunks" in t and version < CHUNKS_VERSION:
             raise _fail(path, f"tensors[{i}] has chunks in a format_version {version} manifest")
-        _check_tensor(path, i, t, entries)
 
     tree = doc.get("tree")
     if not isinstance(tree, dict):

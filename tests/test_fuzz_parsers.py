@@ -201,6 +201,39 @@ def test_a_mutated_resealed_manifest_is_a_typed_error_or_loads(
         assert (outcomes[0] == "ok") == (outcomes[1] == "ok"), (outcomes, mutated)
 
 
+_ODD_VALUES = [None, True, 0, -1, 1.5, "x", [], [None], {}, {"entry": 0}]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_every_field_set_to_every_odd_type_is_a_typed_error_or_loads(
+    good_checkpoint: Any, version: int
+) -> None:
+    """The exhaustive companion of the test above, for the kind hypothesis found
+    once (CI, 2026-11: a ``tensors`` element set to null reached ``"chunks" in t``
+    and raised TypeError): every field of the manifest, at every depth, replaced by
+    each value of another JSON type, in a version-1 and a version-2 manifest."""
+    path, doc = good_checkpoint
+    doc = {**json.loads(json.dumps(doc)), "format_version": version}
+    tried = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "step_3"
+        shutil.copytree(path, copy)
+        for where in [p for p in _paths(doc) if p]:
+            for value in _ODD_VALUES:
+                mutated = json.loads(json.dumps(doc))
+                parent: Any = mutated
+                for k in where[:-1]:
+                    parent = parent[k]
+                parent[where[-1]] = value
+                (copy / "manifest.json").write_bytes(encode_manifest(mutated))
+                try:
+                    asyncsave.load(copy)
+                except asyncsave.CheckpointError:
+                    pass
+                tried += 1
+    assert tried >= 100 * len(_ODD_VALUES) // 2
+
+
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_mutated_manifest_that_was_not_resealed_is_always_refused(
