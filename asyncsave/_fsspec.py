@@ -43,7 +43,7 @@ from typing import IO, Any, cast
 from ._fs import LocalFileSystem
 from ._paths import COMMIT_MARKER_NAME
 
-__all__ = ["FsspecFileSystem", "is_url", "open_root"]
+__all__ = ["FsspecFileSystem", "check_root", "is_url", "open_root"]
 
 _LOCAL_PROTOCOLS = ("file", "local")
 
@@ -254,13 +254,38 @@ def is_url(root: Any) -> bool:
     return isinstance(root, (str, os.PathLike)) and "://" in os.fspath(root)
 
 
+def check_root(root: Any, what: str = "root") -> None:
+    """Refuse what cannot name a root or a checkpoint before anything uses it.
+
+    :param what: how the caller calls it in the message (``"root"``, ``"Tier.root"``).
+    :raises TypeError: ``root`` is not a ``str``, an ``os.PathLike`` of ``str``
+        or a ``upath.UPath`` (an int, ``None``, ``bytes``).
+    :raises ValueError: ``root`` is empty or only whitespace (``Path("")`` would
+        silently be the current directory).
+    """
+    if hasattr(root, "protocol") and hasattr(root, "storage_options"):  # a UPath
+        return
+    text = os.fspath(root) if isinstance(root, os.PathLike) else root
+    if not isinstance(text, str):
+        raise TypeError(
+            f"{what}={root!r} must be a path (str or os.PathLike) or a URL such as "
+            f"s3://bucket/prefix, not {type(root).__name__}"
+        )
+    if text.lower().startswith("file://"):
+        text = text[len("file://") :]
+    if not text.strip():
+        raise ValueError(f"{what}={root!r} is empty: name a directory ('.' for this one)")
+
+
 def open_root(
     root: Any,
     *,
     filesystem: LocalFileSystem | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    what: str = "root",
 ) -> tuple[LocalFileSystem, Path]:
-    """The I/O layer and the path for a ``root`` (or checkpoint path) a user gave.
+    """The I/O layer and the path for a ``root`` (or checkpoint path) a user gave;
+    ``what`` is the caller's name for it in errors (``"path"`` for a checkpoint).
 
     - A local path (``str``, ``os.PathLike``, ``file://`` URL): ``pathlib.Path``
       and ``filesystem`` (default :class:`LocalFileSystem`).
@@ -274,9 +299,11 @@ def open_root(
     Needs ``universal-pathlib`` and the fsspec implementation of the protocol
     (``pip install 'asyncsave[s3]'`` for S3) for URL roots only.
 
-    :raises ValueError: ``storage_options`` for a local root, or a local
-        ``filesystem`` for a URL root.
+    :raises TypeError: ``root`` is not a path or a URL (see :func:`check_root`).
+    :raises ValueError: ``root`` is empty, ``storage_options`` for a local root,
+        or a local ``filesystem`` for a URL root.
     """
+    check_root(root, what)
     if not is_url(root):
         if hasattr(root, "protocol"):  # a local UPath (PosixUPath, file:// FilePath)
             root = Path(root.path)
@@ -289,7 +316,7 @@ def open_root(
     protocol = url.split("://", 1)[0]
     if protocol in _LOCAL_PROTOCOLS:
         return open_root(
-            url.split("://", 1)[1], filesystem=filesystem, storage_options=storage_options
+            url.split("://", 1)[1], filesystem=filesystem, storage_options=storage_options, what=what
         )
     if filesystem is not None and not isinstance(filesystem, FsspecFileSystem):
         raise ValueError(

@@ -645,7 +645,7 @@ def load(
     :raises KindMismatchError: a :class:`Tagged` kind differs from the template's.
     :raises UnsafeLoadError: a pickled leaf without ``allow_pickle``.
     """
-    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options)
+    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
     target = _device(device)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
     if manifest.tree.get("type") == "dcp":
@@ -697,7 +697,7 @@ def load_tensors(
     ``path``, ``filesystem`` and ``storage_options`` as for :func:`load` (on an
     object store only the selected entries' bytes are read too).
     """
-    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options)
+    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
     target = _device(device)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
     if isinstance(keys, str):
@@ -803,7 +803,7 @@ def verify(
     :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) naming the
         file and entry that is wrong.
     """
-    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options)
+    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
     if manifest.tree.get("type") == "foreign":
         return info_of(p, manifest)  # another library's files: their sizes are checked

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._fs import LocalFileSystem
+from ._fsspec import check_root
 from ._paths import LAYOUTS
 from ._policy import SavePolicy
 from ._retention import Retention, as_retention
@@ -58,7 +59,8 @@ class Tier:
         rank copies its own files to the persistent tier, where rank 0 commits
         them as one ordinary N-rank checkpoint (loadable by :func:`asyncsave.load`
         without tiers). Plain state trees only (no DTensor, no Megatron request).
-    :raises ValueError: a field is invalid (named).
+    :raises ValueError: a field is invalid (named), or ``root`` is empty.
+    :raises TypeError: ``root`` is not a path or a URL.
     """
 
     root: Any
@@ -71,6 +73,7 @@ class Tier:
     local_scope: str = "shared"
 
     def __post_init__(self) -> None:
+        check_root(self.root, "Tier.root")
         if self.local_scope not in ("shared", "rank"):
             raise ValueError(f"Tier.local_scope={self.local_scope!r} must be 'shared' or 'rank'")
         if self.policy is not None and not isinstance(self.policy, SavePolicy):

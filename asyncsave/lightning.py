@@ -75,6 +75,7 @@ from ._errors import (
     UnsupportedTypeError,
 )
 from ._fs import LocalFileSystem
+from ._fsspec import check_root
 from ._listing import checkpoints, layout_of, load_step
 from ._load import latest, load
 from ._options import CheckpointOptions
@@ -176,6 +177,8 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         if opts.retention is not None:
             rule = opts.retention | rule
         self.options = dataclasses.replace(opts, retention=rule)
+        if root is not None:
+            check_root(root, "AsyncsaveCheckpointIO root")
         self.root = None if root is None else Path(root).resolve()
         self._ckpt: SyncCheckpointer | None = None
         self._lock = threading.Lock()

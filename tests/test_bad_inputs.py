@@ -527,3 +527,54 @@ async def _typed_async(call: Callable[[], Any]) -> Any:
     except Exception as exc:
         assert isinstance(exc, asyncsave.CheckpointError), f"raw {exc!r}"
         return exc
+
+
+# -- roots and paths that name nothing -------------------------------------------------
+
+_NOT_PATHS = [5, None, b"runs/x", 1.5, ["runs/x"]]
+_EMPTY_PATHS = ["", "   ", "file://"]
+
+
+def _root_takers() -> dict[str, Callable[[Any], Any]]:
+    """Every public entry point that takes a root or a checkpoint path."""
+    takers: dict[str, Callable[[Any], Any]] = {
+        "Checkpointer": asyncsave.Checkpointer,
+        "Tier": asyncsave.Tier,
+        "load": asyncsave.load,
+        "verify": asyncsave.verify,
+        "load_tensors": lambda p: asyncsave.load_tensors(p, ["w"]),
+        "latest": asyncsave.latest,
+        "checkpoints": asyncsave.checkpoints,
+        "load_step": lambda p: asyncsave.load_step(p, 1),
+    }
+    try:
+        from asyncsave.lightning import AsyncsaveCheckpointIO
+    except ImportError:  # lightning is an optional extra
+        pass
+    else:
+        takers["AsyncsaveCheckpointIO"] = AsyncsaveCheckpointIO
+    return takers
+
+
+@pytest.mark.parametrize("name", sorted(_root_takers()))
+def test_a_root_that_is_not_a_path_is_refused_by_name(name: str) -> None:
+    """Before: ``Checkpointer(5)`` raised pathlib's TypeError naming no argument,
+    ``Tier(5)`` was accepted until its first save, and ``Checkpointer("")`` saved
+    into the current directory."""
+    take = _root_takers()[name]
+    for bad in _NOT_PATHS:
+        if bad is None and name == "AsyncsaveCheckpointIO":
+            continue  # documented: the directory of Lightning's first save path
+        with pytest.raises(TypeError, match=r"(root|path)=.*must be a path"):
+            take(bad)
+    for empty in _EMPTY_PATHS:
+        with pytest.raises(ValueError, match=r"(root|path)=.* is empty"):
+            take(empty)
+
+
+def test_the_cli_refuses_an_empty_root(capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncsave._cli import main
+
+    for argv in (["ls", ""], ["verify", " "], ["inspect", ""], ["prune", "", "--keep-last", "1"]):
+        assert main(argv) == 2, argv
+        assert "is empty" in capsys.readouterr().err, argv
