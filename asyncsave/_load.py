@@ -815,7 +815,7 @@ def verify(
 
 
 def resolve(
-    fs: LocalFileSystem, root: Path, layout: Layout, *, fallback: bool
+    fs: LocalFileSystem, root: Path, layout: Layout, *, fallback: bool, reader: bool = False
 ) -> CheckpointInfo | None:
     """The checkpoint to resume from: the one the tracker names, or a newer
     committed one.
@@ -828,6 +828,12 @@ def resolve(
     error unless ``fallback`` (then: warning, newest committed checkpoint). Never
     ``None`` when a tracker names a step: that would restart a trained run from
     scratch.
+
+    ``reader``: called by a reader (:func:`latest`), which may run while a saver
+    is between its rename and its tracker write: a committed step newer than the
+    tracker (one step ahead of it), or no tracker beside the only committed step,
+    is then logged at INFO (the saver's next open repairs a real crash and warns
+    there); anything more is a warning, as for a saver.
     """
     if not fs.exists(root):
         return None
@@ -842,17 +848,26 @@ def resolve(
             logger.warning("%s; scanning for committed checkpoints instead", exc)
     found = scan_steps(fs, root, layout)
     if tracked is not None:
-        for step in sorted((s for s in found if s > tracked), reverse=True):
+        newer = sorted((s for s in found if s > tracked), reverse=True)
+        # A saver commits, then moves the tracker: one step ahead of it may be a save
+        # in flight; more cannot (saves commit and track one at a time).
+        in_flight = reader and len(newer) == 1
+        for step in newer:
             try:
                 info = info_of(found[step], read_checkpoint(fs, found[step], expect_step=step))
             except (CheckpointNotFoundError, CorruptCheckpointError):
                 continue
-            logger.warning(
-                "the tracker in %s names step %d but step %d is committed (a crash "
-                "between commit and tracker update?); resuming from %d",
+            logger.log(
+                logging.INFO if in_flight else logging.WARNING,
+                "the tracker in %s names step %d but step %d is committed (%s); "
+                "resuming from %d",
                 root,
                 tracked,
                 step,
+                "a save moving the tracker now, or a crash between its commit and its "
+                "tracker update"
+                if in_flight
+                else "a crash between commit and tracker update?",
                 step,
             )
             return info
@@ -881,8 +896,15 @@ def resolve(
             logger.warning("skipping %s: %s", found[step], exc)
             continue
         if layout.tracker_name is not None:
-            logger.warning(
-                "no usable tracker in %s; resuming from the newest committed step %d", root, step
+            # A first save between its rename and its first tracker write: one
+            # committed step, no tracker yet. A lost tracker beside more is a warning.
+            missing = reader and len(found) == 1 and not fs.lexists(root / layout.tracker_name)
+            logger.log(
+                logging.INFO if missing else logging.WARNING,
+                "no usable tracker in %s%s; resuming from the newest committed step %d",
+                root,
+                " (none yet: a first save moving it now, or a crash before it)" if missing else "",
+                step,
             )
         return info
     if tracked is not None:
@@ -948,4 +970,4 @@ def latest(
         or damaged and ``fallback`` is false.
     """
     fs, path = open_root(root, filesystem=filesystem, storage_options=storage_options)
-    return resolve(fs, path, LAYOUTS[layout], fallback=fallback)
+    return resolve(fs, path, LAYOUTS[layout], fallback=fallback, reader=True)

@@ -373,3 +373,26 @@ async def test_swapped_step_directories_never_load_as_each_other(tmp_path: Path)
             call(tmp_path / "step_20")
     assert main(["verify", str(tmp_path)], out=__import__("io").StringIO()) == 1
     assert main(["ls", str(tmp_path)], out=__import__("io").StringIO()) == 1
+
+
+@pytest.mark.parametrize("case", ["one step ahead of the tracker", "first commit, no tracker yet"])
+async def test_a_reader_in_a_savers_commit_gap_is_told_at_info_not_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, case: str
+) -> None:
+    """What a reader polling ``latest()`` sees between a save's rename and its
+    tracker write (every save has that gap): the new step, an INFO record, and no
+    WARNING about a crash (before: one per poll). Two steps ahead, or no tracker
+    beside two steps, stays a warning (tests above)."""
+    if case == "one step ahead of the tracker":
+        await save_steps(tmp_path, [10, 20])
+        (tmp_path / TRACKER).write_text("10")
+    else:
+        await save_steps(tmp_path, [20])
+        (tmp_path / TRACKER).unlink()
+    with caplog.at_level(logging.INFO, logger="asyncsave"):
+        info = asyncsave.latest(tmp_path)
+    assert info is not None and info.step == 20
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+    assert any(
+        r.levelno == logging.INFO and "moving" in r.getMessage() for r in caplog.records
+    ), caplog.records
