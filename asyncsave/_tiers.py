@@ -99,7 +99,7 @@ from ._load import (
     scan_steps,
     verify,
 )
-from ._manifest import SELF_CHECKSUM, encode_manifest, parse_manifest
+from ._manifest import CHECKSUM, SELF_CHECKSUM, Manifest, encode_manifest, parse_manifest
 from ._marker import is_committed
 from ._options import Tier
 from ._paths import COMMIT_MARKER_NAME, MANIFEST_NAME, Layout
@@ -600,7 +600,11 @@ class Persister:
             final = self.root / self.layout.dir_name(step)
             there = self.fs.exists(final) and is_committed(self.fs, final)
             if there and not overwrite:
-                # Resumed from this tier and saved again: the same step, kept as is.
+                # Resumed from this tier and saved again, or a copy a crash kept from
+                # being recorded: the same checkpoint, kept as is. Another run's
+                # step of the same number is refused (typed), never counted as this
+                # save's persistent copy.
+                self._check_same(step, src, final, rank=None)
                 logger.info("step %d is on the persistent tier already: not copied again", step)
             else:
                 copy_checkpoint(
@@ -656,7 +660,7 @@ class Persister:
         begun: Any = None
         if coord.leader:
             try:
-                begun = await self._run(self._begin, step, overwrite)
+                begun = await self._run(self._begin, step, overwrite, src)
             except Exception as exc:
                 cause, begun = exc, f"rank 0: {exc!r}"
         begun = await coord.broadcast("persist-begin", begun, step)
@@ -695,12 +699,40 @@ class Persister:
         )
         return final
 
-    def _begin(self, step: int, overwrite: bool) -> tuple[str | None, bool]:
+    def _check_same(self, step: int, src: Path, final: Path, *, rank: int | None) -> None:
+        """That the committed persistent ``final`` is the checkpoint at local
+        ``src``: this run resumed from that step, or both hold the same data (each
+        entry's size and checksum, and the tree; with ``rank``, ``src`` is that
+        rank's local part and only that rank's files are compared).
+
+        :raises CheckpointError: another checkpoint of the same step is there
+            (another run's, say, after a replaced node started over): not
+            replaced without ``overwrite=True``, and not reported as persisted.
+        """
+        if self.saver.resumed_step == step:
+            return
+        mine = read_checkpoint(self.saver.fs, src, expect_step=step)
+        theirs = read_checkpoint(self.fs, final, expect_step=step)
+        if _data_of(mine, None) == _data_of(theirs, rank) and (
+            rank is not None or mine.tree == theirs.tree
+        ):
+            return
+        raise CheckpointError(
+            f"{final} is a committed checkpoint of step {step} with other data than this "
+            f"save's ({src}), from another run or an earlier life of this one: not "
+            "replaced, and this save is not persisted. Resume from it (load_latest) "
+            "or save that step with overwrite=True to replace it",
+            step=step,
+            path=final,
+        )
+
+    def _begin(self, step: int, overwrite: bool, src: Path) -> tuple[str | None, bool]:
         """Rank 0: (the temporary directory's name, whether the commit replaces a
         committed step), or ``(None, False)``: committed there already, kept."""
         final = self.root / self.layout.dir_name(step)
         there = self.fs.exists(final) and is_committed(self.fs, final)
         if there and not overwrite:
+            self._check_same(step, src, final, rank=0)
             logger.info("step %d is on the persistent tier already: not copied again", step)
             return None, False
         if there and not self.fs.atomic_rename:
@@ -898,3 +930,16 @@ def _aside(saver: Saver, path: Path, step: int, reason: str, why: str = "damaged
     again)."""
     if move_aside(saver.fs, saver.root, path, why, step, reason, quiet=True):
         saver.fs.fsync_dir(saver.root)
+
+
+def _data_of(manifest: Manifest, rank: int | None) -> list[tuple[int, str]]:
+    """The sizes and checksums of a manifest's entries, sorted (the same data
+    whatever the file layout); with ``rank``, only the entries of that rank's
+    data files (``data-r<rank>-*``)."""
+    files = manifest.files
+    prefix = None if rank is None else f"data-r{rank:05d}-"
+    return sorted(
+        (e["nbytes"], e[CHECKSUM])
+        for e in manifest.entries
+        if prefix is None or files[e["file"]]["name"].startswith(prefix)
+    )

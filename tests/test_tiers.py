@@ -499,3 +499,54 @@ async def test_the_resumed_step_is_retired_on_the_persistent_tier_once_newer_one
         for step in range(4, 9):
             await (await ckpt.save(step, state_of(step))).persisted()
     assert steps(remote) == [7, 8]
+
+
+@pytest.mark.parametrize("same_data", [False, True])
+async def test_a_step_persisted_by_another_run_is_never_taken_for_this_saves_copy(
+    tmp_path: Path, same_data: bool
+) -> None:
+    """A replaced node (empty local tier) whose run did not resume saves a step the
+    persistent tier already holds. Before: ``persisted()`` succeeded while the
+    persistent step held the other run's state (found in review). Now: the same
+    data is kept as this save's copy; other data is refused (typed, naming the
+    path), left untouched, and this save counts as not persisted."""
+    remote = tmp_path / "remote"
+    theirs = {"w": torch.zeros(4), "step": 10}
+    mine = dict(theirs) if same_data else {"w": torch.ones(4), "step": 10}
+    async with asyncsave.Checkpointer(tmp_path / "nodeA", persistent=Tier(remote)) as ckpt:
+        await (await ckpt.save(10, theirs)).persisted()
+    if same_data:
+        async with asyncsave.Checkpointer(tmp_path / "nodeB", persistent=Tier(remote)) as ckpt:
+            handle = await ckpt.save(10, mine)
+            assert (await handle.persisted()).path == remote / "step_10"  # type: ignore[union-attr]
+    else:
+        with pytest.raises(asyncsave.SaveFailedError) as at_close:
+            async with asyncsave.Checkpointer(
+                tmp_path / "nodeB", persistent=Tier(remote)
+            ) as ckpt:
+                handle = await ckpt.save(10, mine)
+                await handle  # committed locally
+                with pytest.raises(asyncsave.SaveFailedError) as err:
+                    await handle.persisted()
+        assert at_close.value is err.value
+        assert "other data" in str(err.value.__cause__ or err.value)
+        assert str(remote / "step_10") in str(err.value.__cause__ or err.value)
+    same(asyncsave.load(remote / "step_10"), theirs)  # never replaced
+    same(asyncsave.load(tmp_path / "nodeB" / "step_10"), mine)
+
+
+async def test_a_run_resumed_from_the_persistent_tier_may_save_that_step_again(
+    tmp_path: Path,
+) -> None:
+    """The case the skip exists for: resumed from persistent step 10 (local tier
+    wiped) and saved again at step 10, with a counter that moved: kept as is."""
+    remote = tmp_path / "remote"
+    async with asyncsave.Checkpointer(tmp_path / "nodeA", persistent=Tier(remote)) as ckpt:
+        await (await ckpt.save(10, state_of(10))).persisted()
+    async with asyncsave.Checkpointer(tmp_path / "nodeB", persistent=Tier(remote)) as ckpt:
+        restored = await ckpt.load_latest()
+        assert restored is not None and restored.info.step == 10
+        again = {**restored.state, "step": 11}  # not the same tree
+        persisted = await (await ckpt.save(10, again)).persisted()
+        assert persisted is not None and persisted.path == remote / "step_10"
+    same(asyncsave.load(remote / "step_10"), state_of(10))
