@@ -382,15 +382,22 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         layout_of(self.options.layout)
         ckpt = SyncCheckpointer(self.root, self.options)
         ckpt.__enter__()
-        self._ckpt = ckpt
-        found = checkpoints(
-            self.root, layout=self.options.layout, filesystem=self.options.filesystem
-        )
+        try:
+            found = checkpoints(
+                self.root, layout=self.options.layout, filesystem=self.options.filesystem
+            )
+        except BaseException as exc:
+            # Not half-open: the next save opens afresh and raises the same way
+            # (found in review: it saved, then failed on a missing writer).
+            ckpt.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        # Published only once whole.
         self._on_disk = {c.step for c in found}
         self._handles = {}
         self._writer = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="asyncsave-lightning"
         )
+        self._ckpt = ckpt
         return ckpt
 
     def teardown(self) -> None:

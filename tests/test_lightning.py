@@ -255,3 +255,24 @@ def test_a_second_run_into_the_same_directory_saves_its_own_state(tmp_path: Path
         second = app.fit(tmp_path, EPOCHS, model=app.Tiny(lr=0.2))
     last = app.AsyncsaveCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
     assert _same({k: v for k, v in last["state_dict"].items()}, _weights(second))
+
+
+def test_a_failed_open_leaves_the_plugin_closed_and_typed_next_time(tmp_path: Path) -> None:
+    """The plugin's first save fails to open (``layout="verl"`` on a root of
+    asyncsave-layout steps: a typed error naming the layout). Before (found in
+    review), the checkpointer stayed half-open: the next save started a save and
+    then raised a bare AssertionError. Now every try raises the same typed error,
+    starts no save, and leaves the root unlocked."""
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.ones(8)}).result()
+    io = AsyncsaveCheckpointIO(layout="verl")
+    try:
+        for _ in range(2):
+            with pytest.raises(asyncsave.CheckpointNotFoundError, match="layout"):
+                io.save_checkpoint({"global_step": 3, "w": torch.ones(3)}, tmp_path / "last.ckpt")
+    finally:
+        io.teardown()
+    saved = [p.name for p in tmp_path.iterdir() if p.name.startswith(("step_", "global_step_"))]
+    assert saved == ["step_1"]
+    with asyncsave.SyncCheckpointer(tmp_path):  # the root's lock was released
+        pass
