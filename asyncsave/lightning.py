@@ -100,7 +100,8 @@ def read_pointer(path: str | os.PathLike[str]) -> tuple[Path, int, str]:
     :raises FileNotFoundError: no file at ``path``.
     """
     p = Path(path)
-    raw = p.read_bytes()[: _MAX_POINTER_BYTES + 1]
+    with open(p, "rb") as f:  # a torch.save .ckpt may be GBs: never read it whole
+        raw = f.read(_MAX_POINTER_BYTES + 1)
     try:
         doc = json.loads(raw) if len(raw) <= _MAX_POINTER_BYTES else None
     except (UnicodeDecodeError, ValueError):
@@ -146,7 +147,10 @@ class _Referenced(Retention):
         self.plugin = plugin
 
     def keep(self, candidates: list[Candidate]) -> set[int]:
-        return self.plugin._referenced_steps()
+        steps = self.plugin._referenced_steps()
+        # A pointer directory or file that could not be read may name any step:
+        # this pass keeps every one (the next pass decides again).
+        return {c.step for c in candidates} if steps is None else steps
 
     def __repr__(self) -> str:
         return "KeepReferencedByLightning()"
@@ -312,7 +316,9 @@ class AsyncsaveCheckpointIO(CheckpointIO):
             saver = ckpt.checkpointer._saver
             ckpt._call(saver.retain, tracked)
 
-    def _referenced_steps(self) -> set[int]:
+    def _referenced_steps(self) -> set[int] | None:
+        """The steps a pointer names, or ``None`` when a pointer directory or
+        file could not be read (a missing one holds no pointer)."""
         with self._lock:
             steps = set(self._live.values())
             dirs = set(self._dirs)
@@ -321,15 +327,25 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         for d in dirs:
             try:
                 names = os.listdir(d)
-            except OSError:
+            except FileNotFoundError:
                 continue
+            except OSError as exc:
+                logger.warning("cannot list %s (%r): this retention pass deletes nothing", d, exc)
+                return None
             for name in names:
                 if not name.endswith(".ckpt"):
                     continue
                 try:
                     root, step, _ = read_pointer(d / name)
-                except (OSError, UnsupportedFormatError):
+                except (FileNotFoundError, IsADirectoryError, UnsupportedFormatError):
+                    # removed meanwhile, or not a pointer of asyncsave's (a torch.save
+                    # file, a sharded checkpoint's directory)
                     continue
+                except OSError as exc:
+                    logger.warning(
+                        "cannot read %s (%r): this retention pass deletes nothing", d / name, exc
+                    )
+                    return None
                 if root == self.root:
                     steps.add(step)
         return steps

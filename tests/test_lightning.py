@@ -10,9 +10,11 @@ import argparse
 import enum
 import errno
 import json
+import os
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -276,3 +278,72 @@ def test_a_failed_open_leaves_the_plugin_closed_and_typed_next_time(tmp_path: Pa
     assert saved == ["step_1"]
     with asyncsave.SyncCheckpointer(tmp_path):  # the root's lock was released
         pass
+
+
+@pytest.mark.parametrize("fails", ["listing the directory", "reading a pointer"])
+def test_a_pointer_that_cannot_be_read_keeps_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    """A pointer directory that cannot be listed, or a pointer file that cannot be
+    read (EACCES, EIO), may name any step: that retention pass deletes nothing
+    (before: it was skipped as if it named none, and its steps were deleted)."""
+    import asyncsave.lightning as plugin
+
+    io = AsyncsaveCheckpointIO()
+    for step in (1, 2):
+        io.save_checkpoint({"global_step": step, "w": torch.ones(4)}, tmp_path / f"s{step}.ckpt")
+    io.teardown()
+    denied = OSError(errno.EACCES, "Permission denied")
+    if fails == "listing the directory":
+        def listdir(d: Any) -> list[str]:
+            if Path(d) == tmp_path:
+                raise denied
+            return os.listdir(d)
+
+        # The plugin's view of os only: asyncsave's own recovery lists the root too.
+        monkeypatch.setattr(plugin, "os", types.SimpleNamespace(**{**vars(os), "listdir": listdir}))
+    else:
+        monkeypatch.setattr(plugin, "read_pointer", lambda p: (_ for _ in ()).throw(denied))
+    io.remove_checkpoint(tmp_path / "s1.ckpt")  # step 1 is named by nothing now...
+    io.save_checkpoint({"global_step": 3, "w": torch.ones(4)}, tmp_path / "s3.ckpt")
+    io.teardown()
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1, 2, 3]  # ...but kept
+    monkeypatch.undo()
+    io.save_checkpoint({"global_step": 4, "w": torch.ones(4)}, tmp_path / "s4.ckpt")
+    io.teardown()
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [2, 3, 4]  # readable again
+
+
+def test_a_large_foreign_ckpt_beside_the_pointers_is_not_read_whole(tmp_path: Path) -> None:
+    big = tmp_path / "lightning-own.ckpt"
+    big.write_bytes(b"\x80\x02" + b"\0" * (8 << 20))  # a torch.save-like file, 8 MiB
+    reads: list[int] = []
+    import builtins
+
+    real_open = builtins.open
+
+    class Counting:
+        def __init__(self, f: Any) -> None:
+            self.f = f
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self.f.close()
+
+        def read(self, n: int = -1) -> bytes:
+            data = self.f.read(n)
+            reads.append(len(data))
+            return data
+
+    def counting_open(p: Any, *a: Any, **k: Any) -> Any:
+        return Counting(real_open(p, *a, **k)) if Path(p) == big else real_open(p, *a, **k)
+
+    import asyncsave.lightning as plugin
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plugin, "open", counting_open, raising=False)
+        with pytest.raises(asyncsave.UnsupportedFormatError):
+            read_pointer(big)
+    assert reads and sum(reads) <= plugin._MAX_POINTER_BYTES + 1 < big.stat().st_size, reads
