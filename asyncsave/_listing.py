@@ -96,10 +96,13 @@ def checkpoints(
         except CorruptCheckpointError as exc:
             logger.warning("not listing %s: %s", p, exc)
             continue
-        size = sum(int(f["nbytes"]) for f in manifest.files) + fs.size(p / MANIFEST_NAME)
-        for extra in (lay.info_name, None if fs.atomic_rename else COMMIT_MARKER_NAME):
-            if extra is not None and fs.exists(p / extra):
-                size += fs.size(p / extra)
+        try:
+            size = sum(int(f["nbytes"]) for f in manifest.files) + fs.size(p / MANIFEST_NAME)
+            for extra in (lay.info_name, None if fs.atomic_rename else COMMIT_MARKER_NAME):
+                if extra is not None and fs.exists(p / extra):
+                    size += fs.size(p / extra)
+        except FileNotFoundError:
+            continue  # retired (retention, prune) while it was being listed
         found.append(
             dataclasses.replace(
                 info_of(p, manifest), size_bytes=size, saved_unix_s=manifest.created_unix_s

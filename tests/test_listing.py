@@ -5,6 +5,7 @@ by its step with the errors of ``load``."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 import uuid
@@ -172,3 +173,26 @@ def test_listing_an_object_store_root() -> None:
             asyncsave.load_step(root, 9, layout="verl")
     finally:
         mem.rm(base.split("/")[0], recursive=True)
+
+
+def test_a_checkpoint_retired_while_it_is_listed_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Listing takes no lock: retention or ``prune`` may remove a checkpoint
+    between reading its manifest and summing its sizes. It is left out, not a raw
+    FileNotFoundError (found in review)."""
+    import asyncsave._listing as listing
+
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.ones(4)}).result()
+    real = listing.read_checkpoint
+
+    def read_then_retire(fs: Any, p: Path, **kw: Any) -> Any:
+        manifest = real(fs, p, **kw)
+        if p.name == "step_2":
+            shutil.rmtree(p)
+        return manifest
+
+    monkeypatch.setattr(listing, "read_checkpoint", read_then_retire)
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1, 3]
