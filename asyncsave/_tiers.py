@@ -876,6 +876,7 @@ async def _load_nearest(
             reader = functools.partial(load_rank, path, coord.rank, coord.world_size)
         state: Any = None
         failure: str | None = None
+        damaged = False  # damage, not an I/O error that may pass (EIO, EMFILE)
         try:
             state = await anyio.to_thread.run_sync(
                 functools.partial(
@@ -884,6 +885,7 @@ async def _load_nearest(
             )
         except (CorruptCheckpointError, CheckpointNotFoundError, OSError) as exc:
             last_error, failure = exc, repr(exc)
+            damaged = not isinstance(exc, OSError)
         failures = [f for f in await coord.all_gather("resume-load", failure, step) if f]
         if not failures:
             _check_required(state, required, path)
@@ -902,7 +904,9 @@ async def _load_nearest(
             "; ".join(failures),
         )
         (local_ok if where == "local" else remote_ok).discard(step)
-        if where == "local" and (coord.world_size == 1 or saver.per_rank) and failure:
+        # Moved aside only when damaged, as without tiers: an I/O error leaves it
+        # where it is (skipped now, tried again at the next resume).
+        if where == "local" and (coord.world_size == 1 or saver.per_rank) and damaged:
             saver.committed.pop(step, None)
             await anyio.to_thread.run_sync(
                 saver.under_final_lock, _aside, saver, path, step, failure

@@ -550,3 +550,36 @@ async def test_a_run_resumed_from_the_persistent_tier_may_save_that_step_again(
         persisted = await (await ckpt.save(10, again)).persisted()
         assert persisted is not None and persisted.path == remote / "step_10"
     same(asyncsave.load(remote / "step_10"), state_of(10))
+
+
+@pytest.mark.parametrize("fault", ["EIO while reading", "damaged"])
+async def test_a_local_copy_that_fails_to_read_is_moved_aside_only_when_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    """Resume skips a local copy that does not load, to the persistent one. A
+    damaged copy is moved aside (its step can be saved again); one that failed
+    with an I/O error that may pass is left where it is, as without tiers (before:
+    moved aside too; found in review)."""
+    import asyncsave._tiers as tiers
+
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    await _run(local, remote, [2], every=1)  # step 2 on both tiers
+    if fault == "damaged":
+        flip_byte(local / "step_2")
+    else:
+        real = tiers.load
+
+        def eio_locally(path: Path, **kw: Any) -> Any:
+            if Path(path).parent == local:
+                raise OSError(errno.EIO, "Input/output error", str(path))
+            return real(path, **kw)
+
+        monkeypatch.setattr(tiers, "load", eio_locally)
+    async with asyncsave.Checkpointer(local, persistent=Tier(remote)) as ckpt:
+        restored = await ckpt.load_latest()
+        assert restored is not None and restored.info.path == remote / "step_2"
+        same(restored.state, state_of(2))
+    assert (local / "step_2").exists() == (fault != "damaged")
+    assert any(p.name.startswith(".asyncsave-damaged") for p in local.iterdir()) == (
+        fault == "damaged"
+    )
