@@ -31,7 +31,7 @@ from pathlib import Path
 from . import _marker
 from ._errors import CheckpointError, CorruptCheckpointError, RootInUseError
 from ._fs import LocalFileSystem
-from ._load import read_checkpoint, scan_steps
+from ._load import check_not_one_checkpoint, read_checkpoint, scan_steps
 from ._paths import LOCK_NAME, MANIFEST_NAME, Layout, aside_dir_name, is_temp_name, temp_dir_name
 from ._track import read_tracker, write_tracker
 
@@ -54,9 +54,11 @@ def lock_root(fs: LocalFileSystem, root: Path) -> int:
 
     :returns: the lock's descriptor; release with ``fs.unlock``.
     :raises RootInUseError: another checkpointer holds the root.
+    :raises CheckpointNotFoundError: ``root`` is itself one checkpoint.
     """
     if fs.exists(root) and not fs.is_dir(root):
         raise CheckpointError(f"checkpoint root {root} is not a directory", path=root)
+    check_not_one_checkpoint(fs, root)
     try:
         if not fs.exists(root):
             fs.makedirs(root)

@@ -21,7 +21,14 @@ import torch
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidStepError
 from ._fs import LocalFileSystem
 from ._fsspec import open_root
-from ._load import _layout_hint, info_of, load, read_checkpoint, scan_steps
+from ._load import (
+    _layout_hint,
+    check_not_one_checkpoint,
+    info_of,
+    load,
+    read_checkpoint,
+    scan_steps,
+)
 from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout
 from ._types import CheckpointInfo
 
@@ -76,7 +83,8 @@ def checkpoints(
     :param filesystem: the I/O layer (default: chosen from ``root``).
     :param storage_options: as for :func:`asyncsave.load`.
     :raises ValueError: ``layout`` is not a preset.
-    :raises CheckpointNotFoundError: ``root`` is not a directory, or it holds no
+    :raises CheckpointNotFoundError: ``root`` is not a directory, or is itself one
+        checkpoint (a ``manifest.json`` in it), or it holds no
         checkpoint of ``layout`` but some of another preset (the message names the
         layout to pass).
     :raises OSError: the root cannot be listed.
@@ -87,6 +95,7 @@ def checkpoints(
         return []
     if not fs.is_dir(path):
         raise CheckpointNotFoundError(f"{path} is not a directory", path=path)
+    check_not_one_checkpoint(fs, path)
     found: list[CheckpointInfo] = []
     for step, p in sorted(scan_steps(fs, path, lay).items()):
         try:
@@ -156,6 +165,7 @@ def load_step(
     fs, path = open_root(root, filesystem=filesystem, storage_options=storage_options)
     target: Path = path / lay.dir_name(step)
     if not fs.is_dir(target):
+        check_not_one_checkpoint(fs, path)
         there = sorted(scan_steps(fs, path, lay)) if fs.is_dir(path) else []
         shown = ", ".join(map(str, there[-10:])) or "none"
         raise CheckpointNotFoundError(

@@ -125,6 +125,23 @@ def read_checkpoint(
     return manifest
 
 
+def check_not_one_checkpoint(fs: LocalFileSystem, root: Path) -> None:
+    """Refuse a root of checkpoints that is itself one checkpoint (it holds a
+    ``manifest.json``: ``latest(root).path`` passed back as a root). A saver
+    there would resume nothing and nest a root inside a committed checkpoint; a
+    reader would find no step.
+
+    :raises CheckpointNotFoundError: naming the checkpoint and its root.
+    """
+    if fs.is_dir(root) and fs.exists(root / MANIFEST_NAME):
+        raise CheckpointNotFoundError(
+            f"{root} is one checkpoint (it holds {MANIFEST_NAME}), not a root of "
+            f"checkpoints: its root is {root.parent}; asyncsave.load({str(root)!r}) "
+            "reads it",
+            path=root,
+        )
+
+
 def scan_steps(fs: LocalFileSystem, root: Path, layout: Layout) -> dict[int, Path]:
     """Final-named directories under ``root`` by step (not checked for content)."""
     found: dict[int, Path] = {}
@@ -839,6 +856,7 @@ def resolve(
         return None
     if not fs.is_dir(root):
         raise CheckpointNotFoundError(f"{root} is not a directory", path=root)
+    check_not_one_checkpoint(fs, root)
     tracked: int | None = None
     if layout.tracker_name is not None:
         tracker = root / layout.tracker_name
@@ -967,7 +985,7 @@ def latest(
     (``s3://bucket/exp1``); ``filesystem`` and ``storage_options`` as for :func:`load`.
 
     :raises CheckpointNotFoundError: the tracker names a checkpoint that is missing
-        or damaged and ``fallback`` is false.
+        or damaged and ``fallback`` is false, or ``root`` is itself one checkpoint.
     """
     fs, path = open_root(root, filesystem=filesystem, storage_options=storage_options)
     return resolve(fs, path, LAYOUTS[layout], fallback=fallback, reader=True)

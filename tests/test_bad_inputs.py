@@ -578,3 +578,32 @@ def test_the_cli_refuses_an_empty_root(capsys: pytest.CaptureFixture[str]) -> No
     for argv in (["ls", ""], ["verify", " "], ["inspect", ""], ["prune", "", "--keep-last", "1"]):
         assert main(argv) == 2, argv
         assert "is empty" in capsys.readouterr().err, argv
+
+
+async def test_a_checkpoint_passed_as_a_root_is_refused_everywhere(tmp_path: Path) -> None:
+    """``latest(root).path`` fed back as a root (found by a new user): before, a
+    Checkpointer there resumed nothing (a fresh start) and nested a root inside
+    the committed checkpoint; readers listed nothing. Now every root entry point
+    says it is one checkpoint and names its root, and the checkpoint is unchanged."""
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(3, {"w": torch.full((2,), 3.0)}))
+    one = tmp_path / "step_3"
+    before = sorted(p.name for p in one.iterdir())
+    calls: dict[str, Callable[[], Any]] = {
+        "latest": lambda: asyncsave.latest(one),
+        "checkpoints": lambda: asyncsave.checkpoints(one),
+        "load_step": lambda: asyncsave.load_step(one, 3),
+        "SyncCheckpointer": lambda: asyncsave.SyncCheckpointer(one).__enter__(),
+        "persistent Tier": lambda: asyncsave.SyncCheckpointer(
+            tmp_path / "local", persistent=asyncsave.Tier(one)
+        ).__enter__(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(asyncsave.CheckpointNotFoundError, match="is one checkpoint") as err:
+            call()
+        assert str(tmp_path) in str(err.value) and err.value.path == str(one), name
+    with pytest.raises(asyncsave.CheckpointNotFoundError, match="is one checkpoint"):
+        async with asyncsave.Checkpointer(one):
+            pass
+    assert sorted(p.name for p in one.iterdir()) == before
+    assert torch.equal(asyncsave.load(one)["w"], torch.full((2,), 3.0))
