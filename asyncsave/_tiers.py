@@ -277,6 +277,15 @@ class Persister:
         self.fs, self.root = open_root(
             tier.root, filesystem=tier.filesystem, storage_options=tier.storage_options
         )
+        if isinstance(self.root, Path) and isinstance(saver.root, Path):
+            mine, local = self.root.resolve(), saver.root.resolve()
+            if mine == local or mine.is_relative_to(local) or local.is_relative_to(mine):
+                where = "" if mine == local else "inside or around "
+                raise ValueError(
+                    f"persistent=Tier({str(tier.root)!r}) is {where}the local root "
+                    f"{str(saver.root)!r}: the two tiers must be separate "
+                    "directories (a node-local disk and a shared file system or object store)"
+                )
         # How this tier commits (rename, or a marker on object stores): chosen once.
         self.strategy: CommitStrategy = strategy_for(self.fs)
         # The persistent root's in-process lock (``Saver.final_lock``): held by the

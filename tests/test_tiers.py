@@ -223,10 +223,11 @@ def test_tier_options_are_validated() -> None:
 async def test_a_persistent_root_in_use_is_refused_and_the_local_root_released(
     tmp_path: Path,
 ) -> None:
-    local = tmp_path / "local"
-    with pytest.raises(asyncsave.RootInUseError):
-        async with asyncsave.Checkpointer(local, persistent=Tier(local)):
-            pass
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    async with asyncsave.Checkpointer(remote):  # another saver holds the persistent root
+        with pytest.raises(asyncsave.RootInUseError):
+            async with asyncsave.Checkpointer(local, persistent=Tier(remote)):
+                pass
     async with asyncsave.Checkpointer(local) as ckpt:  # not left locked
         await (await ckpt.save(1, state_of(1)))
 
@@ -583,3 +584,25 @@ async def test_a_local_copy_that_fails_to_read_is_moved_aside_only_when_damaged(
     assert any(p.name.startswith(".asyncsave-damaged") for p in local.iterdir()) == (
         fault == "damaged"
     )
+
+
+@pytest.mark.parametrize(
+    "persistent", ["the local root", "the same by another path", "inside it", "around it"]
+)
+def test_a_persistent_tier_that_is_or_nests_the_local_root_is_refused(
+    tmp_path: Path, persistent: str
+) -> None:
+    """Found by a new user: the same directory by another path was a misleading
+    RootInUseError ("in use by another Checkpointer"), and a persistent root inside
+    the local one failed the first save with a bare FileExistsError."""
+    local = tmp_path / "run"
+    path = {
+        "the local root": local,
+        "the same by another path": tmp_path / "x" / ".." / "run",
+        "inside it": local / "step_1",
+        "around it": tmp_path,
+    }[persistent]
+    with pytest.raises(ValueError, match="the two tiers must be separate") as err:
+        asyncsave.Checkpointer(local, persistent=Tier(path))
+    assert str(local) in str(err.value)
+    asyncsave.Checkpointer(local, persistent=Tier(tmp_path / "remote"))  # apart: fine
