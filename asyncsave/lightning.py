@@ -44,6 +44,10 @@ How Lightning's calls map onto asyncsave (one adapter over the core, as
    ``ckpt_path="last"`` and ``ModelCheckpoint.best_model_path`` give), an
    asyncsave checkpoint directory (``runs/exp1/step_40``), or a root
    (``runs/exp1``: its latest committed checkpoint, as the tracker names it).
+   Lightning's ``LightningModule.load_from_checkpoint(path)`` does not ask the
+   plugin (it calls ``torch.load`` on the path) and fails on a pointer with
+   torch's ``UnpicklingError``: outside a Trainer, load with
+   ``AsyncsaveCheckpointIO().load_checkpoint(path)["state_dict"]``.
 4. ``teardown()``: flushes every pending save and pointer; raises a save's
    failure (also raised by the next ``save_checkpoint`` once known).
 
