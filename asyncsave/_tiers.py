@@ -99,10 +99,10 @@ from ._load import (
     scan_steps,
     verify,
 )
-from ._manifest import CHECKSUM, SELF_CHECKSUM, Manifest, encode_manifest, parse_manifest
+from ._manifest import CHECKSUM, SELF_CHECKSUM, encode_manifest, parse_manifest
 from ._marker import is_committed
 from ._options import Tier
-from ._paths import COMMIT_MARKER_NAME, MANIFEST_NAME, Layout
+from ._paths import COMMIT_MARKER_NAME, MANIFEST_NAME, Layout, is_temp_name
 from ._pipeline import Saver, _final_lock_for
 from ._retention import apply_retention
 from ._track import TrackerWriter
@@ -279,12 +279,15 @@ class Persister:
         )
         if isinstance(self.root, Path) and isinstance(saver.root, Path):
             mine, local = self.root.resolve(), saver.root.resolve()
-            if mine == local or mine.is_relative_to(local) or local.is_relative_to(mine):
+            if mine == local or _clashes(mine, local, self.layout) or _clashes(
+                local, mine, self.layout
+            ):
                 where = "" if mine == local else "inside or around "
                 raise ValueError(
                     f"persistent=Tier({str(tier.root)!r}) is {where}the local root "
                     f"{str(saver.root)!r}: the two tiers must be separate "
-                    "directories (a node-local disk and a shared file system or object store)"
+                    "directories (a node-local disk and a shared file system or object "
+                    "store); one may hold the other only under a plain directory name"
                 )
         # How this tier commits (rename, or a marker on object stores): chosen once.
         self.strategy: CommitStrategy = strategy_for(self.fs)
@@ -669,7 +672,7 @@ class Persister:
         begun: Any = None
         if coord.leader:
             try:
-                begun = await self._run(self._begin, step, overwrite, src)
+                begun = await self._run(self._begin, step, overwrite)
             except Exception as exc:
                 cause, begun = exc, f"rank 0: {exc!r}"
         begun = await coord.broadcast("persist-begin", begun, step)
@@ -680,7 +683,7 @@ class Persister:
         mine: Any
         raw: bytes | None = None
         try:
-            *mine, raw = await self._run(self._upload, src, tmp, check)
+            *mine, raw = await self._run(self._upload, src, tmp, check, step)
             mine = tuple(mine)
         except Exception as exc:
             cause, mine = exc, repr(exc)
@@ -712,7 +715,7 @@ class Persister:
         """That the committed persistent ``final`` is the checkpoint at local
         ``src``: this run resumed from that step, or both hold the same data (each
         entry's size and checksum, and the tree; with ``rank``, ``src`` is that
-        rank's local part and only that rank's files are compared).
+        rank's local part, compared with that rank's range of ``final``).
 
         :raises CheckpointError: another checkpoint of the same step is there
             (another run's, say, after a replaced node started over): not
@@ -721,10 +724,18 @@ class Persister:
         if self.saver.resumed_step == step:
             return
         mine = read_checkpoint(self.saver.fs, src, expect_step=step)
-        theirs = read_checkpoint(self.fs, final, expect_step=step)
-        if _data_of(mine, None) == _data_of(theirs, rank) and (
-            rank is not None or mine.tree == theirs.tree
-        ):
+        raw = self.fs.read_bytes(final / MANIFEST_NAME)
+        theirs = parse_manifest(raw, final / MANIFEST_NAME)
+        entries: list[dict[str, Any]] = theirs.entries
+        tree: Any = theirs.tree
+        if rank is not None and theirs.world_size > 1:
+            ranks = json.loads(raw).get("ranks")
+            try:
+                first, end = ranks[rank]["entries"]
+                entries, tree = entries[first:end], ranks[rank]["tree"]
+            except (TypeError, KeyError, IndexError, ValueError):
+                entries, tree = [], None  # not a checkpoint of this rank's part
+        if _data_of(mine.entries) == _data_of(entries) and mine.tree == tree:
             return
         raise CheckpointError(
             f"{final} is a committed checkpoint of step {step} with other data than this "
@@ -735,13 +746,13 @@ class Persister:
             path=final,
         )
 
-    def _begin(self, step: int, overwrite: bool, src: Path) -> tuple[str | None, bool]:
+    def _begin(self, step: int, overwrite: bool) -> tuple[str | None, bool]:
         """Rank 0: (the temporary directory's name, whether the commit replaces a
         committed step), or ``(None, False)``: committed there already, kept."""
         final = self.root / self.layout.dir_name(step)
         there = self.fs.exists(final) and is_committed(self.fs, final)
         if there and not overwrite:
-            self._check_same(step, src, final, rank=0)
+            # Every rank checks its part against it (_upload).
             logger.info("step %d is on the persistent tier already: not copied again", step)
             return None, False
         if there and not self.fs.atomic_rename:
@@ -753,10 +764,14 @@ class Persister:
             )
         return self.strategy.begin(self.fs, self.root, step, final).name, there
 
-    def _upload(self, src: Path, tmp: Path | None, check: bool) -> tuple[str, Any, bytes | None]:
+    def _upload(
+        self, src: Path, tmp: Path | None, check: bool, step: int
+    ) -> tuple[str, Any, bytes | None]:
         """This rank: copy its committed local part ``src`` into ``tmp`` (data
         files, and rank 0 the layout's info file); ``("ok", part, manifest)``, or
-        ``("skipped", why, None)`` when ``check`` finds ``src`` damaged. The
+        ``("skipped", why, None)`` when ``check`` finds ``src`` damaged. With no
+        ``tmp`` (the step is committed there already) it checks that its part is
+        this rank's part of that checkpoint (:meth:`_check_same`). The
         manifest is read first and the files it names copied at its sizes (see
         :func:`copy_checkpoint`); rank 0 merges the bytes read then."""
         sfs = self.saver.fs
@@ -767,6 +782,8 @@ class Persister:
                 logger.warning("not persisting %s, left by an earlier run: %s", src, exc)
                 return "skipped", repr(exc), None
         if tmp is None:
+            final = self.root / self.layout.dir_name(step)
+            self._check_same(step, src, final, rank=self.coord.rank)
             return "ok", None, None
         raw = sfs.read_bytes(src / MANIFEST_NAME)
         manifest = parse_manifest(raw, src / MANIFEST_NAME)
@@ -885,7 +902,6 @@ async def _load_nearest(
             reader = functools.partial(load_rank, path, coord.rank, coord.world_size)
         state: Any = None
         failure: str | None = None
-        damaged = False  # damage, not an I/O error that may pass (EIO, EMFILE)
         try:
             state = await anyio.to_thread.run_sync(
                 functools.partial(
@@ -894,7 +910,6 @@ async def _load_nearest(
             )
         except (CorruptCheckpointError, CheckpointNotFoundError, OSError) as exc:
             last_error, failure = exc, repr(exc)
-            damaged = not isinstance(exc, OSError)
         failures = [f for f in await coord.all_gather("resume-load", failure, step) if f]
         if not failures:
             _check_required(state, required, path)
@@ -913,9 +928,7 @@ async def _load_nearest(
             "; ".join(failures),
         )
         (local_ok if where == "local" else remote_ok).discard(step)
-        # Moved aside only when damaged, as without tiers: an I/O error leaves it
-        # where it is (skipped now, tried again at the next resume).
-        if where == "local" and (coord.world_size == 1 or saver.per_rank) and damaged:
+        if where == "local" and (coord.world_size == 1 or saver.per_rank) and failure:
             saver.committed.pop(step, None)
             await anyio.to_thread.run_sync(
                 saver.under_final_lock, _aside, saver, path, step, failure
@@ -945,14 +958,23 @@ def _aside(saver: Saver, path: Path, step: int, reason: str, why: str = "damaged
         saver.fs.fsync_dir(saver.root)
 
 
-def _data_of(manifest: Manifest, rank: int | None) -> list[tuple[int, str]]:
-    """The sizes and checksums of a manifest's entries, sorted (the same data
-    whatever the file layout); with ``rank``, only the entries of that rank's
-    data files (``data-r<rank>-*``)."""
-    files = manifest.files
-    prefix = None if rank is None else f"data-r{rank:05d}-"
-    return sorted(
-        (e["nbytes"], e[CHECKSUM])
-        for e in manifest.entries
-        if prefix is None or files[e["file"]]["name"].startswith(prefix)
+def _data_of(entries: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """The sizes and checksums of manifest entries, sorted: the same data
+    whatever the file layout."""
+    return sorted((e["nbytes"], e[CHECKSUM]) for e in entries)
+
+
+def _clashes(outer: Path, inner: Path, layout: Layout) -> bool:
+    """Whether root ``inner`` lies inside root ``outer`` under a name that
+    ``outer``'s recovery, retention or listing acts on (a step directory's, a
+    temporary, retired or moved-aside one's, the tracker, the lock). A plain
+    subdirectory (``exp1/persistent``) is left alone by both roots."""
+    if not inner.is_relative_to(outer):
+        return False
+    first = inner.relative_to(outer).parts[0]
+    return (
+        layout.parse_dir_name(first) is not None
+        or is_temp_name(first)
+        or first.startswith(".asyncsave")
+        or first in (layout.tracker_name, layout.info_name)
     )

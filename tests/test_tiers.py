@@ -554,55 +554,73 @@ async def test_a_run_resumed_from_the_persistent_tier_may_save_that_step_again(
 
 
 @pytest.mark.parametrize("fault", ["EIO while reading", "damaged"])
-async def test_a_local_copy_that_fails_to_read_is_moved_aside_only_when_damaged(
+async def test_a_local_copy_that_does_not_load_is_moved_aside_and_its_step_saved_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
 ) -> None:
-    """Resume skips a local copy that does not load, to the persistent one. A
-    damaged copy is moved aside (its step can be saved again); one that failed
-    with an I/O error that may pass is left where it is, as without tiers (before:
-    moved aside too; found in review)."""
+    """Resume skips a local copy that does not load (damaged, or an I/O error),
+    to the persistent one, and moves it aside (kept, never deleted), so that a
+    later save of that step writes. (Leaving an EIO copy in place, tried once,
+    kept its step committed: the re-save was a silent no-op; found in review.)"""
     import asyncsave._tiers as tiers
 
     local, remote = tmp_path / "local", tmp_path / "remote"
-    await _run(local, remote, [2], every=1)  # step 2 on both tiers
+    await _run(local, remote, [2, 3], every=2)  # step 2 on both tiers, 3 local only
     if fault == "damaged":
-        flip_byte(local / "step_2")
+        flip_byte(local / "step_3")
     else:
         real = tiers.load
 
         def eio_locally(path: Path, **kw: Any) -> Any:
-            if Path(path).parent == local:
+            if Path(path) == local / "step_3":
                 raise OSError(errno.EIO, "Input/output error", str(path))
             return real(path, **kw)
 
         monkeypatch.setattr(tiers, "load", eio_locally)
-    async with asyncsave.Checkpointer(local, persistent=Tier(remote)) as ckpt:
+    tier = Tier(remote, policy=asyncsave.SaveEvery(2))  # step 3 is not due to persist
+    async with asyncsave.Checkpointer(local, persistent=tier) as ckpt:
         restored = await ckpt.load_latest()
-        assert restored is not None and restored.info.path == remote / "step_2"
+        assert restored is not None and restored.info.step == 2
         same(restored.state, state_of(2))
-    assert (local / "step_2").exists() == (fault != "damaged")
-    assert any(p.name.startswith(".asyncsave-damaged") for p in local.iterdir()) == (
-        fault == "damaged"
-    )
+        redone = {**state_of(3), "b": torch.arange(100, 108)}
+        await (await ckpt.save(3, redone))
+    assert any(p.name.startswith(".asyncsave-damaged") for p in local.iterdir())
+    same(asyncsave.load(local / "step_3"), redone)
 
 
 @pytest.mark.parametrize(
-    "persistent", ["the local root", "the same by another path", "inside it", "around it"]
+    ("persistent", "refused"),
+    [
+        ("the local root", True),
+        ("the same by another path", True),
+        ("a step directory inside it", True),
+        ("around it, named like a step", True),
+        ("a plain directory inside it", False),
+        ("around it, under a plain name", False),
+    ],
 )
-def test_a_persistent_tier_that_is_or_nests_the_local_root_is_refused(
-    tmp_path: Path, persistent: str
+def test_a_persistent_tier_that_is_or_clashes_with_the_local_root_is_refused(
+    tmp_path: Path, persistent: str, refused: bool
 ) -> None:
     """Found by a new user: the same directory by another path was a misleading
     RootInUseError ("in use by another Checkpointer"), and a persistent root inside
-    the local one failed the first save with a bare FileExistsError."""
-    local = tmp_path / "run"
+    the local one failed the first save with a bare FileExistsError. Refused: the
+    same directory, or one inside the other under a name the outer root's
+    recovery, retention or listing acts on (a step's, a temporary or asyncsave
+    name); a plain subdirectory is left alone by both (review: not refused)."""
+    local = tmp_path / "step_7" if persistent == "around it, named like a step" else (
+        tmp_path / "run"
+    )
     path = {
         "the local root": local,
-        "the same by another path": tmp_path / "x" / ".." / "run",
-        "inside it": local / "step_1",
-        "around it": tmp_path,
+        "the same by another path": tmp_path / "x" / ".." / local.name,
+        "a step directory inside it": local / "step_1",
+        "around it, named like a step": tmp_path,
+        "a plain directory inside it": local / "persistent",
+        "around it, under a plain name": tmp_path,
     }[persistent]
-    with pytest.raises(ValueError, match="the two tiers must be separate") as err:
+    if refused:
+        with pytest.raises(ValueError, match="the two tiers must be separate") as err:
+            asyncsave.Checkpointer(local, persistent=Tier(path))
+        assert str(local) in str(err.value)
+    else:
         asyncsave.Checkpointer(local, persistent=Tier(path))
-    assert str(local) in str(err.value)
-    asyncsave.Checkpointer(local, persistent=Tier(tmp_path / "remote"))  # apart: fine
