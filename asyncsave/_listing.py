@@ -103,7 +103,8 @@ def checkpoints(
         except CheckpointNotFoundError:
             continue  # never committed (or, on an object store, still in flight)
         except CorruptCheckpointError as exc:
-            logger.warning("not listing %s: %s", p, exc)
+            if fs.exists(p):  # else retired while it was being listed: not damage
+                logger.warning("not listing %s: %s", p, exc)
             continue
         try:
             size = sum(int(f["nbytes"]) for f in manifest.files) + fs.size(p / MANIFEST_NAME)

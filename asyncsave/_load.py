@@ -36,7 +36,7 @@ from ._errors import (
 from ._format import SAFETENSORS_DTYPES
 from ._fs import LocalFileSystem
 from ._fsspec import FsspecFileSystem, open_root
-from ._manifest import CHECKSUM, Manifest, parse_manifest, record_entries, torch_dtype
+from ._manifest import CHECKSUM, FORMAT, Manifest, parse_manifest, record_entries, torch_dtype
 from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout
 from ._plan import is_stateful, key_str
 from ._read import read_entries
@@ -126,14 +126,21 @@ def read_checkpoint(
 
 
 def check_not_one_checkpoint(fs: LocalFileSystem, root: Path) -> None:
-    """Refuse a root of checkpoints that is itself one checkpoint (it holds a
-    ``manifest.json``: ``latest(root).path`` passed back as a root). A saver
+    """Refuse a root of checkpoints that is itself one checkpoint (it holds an
+    asyncsave ``manifest.json``: ``latest(root).path`` passed back as a root). A saver
     there would resume nothing and nest a root inside a committed checkpoint; a
     reader would find no step.
 
     :raises CheckpointNotFoundError: naming the checkpoint and its root.
     """
-    if fs.is_dir(root) and fs.exists(root / MANIFEST_NAME):
+    if not (fs.is_dir(root) and fs.exists(root / MANIFEST_NAME)):
+        return
+    try:  # asyncsave's own manifest only: another tool's manifest.json is no checkpoint
+        with fs.open_read(root / MANIFEST_NAME) as f:
+            head = f.read(64)
+    except OSError:
+        return
+    if head.startswith(b'{"format":"%s"' % FORMAT.encode()):
         raise CheckpointNotFoundError(
             f"{root} is one checkpoint (it holds {MANIFEST_NAME}), not a root of "
             f"checkpoints: its root is {root.parent}; asyncsave.load({str(root)!r}) "

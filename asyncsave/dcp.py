@@ -121,6 +121,7 @@ from ._errors import (
 )
 from ._format import SAFETENSORS_DTYPES, layout_files, staging_nbytes
 from ._fs import _LOCK_FDS, LocalFileSystem
+from ._fsspec import check_root
 from ._jobs import Job, Services
 from ._load import latest, read_checkpoint
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest, torch_dtype
@@ -370,6 +371,7 @@ class StorageWriter(_DcpStorageWriter):
     )
 
     def __post_init__(self) -> None:
+        check_root(self.root, "StorageWriter root")
         self.root = os.fspath(self.root)
         _check_step(self.step)
         if self.layout not in LAYOUTS:
@@ -459,6 +461,7 @@ class StorageWriter(_DcpStorageWriter):
         """
         root, step = self.root, self.step
         if checkpoint_id is not None:
+            check_root(checkpoint_id, "checkpoint_id")
             path = Path(os.fspath(checkpoint_id))
             parsed = LAYOUTS[self.layout].parse_dir_name(path.name)
             if parsed is None:
@@ -739,6 +742,7 @@ class StorageReader(_DcpStorageReader):
     load_id: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
 
     def __post_init__(self) -> None:
+        check_root(self.path, "StorageReader path")
         self.path = os.fspath(self.path)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}")
@@ -746,6 +750,7 @@ class StorageReader(_DcpStorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A new load begins (a fresh ``load_id``); a ``checkpoint_id`` is the path."""
         if checkpoint_id is not None:
+            check_root(checkpoint_id, "checkpoint_id")
             self.path = os.fspath(checkpoint_id)
         self._dir = None
         self._metadata = None

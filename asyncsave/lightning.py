@@ -341,9 +341,16 @@ class AsyncsaveCheckpointIO(CheckpointIO):
                     continue
                 try:
                     root, step, _ = read_pointer(d / name)
-                except (FileNotFoundError, IsADirectoryError, UnsupportedFormatError):
+                except (
+                    FileNotFoundError,
+                    IsADirectoryError,
+                    PermissionError,
+                    UnsupportedFormatError,
+                ):
                     # removed meanwhile, or not a pointer of asyncsave's (a torch.save
-                    # file, a sharded checkpoint's directory)
+                    # file, a sharded checkpoint's directory, another user's file:
+                    # the plugin's own pointers are readable by the process that wrote
+                    # them). Other errors (EIO) below: keep everything this pass.
                     continue
                 except OSError as exc:
                     logger.warning(

@@ -607,3 +607,30 @@ async def test_a_checkpoint_passed_as_a_root_is_refused_everywhere(tmp_path: Pat
             pass
     assert sorted(p.name for p in one.iterdir()) == before
     assert torch.equal(asyncsave.load(one)["w"], torch.full((2,), 3.0))
+
+
+async def test_a_root_holding_another_tools_manifest_json_is_a_root(tmp_path: Path) -> None:
+    """Only asyncsave's own manifest makes a directory one checkpoint (review: a
+    run directory with a dataset index named manifest.json was refused)."""
+    (tmp_path / "manifest.json").write_text('{"files": ["train-000.parquet"]}')
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, {"w": torch.ones(2)}))
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1]
+    assert asyncsave.latest(tmp_path).step == 1  # type: ignore[union-attr]
+
+
+def test_the_dcp_writer_and_reader_refuse_roots_that_name_nothing() -> None:
+    """Review: ``StorageWriter(root="")`` was the current directory, as
+    ``Checkpointer("")`` was."""
+    import asyncsave.dcp
+
+    for make in (
+        lambda r: asyncsave.dcp.StorageWriter(r, 1),
+        lambda r: asyncsave.dcp.StorageReader(r),
+        lambda r: asyncsave.dcp.StorageWriter("runs/x", 1).reset(checkpoint_id=r),
+        lambda r: asyncsave.dcp.StorageReader("runs/x").reset(checkpoint_id=r),
+    ):
+        with pytest.raises(ValueError, match="is empty"):
+            make("")
+        with pytest.raises(TypeError, match="must be a path"):
+            make(5)

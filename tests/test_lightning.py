@@ -303,7 +303,8 @@ def test_a_pointer_that_cannot_be_read_keeps_every_step(
         # The plugin's view of os only: asyncsave's own recovery lists the root too.
         monkeypatch.setattr(plugin, "os", types.SimpleNamespace(**{**vars(os), "listdir": listdir}))
     else:
-        monkeypatch.setattr(plugin, "read_pointer", lambda p: (_ for _ in ()).throw(denied))
+        eio = OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(plugin, "read_pointer", lambda p: (_ for _ in ()).throw(eio))
     io.remove_checkpoint(tmp_path / "s1.ckpt")  # step 1 is named by nothing now...
     io.save_checkpoint({"global_step": 3, "w": torch.ones(4)}, tmp_path / "s3.ckpt")
     io.teardown()
@@ -347,3 +348,26 @@ def test_a_large_foreign_ckpt_beside_the_pointers_is_not_read_whole(tmp_path: Pa
         with pytest.raises(asyncsave.UnsupportedFormatError):
             read_pointer(big)
     assert reads and sum(reads) <= plugin._MAX_POINTER_BYTES + 1 < big.stat().st_size, reads
+
+
+def test_another_users_unreadable_file_beside_the_pointers_does_not_stop_retention(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: a PermissionError on one foreign ``*.ckpt`` (another user's 0600
+    torch.save file) must not make every retention pass keep everything."""
+    import asyncsave.lightning as plugin
+
+    (tmp_path / "theirs.ckpt").write_bytes(b"\x80\x02")
+    real = plugin.read_pointer
+
+    def read(p: Any) -> Any:
+        if Path(p).name == "theirs.ckpt":
+            raise PermissionError(errno.EACCES, "Permission denied", str(p))
+        return real(p)
+
+    monkeypatch.setattr(plugin, "read_pointer", read)
+    io = AsyncsaveCheckpointIO()
+    for step in (1, 2):
+        io.save_checkpoint({"global_step": step, "w": torch.ones(4)}, tmp_path / "s.ckpt")
+        io.teardown()
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [2]

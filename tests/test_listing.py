@@ -196,3 +196,37 @@ def test_a_checkpoint_retired_while_it_is_listed_is_left_out(
 
     monkeypatch.setattr(listing, "read_checkpoint", read_then_retire)
     assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1, 3]
+
+
+def test_a_checkpoint_retired_before_its_manifest_is_read_is_not_warned_as_damaged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import asyncsave._listing as listing
+
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.ones(4)}).result()
+    real = listing.read_checkpoint
+
+    def retire_then_read(fs: Any, p: Path, **kw: Any) -> Any:
+        if p.name == "step_1":
+            for f in sorted(p.iterdir(), key=lambda f: f.name != "manifest.json"):
+                if f.name != "manifest.json":
+                    f.unlink()  # data files first, as a deletion in progress
+            manifest = p / "manifest.json"
+            raw = manifest.read_bytes()
+            shutil.rmtree(p)
+            p.mkdir()
+            (p / "manifest.json").write_bytes(raw)  # caught between the two unlinks
+            try:
+                return real(fs, p, **kw)
+            finally:
+                shutil.rmtree(p)
+        return real(fs, p, **kw)
+
+    monkeypatch.setattr(listing, "read_checkpoint", retire_then_read)
+    with caplog.at_level(logging.WARNING, logger="asyncsave"):
+        assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [2]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
