@@ -214,36 +214,31 @@ def test_every_field_set_to_every_odd_type_is_a_typed_error_or_loads(
     each value of another JSON type, in a version-1 and a version-2 manifest."""
     path, doc = good_checkpoint
     doc = {**json.loads(json.dumps(doc)), "format_version": version}
-    tried = 0
+    # (field path, value): every field at every depth set to each odd value; and
+    # ``chunks`` (version 2's one addition, absent from the fixture) inserted into
+    # each tensor record, odd values and lists of wrong entries alike.
+    cases = [(where, value) for where in _paths(doc) if where for value in _ODD_VALUES]
+    chunk_values = [*_ODD_VALUES, [0, 0], [0, 1], [1, 0], [0, 99], [0, -1], [0, 1, 2]]
+    cases += [
+        (("tensors", i, "chunks"), value)
+        for i in range(len(doc["tensors"]))
+        for value in chunk_values
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "step_3"
         shutil.copytree(path, copy)
-        for where in [p for p in _paths(doc) if p]:
-            for value in _ODD_VALUES:
-                mutated = json.loads(json.dumps(doc))
-                parent: Any = mutated
-                for k in where[:-1]:
-                    parent = parent[k]
-                parent[where[-1]] = value
-                (copy / "manifest.json").write_bytes(encode_manifest(mutated))
-                try:
-                    asyncsave.load(copy)
-                except asyncsave.CheckpointError:
-                    pass
-                tried += 1
-        # ``chunks`` (version 2's one addition) is absent from the fixture: insert
-        # it into each tensor record, odd values and lists of wrong entries alike.
-        for i in range(len(doc["tensors"])):
-            for value in [*_ODD_VALUES, [0, 0], [0, 1], [1, 0], [0, 99], [0, -1], [0, 1, 2]]:
-                mutated = json.loads(json.dumps(doc))
-                mutated["tensors"][i]["chunks"] = value
-                (copy / "manifest.json").write_bytes(encode_manifest(mutated))
-                try:
-                    asyncsave.load(copy)
-                except asyncsave.CheckpointError:
-                    pass
-                tried += 1
-    assert tried >= 100 * len(_ODD_VALUES) // 2
+        for where, value in cases:
+            mutated = json.loads(json.dumps(doc))
+            parent: Any = mutated
+            for k in where[:-1]:
+                parent = parent[k]
+            parent[where[-1]] = value
+            (copy / "manifest.json").write_bytes(encode_manifest(mutated))
+            try:
+                asyncsave.load(copy)
+            except asyncsave.CheckpointError:
+                pass
+    assert len(cases) >= 100 * len(_ODD_VALUES) // 2
 
 
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
