@@ -389,11 +389,11 @@ class Reuse:
             self._changing &= keep
 
     def _intact(
-        self, fs: LocalFileSystem, base: Base, f: int, header: bytes, report: Report
+        self, fs: LocalFileSystem, path: Path, base: Base, f: int, header: bytes, report: Report
     ) -> bool:
-        """Whether base file ``f`` holds ``header`` and the data its manifest's
-        checksums say (from a known identity, else by reading it)."""
-        path = base.path / base.manifest.files[f]["name"]
+        """Whether the file at ``path`` (base file ``f``, or a link or copy of it)
+        holds ``header`` and the data the base manifest's checksums say (from a
+        known identity, else by reading it)."""
         digests = base.digests(f)
         want = (xxhash.xxh3_64_hexdigest(header), digests)
         ident = self._identity(fs, path)
@@ -401,15 +401,14 @@ class Reuse:
             with self._lock:
                 if self._known.get(ident) == want:
                     return True
-        ok = self._check_file(fs, path, base, f, header, report)
-        if ok:
-            self.remember(fs, path, header, digests)
-        return ok
+        return self._check_file(fs, path, base, f, header, report)
 
     def _check_file(
         self, fs: LocalFileSystem, path: Path, base: Base, f: int, header: bytes, report: Report
     ) -> bool:
-        """Read the base file and compare its header and each entry's checksum."""
+        """Read the file at ``path`` (base file ``f`` or a link to it) and compare
+        its header and each entry's checksum with the base manifest's."""
+        name = base.path / base.manifest.files[f]["name"]  # what the logs name
         entries = sorted(
             (base.manifest.entries[j] for j in base.file_entries[f]), key=lambda e: e["offset"]
         )
@@ -418,7 +417,7 @@ class Reuse:
         with fs.open_read(path) as fh:
             got = fh.read(len(header))
             if got != header:
-                logger.info("incremental save: %s has another header: not shared", path)
+                logger.info("incremental save: %s has another header: not shared", name)
                 return False
             pos = len(header)
             for e in entries:
@@ -439,7 +438,7 @@ class Reuse:
                     logger.warning(
                         "incremental save: %s entry %r does not match its checksum "
                         "(damaged base): written in full",
-                        path,
+                        name,
                         e["name"],
                     )
                     return False
@@ -506,21 +505,24 @@ class Reuse:
         layout: FileLayout,
     ) -> bool:
         """Link base file ``f`` as ``layout``'s file if it is intact; ``False``
-        (nothing left behind) where it is not or linking failed."""
+        (nothing left behind) where it is not or linking failed.
+
+        Linked first, then checked: what is checked is the file the new
+        checkpoint holds (the same inode, or the object store's copy), so a base
+        file replaced between a check and the link (an ``overwrite=True`` commit
+        of its step, a retention pass) can never be shared unchecked."""
         src = base.path / base.manifest.files[f]["name"]
         dst = directory / layout.name
         try:
-            if not self._intact(fs, base, f, layout.header, report):
-                return False
             fs.link(src, dst)
-            self.remember(fs, dst, layout.header, base.digests(f))
+            if self._intact(fs, dst, base, f, layout.header, report):
+                self.remember(fs, dst, layout.header, base.digests(f))
+            else:
+                _unlink_quietly(fs, dst)
+                return False
         except OSError as exc:
             logger.warning("incremental save: sharing %s failed (%r): written in full", src, exc)
-            try:
-                if fs.lexists(dst):
-                    fs.unlink(dst)
-            except OSError:
-                pass  # the create below fails then, and the save with it
+            _unlink_quietly(fs, dst)  # else the create below fails, and the save with it
             return False
         with self._lock:
             report.bytes_shared += layout.nbytes
@@ -532,6 +534,17 @@ class Reuse:
     def knows_files(self) -> bool:
         with self._lock:
             return bool(self._by_header)
+
+    def worth_prelinking(self, layout: FileLayout, entries: list[Entry]) -> bool:
+        """Whether :meth:`prelink` would hash ``layout``'s sources: host tensors,
+        contiguous, of a header this process wrote before that did not change at
+        its last try. The others are staged and written at once, while these are
+        hashed (see ``_jobs.PlainJob.stage``). Cheap: no byte is read."""
+        if not layout.entries or not all(_host_contiguous(entries[i]) for i in layout.entries):
+            return False
+        header_hash = xxhash.xxh3_64_hexdigest(layout.header)
+        with self._lock:
+            return header_hash in self._by_header and header_hash not in self._changing
 
     def prelink(
         self,
@@ -561,13 +574,13 @@ class Reuse:
 
         :returns: whether the file was linked.
         """
-        if not layout.entries or not all(_host_contiguous(entries[i]) for i in layout.entries):
+        if not self.worth_prelinking(layout, entries):
             return False
         header_hash = xxhash.xxh3_64_hexdigest(layout.header)
         with self._lock:
             known = self._by_header.get(header_hash)
             if known is None or header_hash in self._changing:
-                return False  # not worth hashing while the caller waits
+                return False
         digests = tuple(_hash_source(entries[i]) for i in layout.entries)
         for i, digest in zip(layout.entries, digests, strict=True):
             entries[i].digest = digest
@@ -578,14 +591,20 @@ class Reuse:
         src = self._located(fs, known[1])
         if src is None:
             return False
+        dst = tmp / layout.name
         try:
-            ident = self._identity(fs, src)
+            # Linked first, then the link's identity checked: a file put in
+            # ``src``'s place meanwhile (an overwrite of its step) is never taken.
+            fs.link(src, dst)
+            ident = self._identity(fs, dst)
             with self._lock:
-                if ident is None or self._known.get(ident) != (header_hash, digests):
-                    return False
-            fs.link(src, tmp / layout.name)
+                ok = ident is not None and self._known.get(ident) == (header_hash, digests)
+            if not ok or ident is None:
+                _unlink_quietly(fs, dst)
+                return False
         except OSError as exc:
             logger.info("incremental save: sharing %s while staging failed (%r)", src, exc)
+            _unlink_quietly(fs, dst)
             return False
         with self._lock:
             report.bytes_shared += layout.nbytes
@@ -608,6 +627,14 @@ class Reuse:
 
 
 _TEMP_STEP = re.compile(r"^\.asyncsave-tmp-([0-9]+)-")
+
+
+def _unlink_quietly(fs: LocalFileSystem, path: Path) -> None:
+    try:
+        if fs.lexists(path):
+            fs.unlink(path)
+    except OSError:
+        pass
 
 
 def _host_contiguous(e: Entry) -> bool:

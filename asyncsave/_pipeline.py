@@ -261,15 +261,23 @@ class Saver:
         return None if self.tracker is None else self.tracker.highest
 
     # -- worker threads -----------------------------------------------------------
-    async def run(self, func: Any, *args: Any) -> Any:
-        """Blocking I/O in a worker thread; a thread stuck past the save's deadline
-        is abandoned. Threads that rename or remove final directories (commit,
+    async def run(
+        self, func: Any, *args: Any, limiter: anyio.CapacityLimiter | None = None
+    ) -> Any:
+        """Blocking I/O in a worker thread (one of ``writer_threads``, or of
+        ``limiter``); a thread stuck past the save's deadline is abandoned. Threads that rename or remove final directories (commit,
         retention, update) hold ``final_lock`` while they do, so an abandoned one
         finishes before any other can touch a final directory. A worker that dies
         (see :func:`_in_worker`) becomes an ordinary save failure."""
         return await anyio.to_thread.run_sync(
-            _in_worker, func, *args, limiter=self.limiter, abandon_on_cancel=True
+            _in_worker, func, *args, limiter=limiter or self.limiter, abandon_on_cancel=True
         )
+
+    def start_soon(self, func: Any, *args: Any) -> None:
+        """Run ``func(*args)`` as a task of the checkpointer's group (a job's
+        background part: close waits for it; it bounds and shields itself)."""
+        assert self.tg is not None
+        self.tg.start_soon(func, *args)
 
     def under_final_lock(self, func: Any, *args: Any) -> Any:
         with self.final_lock:

@@ -318,10 +318,12 @@ async def overwrite(ckpt: asyncsave.Checkpointer, log: EventLog) -> None:
 async def incremental(ckpt: asyncsave.Checkpointer, log: EventLog) -> None:
     """Two incremental saves. Step 3 links ``frozen`` and the old row chunks of
     ``replay`` from step 2 (after reading them back: a fresh process) at write
-    time, writes the rest, and retention deletes that base; step 4 links the
-    files step 3 wrote or linked already while staging (into its early temporary
-    directory). One writer thread: the kill points are the same calls in every
-    run."""
+    time, writes the rest, and retention deletes that base; step 4 writes
+    ``replay``'s new chunk (a file never seen) in the background while it hashes
+    the files step 3 wrote or linked and links the unchanged ones while staging
+    (into its early temporary directory). One writer thread each for the hashing
+    and the early write: the calls are the same in every run, their order across
+    the two threads may vary."""
     await _ack(await _save(ckpt, log, 3), log, 3)
     await _ack(await _save(ckpt, log, 4), log, 4)
 

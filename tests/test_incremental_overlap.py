@@ -1,0 +1,294 @@
+"""Incremental saves (issue 14): the changed files are written while the
+unchanged ones are hashed, and a base file is checked where it was linked.
+
+From the third save of a LoRA-shaped state on, the file of the adapters (it
+changed at its last save) is staged first and written in the background while
+the frozen base files are hashed in place (``PlainJob._stage_incremental``).
+These tests pin what that overlap must keep: it really overlaps, a failure of
+the early write is the save's failure, a failure while hashing waits for the
+early write before the temporary directory goes, and a deadline bounds it.
+
+A base file is shared by linking it first and then checking the link (the same
+inode): a file put in its place between a check and the link (an
+``overwrite=True`` commit of its step) is never shared unchecked, on both paths
+that share (linked while staging, and from the base while writing).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from faults import FaultyFS, block, raise_errno
+from test_incremental import assert_equal_tree, lora_state, manifest
+
+import asyncsave
+from asyncsave import LocalFileSystem
+from asyncsave._incremental import Reuse
+
+TRACKER = "latest_checkpointed_iteration.txt"
+WAIT_S = 10.0  # how long a hook waits for what must happen concurrently
+
+
+def tmp_dirs(root: Path) -> list[str]:
+    return [p.name for p in root.iterdir() if p.name.startswith(".asyncsave-")]
+
+
+async def two_saves(ckpt: asyncsave.Checkpointer, state: dict[str, Any]) -> None:
+    """Steps 1 and 2, the adapters changed before each: after them the adapters'
+    file is known to change (staged and written early from step 3 on)."""
+    for step in (1, 2):
+        state["model"]["lora_A"].add_(1.0)
+        await (await ckpt.save(step, state))
+    report = manifest(ckpt.root / "step_2")["incremental"]
+    assert report["files_shared_at_staging"] == 3 and report["files_written"] == 1, report
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+async def test_the_changed_file_is_written_while_the_unchanged_ones_are_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool
+) -> None:
+    """Each hashing of a base file waits (in its worker thread) until the
+    adapters' file is written and fsynced: that can only happen if the write runs
+    while the hashing is under way. Sequential (write after the snapshot), every
+    wait runs out."""
+    armed, written = threading.Event(), threading.Event()
+    waited: list[bool] = []
+    real_prelink, real_write = Reuse.prelink, Reuse.write_file
+
+    def write_file(self: Reuse, *args: Any, **kwargs: Any) -> Any:
+        out = real_write(self, *args, **kwargs)
+        if armed.is_set():
+            written.set()
+        return out
+
+    def prelink(self: Reuse, *args: Any) -> bool:
+        if armed.is_set():
+            waited.append(written.wait(WAIT_S))
+        return real_prelink(self, *args)
+
+    monkeypatch.setattr(Reuse, "write_file", write_file)
+    monkeypatch.setattr(Reuse, "prelink", prelink)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["lora_A"].add_(1.0)
+        armed.set()
+        handle = await ckpt.save(3, state, lazy=lazy)
+        await handle.staged()
+        expected = {k: v.clone() for k, v in state["model"].items()}
+        state["model"]["lora_A"].add_(1.0)  # after the snapshot: not in step 3
+        await handle
+    assert waited == [True, True, True]
+    report = manifest(tmp_path / "step_3")["incremental"]
+    assert report["files_shared_at_staging"] == 3 and report["files_written"] == 1, report
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], expected)
+    asyncsave.verify(tmp_path / "step_3")
+    assert not tmp_dirs(tmp_path)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO, errno.EDQUOT])
+async def test_a_failed_early_write_fails_the_save_and_loses_nothing(
+    tmp_path: Path, code: int
+) -> None:
+    """The adapters' file of step 3 cannot be written: the save fails with the
+    I/O error as its cause (never a commit without that file), step 2 stays the
+    tracked and loadable checkpoint, nothing temporary is left."""
+    armed = threading.Event()
+    fs = FaultyFS(
+        "write",
+        raise_errno(code),
+        where=lambda p: armed.is_set() and "-tmp-3-" in p and p.endswith(".safetensors"),
+    )
+    state = lora_state()
+    with pytest.raises(asyncsave.SaveFailedError) as at_close:
+        async with asyncsave.Checkpointer(tmp_path, incremental=True, filesystem=fs) as ckpt:
+            await two_saves(ckpt, state)
+            step_2 = {k: v.clone() for k, v in state["model"].items()}
+            state["model"]["lora_A"].add_(1.0)
+            armed.set()
+            handle = await ckpt.save(3, state)
+            with pytest.raises(asyncsave.SaveFailedError) as at_handle:
+                await handle
+    assert fs.fired.is_set()
+    assert at_close.value is at_handle.value
+    assert at_handle.value.step == 3
+    cause = at_handle.value.__cause__
+    assert isinstance(cause, OSError) and cause.errno == code, repr(cause)
+    assert not (tmp_path / "step_3").exists()
+    assert (tmp_path / TRACKER).read_text() == "2"
+    assert not tmp_dirs(tmp_path)
+    assert_equal_tree(asyncsave.load(tmp_path / "step_2")["model"], step_2)
+    asyncsave.verify(tmp_path / "step_2")
+
+
+class SlowWrites(LocalFileSystem):
+    """Records when step 3's data file writes end and when its temporary
+    directory is removed; each such write first sleeps ``delay_s``."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.events: list[tuple[str, float]] = []
+        self._paths: dict[int, str] = {}
+
+    def create(self, path: Path) -> int:
+        fd = super().create(path)
+        self._paths[fd] = str(path)
+        return fd
+
+    def write(self, fd: int, data: memoryview) -> int:
+        path = self._paths.get(fd, "")
+        if "-tmp-3-" in path and path.endswith(".safetensors"):
+            time.sleep(self.delay_s)
+            n = super().write(fd, data)
+            self.events.append(("written", time.monotonic()))
+            return n
+        return super().write(fd, data)
+
+    def remove_tree(self, path: Path) -> None:
+        if "-tmp-3-" in str(path):
+            self.events.append(("removed", time.monotonic()))
+        super().remove_tree(path)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("error", [RuntimeError("hash failed"), MemoryError()], ids=repr)
+async def test_a_failure_while_hashing_waits_for_the_early_write_before_cleaning_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException
+) -> None:
+    """The hashing of a base file fails while the adapters' file is still being
+    written (a slow write): save() raises that failure, and only after the early
+    write ended is the temporary directory removed (never under a writer)."""
+    fs = SlowWrites(delay_s=0.3)
+    armed = threading.Event()
+    real_prelink = Reuse.prelink
+
+    def prelink(self: Reuse, *args: Any) -> bool:
+        if armed.is_set():
+            raise error
+        return real_prelink(self, *args)
+
+    monkeypatch.setattr(Reuse, "prelink", prelink)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True, filesystem=fs) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["lora_A"].add_(1.0)
+        armed.set()
+        with pytest.raises(type(error)):
+            await ckpt.save(3, state)
+        armed.clear()
+        kinds = [k for k, _ in fs.events]
+        assert kinds and kinds[-1] == "removed" and "written" in kinds, fs.events
+        assert not tmp_dirs(tmp_path)
+        # The checkpointer goes on: step 3 again, whole.
+        await (await ckpt.save(3, state))
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+    assert (tmp_path / TRACKER).read_text() == "3"
+
+
+@pytest.mark.anyio
+async def test_a_stuck_early_write_is_a_timeout_of_the_save(tmp_path: Path) -> None:
+    """The adapters' file hangs in write (a dead NFS server): the save fails
+    with CheckpointTimeoutError once ``save_timeout_s`` passed, naming step 3;
+    step 2 stays tracked."""
+    armed, release = threading.Event(), threading.Event()
+    fs = FaultyFS(
+        "write",
+        block(release),
+        where=lambda p: armed.is_set() and "-tmp-3-" in p and p.endswith(".safetensors"),
+    )
+    state = lora_state()
+    try:
+        with pytest.raises(asyncsave.CheckpointTimeoutError):
+            async with asyncsave.Checkpointer(
+                tmp_path, incremental=True, filesystem=fs, save_timeout_s=1.0
+            ) as ckpt:
+                await two_saves(ckpt, state)
+                state["model"]["lora_A"].add_(1.0)
+                armed.set()
+                handle = await ckpt.save(3, state)
+                with pytest.raises(asyncsave.CheckpointTimeoutError) as caught:
+                    await handle
+                assert caught.value.step == 3
+    finally:
+        release.set()  # the abandoned writer thread ends (with EIO)
+    assert fs.fired.is_set()
+    assert not (tmp_path / "step_3").exists()
+    assert (tmp_path / TRACKER).read_text() == "2"
+
+
+# -- a base file replaced between a check and its link -----------------------------------
+
+
+def replace_file(src: Path, how: str) -> None:
+    """Put something else at ``src`` (its old inode lives on elsewhere, as an
+    ``overwrite=True`` commit of its step does)."""
+    if how == "removed":
+        src.unlink()
+        return
+    if how == "directory":
+        src.unlink()
+        src.mkdir()
+        return
+    data = bytearray(src.read_bytes())
+    if how == "other-bytes":
+        data[-1] = (data[-1] + 1) % 256  # the header stays: only the data differs
+    else:
+        assert how == "shorter"
+        del data[-8:]
+    new = src.with_name(src.name + ".new")
+    new.write_bytes(bytes(data))
+    os.replace(new, src)
+
+
+class ReplacedBeforeLink(LocalFileSystem):
+    """Replaces the source of each link while armed, just before linking it."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+        self.armed = False
+        self.replaced: list[str] = []
+
+    def link(self, src: Path, dst: Path) -> None:
+        if self.armed and src.exists() and not src.is_dir():
+            replace_file(src, self.how)
+            self.replaced.append(src.name)
+        super().link(src, dst)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["other-bytes", "shorter", "removed", "directory"])
+@pytest.mark.parametrize("path", ["while-staging", "from-the-base"])
+async def test_a_base_file_replaced_before_its_link_is_never_shared(
+    tmp_path: Path, how: str, path: str
+) -> None:
+    """Step 2's files are replaced just before step 3 links them: step 3 holds
+    its own state, bit-exact (the replaced files are written in full).
+    ``while-staging``: the same checkpointer (files it wrote, linked before
+    staging); ``from-the-base``: a fresh checkpointer (files of the base
+    checkpoint, checked and linked while writing)."""
+    fs = ReplacedBeforeLink(how)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True, filesystem=fs) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["lora_A"].add_(1.0)
+        if path == "while-staging":
+            fs.armed = True
+            await (await ckpt.save(3, state))
+    if path == "from-the-base":
+        async with asyncsave.Checkpointer(tmp_path, incremental=True, filesystem=fs) as ckpt:
+            fs.armed = True
+            await (await ckpt.save(3, state))
+    assert fs.replaced, "no base file was linked"
+    out = tmp_path / "step_3"
+    assert_equal_tree(asyncsave.load(out)["model"], state["model"])
+    asyncsave.verify(out)
+    report = manifest(out)["incremental"]
+    assert report["files_written"] == 4 and report["files_shared"] == 0, report
