@@ -4,13 +4,17 @@ Runs in worker threads. A file is written straight from the staging buffer (no
 intermediate copy) in large sequential chunks that ignore tensor boundaries (many
 small tensors are coalesced into few ``write(2)`` calls); each chunk is hashed with
 xxHash (XXH3-64, the ``xxhash`` package, which releases the GIL), entry by entry,
-just before it is handed to ``write(2)``, while it is still in cache.
+just before it is handed to ``write(2)``, while it is still in cache. A file of at
+least :data:`HASH_APART_BYTES` written with ``O_DIRECT`` is hashed by a helper
+thread while it is written instead: such a write keeps its thread waiting on the
+device, so hashing inline would add the hashing time to the file's.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,9 @@ __all__ = ["CHUNK_BYTES", "write_bytes", "write_data_file"]
 logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20
+#: A file with at least this many bytes of data, written with ``O_DIRECT``, is
+#: hashed by a helper thread while it is written (``_write_hashing_apart``).
+HASH_APART_BYTES = 32 << 20
 
 
 def _write_all(fs: LocalFileSystem, fd: int, data: memoryview) -> None:
@@ -103,17 +110,22 @@ def write_data_file(
                 if split < len(chunk):
                     _write_all(fs, fd, chunk[split:])
 
-            digests = _write_hashed(
-                view,
-                start,
-                end,
-                layout.entries,
-                entries,
-                sink,
-                with_pos=True,
-                on_written=on_written,
-                known=known,
-            )
+            if end - start >= HASH_APART_BYTES:
+                digests = _write_hashing_apart(
+                    view, start, end, layout.entries, entries, sink, on_written, known
+                )
+            else:
+                digests = _write_hashed(
+                    view,
+                    start,
+                    end,
+                    layout.entries,
+                    entries,
+                    sink,
+                    with_pos=True,
+                    on_written=on_written,
+                    known=known,
+                )
             dfd = None
             fs.close(direct_fd)
         fs.fsync(fd)
@@ -181,6 +193,49 @@ def _write_hashed(
             on_written(stop - pos)
     for i in order[k:]:  # empty entries at the end
         digests[i] = xxhash.xxh3_64_hexdigest(b"")
+    return digests
+
+
+def _write_hashing_apart(
+    view: memoryview,
+    start: int,
+    end: int,
+    order: list[int],
+    entries: list[Entry],
+    sink: Any,
+    on_written: Any,
+    known: dict[int, str] | None,
+) -> dict[int, str]:
+    """``_write_hashed`` for a large file written with ``O_DIRECT``: the checksums
+    are computed by a thread of its own while this one writes. An ``O_DIRECT``
+    write holds its thread until the device has the bytes (the CPU is idle
+    meanwhile), so hashing inline added the hashing time (~10 % at 1 GB/s) to the
+    file's; apart, it overlaps. Both only read the staging bytes. The helper is
+    joined before this returns or raises (it reads the arena, which the caller
+    may reuse after)."""
+    box: dict[str, Any] = {}
+
+    def hash_all() -> None:
+        try:
+            box["digests"] = _write_hashed(
+                view, start, end, order, entries, lambda chunk, pos: None, with_pos=True, known=known
+            )
+        except BaseException as exc:  # re-raised in the writer's thread
+            box["error"] = exc
+
+    helper = threading.Thread(target=hash_all, name="asyncsave-hash", daemon=True)
+    helper.start()
+    try:
+        for pos in range(start, end, CHUNK_BYTES):
+            stop = min(pos + CHUNK_BYTES, end)
+            sink(view[pos:stop], pos)
+            if on_written is not None:
+                on_written(stop - pos)
+    finally:
+        helper.join()
+    if "error" in box:
+        raise box["error"]
+    digests: dict[int, str] = box["digests"]
     return digests
 
 
