@@ -388,20 +388,14 @@ class Reuse:
                 del self._known[ident]
             self._changing &= keep
 
-    def _intact(
-        self, fs: LocalFileSystem, path: Path, base: Base, f: int, header: bytes, report: Report
-    ) -> bool:
-        """Whether the file at ``path`` (base file ``f``, or a link or copy of it)
-        holds ``header`` and the data the base manifest's checksums say (from a
-        known identity, else by reading it)."""
-        digests = base.digests(f)
-        want = (xxhash.xxh3_64_hexdigest(header), digests)
+    def _known_as(self, fs: LocalFileSystem, path: Path, want: tuple[str, tuple[str, ...]]) -> bool:
+        """Whether the file at ``path`` is one this process wrote, linked or
+        checked with header hash and checksums ``want``, its identity unchanged."""
         ident = self._identity(fs, path)
-        if ident is not None:
-            with self._lock:
-                if self._known.get(ident) == want:
-                    return True
-        return self._check_file(fs, path, base, f, header, report)
+        if ident is None:
+            return False
+        with self._lock:
+            return self._known.get(ident) == want
 
     def _check_file(
         self, fs: LocalFileSystem, path: Path, base: Base, f: int, header: bytes, report: Report
@@ -513,15 +507,28 @@ class Reuse:
         of its step, a retention pass) can never be shared unchecked."""
         src = base.path / base.manifest.files[f]["name"]
         dst = directory / layout.name
+        want = (xxhash.xxh3_64_hexdigest(layout.header), base.digests(f))
         try:
+            # On an object store the copy gets an identity of its own (an ETag a
+            # store may make anew): the source's, known before the copy and the
+            # same after it, says the copy read that object.
+            copied_known = getattr(fs, "fs", None) is not None and self._known_as(fs, src, want)
             fs.link(src, dst)
-            if self._intact(fs, dst, base, f, layout.header, report):
+            intact = (
+                self._known_as(fs, dst, want)
+                or (copied_known and self._known_as(fs, src, want))
+                or self._check_file(fs, dst, base, f, layout.header, report)
+            )
+            if intact:
                 self.remember(fs, dst, layout.header, base.digests(f))
             else:
                 _unlink_quietly(fs, dst)
                 return False
         except OSError as exc:
-            logger.warning("incremental save: sharing %s failed (%r): written in full", src, exc)
+            # A base retired meanwhile (a previous save's retention: one process's
+            # saves overlap) is no fault; anything else is worth a warning.
+            level = logging.INFO if isinstance(exc, FileNotFoundError) else logging.WARNING
+            logger.log(level, "incremental save: sharing %s failed (%r): written in full", src, exc)
             _unlink_quietly(fs, dst)  # else the create below fails, and the save with it
             return False
         with self._lock:

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import logging
 import math
 import operator
 import time
@@ -60,6 +61,8 @@ __all__ = [
     "manifest_doc",
     "merge_parts",
 ]
+
+logger = logging.getLogger(__name__)
 
 # The integration that saves DTensor state (named, imported lazily: the core
 # does not depend on it, it depends on the core).
@@ -109,6 +112,11 @@ class Job:
     ) -> None:
         """Snapshot into staging memory: eager, before ``save()`` returns; lazy, in
         the background. ``make_tmp()`` makes the temporary directory early."""
+
+    async def settle(self) -> None:
+        """Before the clean-up of a failure that ends the save before ``write``:
+        wait for anything the job still runs in the background (by default,
+        nothing)."""
 
     async def write(self, saver: Services, coord: Any, tmp: Path) -> dict[str, Any] | None:
         """This rank's files, durable, under ``tmp``; returns its part."""
@@ -277,12 +285,27 @@ class PlainJob(Job):
             linked = set(report.prelinked)
             await stage([e for e in entries if e.file in hashed and e.file not in linked])
         except BaseException:
-            # The early writes read the arena and write into ``tmp``: both are
-            # released by the failure that follows, so they end first.
-            if self.early is not None:
-                with anyio.CancelScope(shield=True):
-                    await self.early.done.wait()
+            await self.settle()  # before the failure's clean-up (see settle)
             raise
+
+    async def settle(self) -> None:
+        """Before the clean-up of a failure that ends this save before
+        :meth:`write`: wait for the early writes (they read the arena and write
+        into the temporary directory, both released by that clean-up), shielded
+        and bounded by their own deadline; never cancelled here, as host staging
+        copies are not (a close that gives up cancels them). Their own error, if
+        any, is logged: the failure being handled is the one raised."""
+        early = self.early
+        if early is None:
+            return
+        with anyio.CancelScope(shield=True):
+            await early.done.wait()
+        if early.error is not None:
+            logger.warning(
+                "the early writes of this save failed too (not raised: the save "
+                "failed before its files were needed): %r",
+                early.error,
+            )
 
     def _write_early(
         self,
@@ -300,16 +323,23 @@ class PlainJob(Job):
         scope = anyio.CancelScope(shield=True, deadline=anyio.current_time() + timeout_s)
         self.early = early = _EarlyWrites({fl.index for fl in layouts}, scope)
         reuse, report = self.reuse, self.report
+        # Cancellable by a close that gives up from now on, not only once the task
+        # has started.
+        registered = saver.abandonable(scope)
+        registered.__enter__()
 
         async def run() -> None:
             try:
-                with scope, saver.abandonable(scope):
+                with scope:
                     early.base = await saver.run(reuse.find_base, saver.fs, tmp, limiter=threads)
                     writer = functools.partial(reuse.write_file, early.base, report)
                     await write_files(
                         saver, tmp, self.plan, layouts, lease, self.progress, writer, threads
                     )
+                    early.ok = True
                 if scope.cancelled_caught:
+                    # Abandoned threads may still read the arena: never leased again.
+                    lease.poison()
                     raise CheckpointTimeoutError(
                         f"writing the changed files of step {step} (started while its "
                         f"unchanged ones were hashed) did not finish within "
@@ -320,6 +350,7 @@ class PlainJob(Job):
             except Exception as exc:  # this save's failure, raised by write()
                 early.error = exc
             finally:
+                registered.__exit__(None, None, None)
                 early.done.set()
 
         saver.start_soon(run)
@@ -350,10 +381,14 @@ class PlainJob(Job):
                     try:
                         await early.done.wait()
                     except BaseException:
-                        early.scope.cancel()
+                        early.scope.cancel()  # its threads are abandoned: it ends at once
+                        with anyio.CancelScope(shield=True):
+                            await early.done.wait()
                         raise
-                    if early.error is not None:
-                        raise early.error
+                    if not early.ok:
+                        raise early.error or CheckpointError(
+                            f"the early writes into {tmp} ended without writing", path=tmp
+                        )
                     base = early.base
                 else:
                     base = await saver.run(self.reuse.find_base, saver.fs, tmp)
@@ -425,6 +460,7 @@ class _EarlyWrites:
     scope: anyio.CancelScope  # theirs: shielded, with the deadline, cancellable
     base: Base | None = None  # the checkpoint they were compared with
     done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    ok: bool = False  # every file written and fsynced
     error: Exception | None = None
 
 

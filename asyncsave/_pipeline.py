@@ -425,6 +425,8 @@ class Saver:
                 self._end_stage_turn(save.stage_seq)
             self.check_flushing(step)
         except BaseException as exc:
+            if isinstance(job, Job):
+                await job.settle()  # nothing of it runs under the clean-up below
             if (
                 self.coord.world_size == 1
                 or not isinstance(exc, Exception)

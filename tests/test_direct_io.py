@@ -118,6 +118,27 @@ def hash_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name == "asyncsave-hash"]
 
 
+@pytest.fixture
+def helpers_started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads ``asyncsave._write`` starts (its hashing helpers)."""
+    import threading
+
+    from asyncsave import _write
+
+    started: list[str] = []
+
+    class Spy(threading.Thread):
+        def start(self) -> None:
+            started.append(self.name)
+            super().start()
+
+    class Module:
+        Thread = Spy
+
+    monkeypatch.setattr(_write, "threading", Module)
+    return started
+
+
 MiB = 1 << 20
 SIZES = [
     [5 * MiB, 7 * MiB + 3, 0, 20 * MiB, 1],  # entries across the 8 MiB chunks, an empty one
@@ -129,7 +150,11 @@ SIZES = [
 @pytest.mark.parametrize("sizes", SIZES, ids=["across-chunks", "one-entry", "empty-at-end"])
 @pytest.mark.parametrize("known", [False, True], ids=["all-hashed", "some-known"])
 def test_hashing_apart_gives_the_inline_checksums_and_bytes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sizes: list[int], known: bool
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    sizes: list[int],
+    known: bool,
+    helpers_started: list[str],
 ) -> None:
     """Every file hashed apart (threshold lowered) against the same file written
     buffered (hashed inline): the same bytes, the same checksums; digests given
@@ -150,6 +175,7 @@ def test_hashing_apart_gives_the_inline_checksums_and_bytes(
     )
     if not spy.direct_opens:
         pytest.fail(f"O_DIRECT was not used on {tmp_path} (file system refuses it?)")
+    assert helpers_started == ["asyncsave-hash"]  # the direct write only
     assert apart == inline
     assert (tmp_path / "d" / layout.name).read_bytes() == (tmp_path / "b" / layout.name).read_bytes()
     for i in layout.entries:
@@ -185,15 +211,14 @@ class FailingDirectWrite(SpyFS):
 
 
 def test_a_failed_write_joins_the_hashing_thread_and_raises_the_write_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helpers_started: list[str]
 ) -> None:
     import errno
-
-    from asyncsave import _write
-
     import time
 
     import xxhash
+
+    from asyncsave import _write
 
     class SlowHasher:  # the helper is still hashing when the write fails
         def __init__(self) -> None:
@@ -218,11 +243,12 @@ def test_a_failed_write_joins_the_hashing_thread_and_raises_the_write_error(
     if not fs.direct_fds:
         pytest.fail(f"O_DIRECT was not used on {tmp_path} (file system refuses it?)")
     assert caught.value.errno == errno.EIO
+    assert helpers_started == ["asyncsave-hash"]
     assert not hash_threads()
 
 
 def test_a_failed_hash_is_raised_by_the_writer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helpers_started: list[str]
 ) -> None:
     """The helper's error (here a MemoryError from the hasher) is the write's:
     raised in the writer's thread after the join, the file's descriptors closed."""
@@ -243,6 +269,7 @@ def test_a_failed_hash_is_raised_by_the_writer(
         _write.write_data_file(spy, tmp_path, layout, entries, buf, direct=True)
     if not spy.direct_opens:
         pytest.fail(f"O_DIRECT was not used on {tmp_path} (file system refuses it?)")
+    assert helpers_started == ["asyncsave-hash"]
     assert not hash_threads()
     fds = os.listdir("/proc/self/fd")
     assert not [f for f in fds if os.path.realpath(f"/proc/self/fd/{f}").startswith(str(tmp_path))]

@@ -704,3 +704,57 @@ async def test_s3_incremental_save_copies_unchanged_objects_server_side(s3: Any)
     loaded = asyncsave.load(f"{root}/step_3", storage_options=options)
     assert torch.equal(loaded["trainer"].pop("replay"), replay)
     assert_same(loaded, {**state, "trainer": {"step": 2, "name": "run-1"}})
+
+
+class SourceReplacedBeforeCopy(FaultyFsspecFS):
+    """Overwrites each copy's source with other bytes (same size) just before the
+    server-side copy, while ``armed``: a base object replaced between its check
+    and its copy."""
+
+    armed = False
+
+    def link(self, src: Path, dst: Path) -> None:
+        if self.armed:
+            p = self._p(src)
+            data = bytearray(self.fs.cat_file(p))
+            data[-1] = (data[-1] + 1) % 256
+            self.fs.pipe_file(p, bytes(data))
+        super().link(src, dst)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("replaced", [False, True], ids=["untouched", "replaced-before-copy"])
+async def test_s3_copies_are_checked_through_their_source_when_etags_differ(
+    s3: Any, monkeypatch: pytest.MonkeyPatch, replaced: bool
+) -> None:
+    """A store may give a copy an ETag of its own (GCS, Azure): simulated here by
+    identities that name the object. A copy of an object this process wrote is
+    then taken as checked when the source's identity is the known one before and
+    after the copy (nothing read back); a source overwritten just before the copy
+    is caught (the copy is read back, differs) and the file is uploaded in full."""
+    from asyncsave._incremental import Reuse
+
+    real_identity = Reuse._identity
+
+    def per_object(self: Reuse, fs: Any, path: Path) -> Any:
+        ident = real_identity(self, fs, path)
+        return None if ident is None else (*ident, str(path))
+
+    monkeypatch.setattr(Reuse, "_identity", per_object)
+    root, options, _ = s3
+    state = state_of(1, big=True)  # model/w: its own data file (over 1 MiB)
+    layer = SourceReplacedBeforeCopy(s3fs.S3FileSystem(**options))
+    async with asyncsave.Checkpointer(root, filesystem=layer, incremental=True) as ckpt:
+        await (await ckpt.save(1, state))
+        state["optim"]["m"].add_(1.0)
+        layer.armed = replaced
+        await (await ckpt.save(2, state))
+    doc = json.loads(layer.fs.cat_file(f"{key(root)}/step_2/manifest.json"))
+    report = doc["incremental"]
+    if replaced:
+        assert report["files_shared"] == 0 and report["bytes_verified"] > 0, report
+    else:
+        assert report["files_shared"] == 1 and report["bytes_verified"] == 0, report
+    loaded = asyncsave.load(f"{root}/step_2", storage_options=options)
+    assert_same(loaded, {**state, "trainer": {"step": 1, "name": "run-1"}})
+    assert asyncsave.verify(f"{root}/step_2", storage_options=options).step == 2
