@@ -353,7 +353,12 @@ class PlainJob(Job):
                 registered.__exit__(None, None, None)
                 early.done.set()
 
-        saver.start_soon(run)
+        try:
+            saver.start_soon(run)
+        except BaseException:  # never started: nothing to wait for
+            registered.__exit__(None, None, None)
+            self.early = None
+            raise
 
     def snapshot_eager(self, ready: dict[torch.device, Any] | None) -> None:
         snapshot_eager_entries(self.plan, ready)

@@ -208,7 +208,7 @@ async def test_a_failure_while_hashing_waits_for_the_early_write_before_cleaning
     assert (tmp_path / TRACKER).read_text() == "3"
 
 
-@pytest.mark.timeout(60)  # broken, it hangs in a shielded wait: fail sooner than 300 s
+@pytest.mark.timeout(60, method="thread")  # broken, it hangs in a shielded wait: fail sooner than 300 s
 @pytest.mark.anyio
 async def test_a_stuck_early_write_ends_at_its_own_deadline_when_staging_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -356,3 +356,36 @@ async def test_a_base_file_replaced_before_its_link_is_never_shared(
     asyncsave.verify(out)
     report = manifest(out)["incremental"]
     assert report["files_written"] == 4 and report["files_shared"] == 0, report
+
+
+@pytest.mark.timeout(60, method="thread")  # broken, it hangs waiting for writes that never started
+@pytest.mark.anyio
+async def test_early_writes_that_cannot_start_fail_the_save_without_hanging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpointer's task group refuses the early writes' task: save()
+    raises that error at once (nothing waits for writes that never started), no
+    temporary directory is left, and the next save of the step commits whole."""
+    from asyncsave._pipeline import Saver
+
+    armed = threading.Event()
+    real_start_soon = Saver.start_soon
+
+    def start_soon(self: Saver, func: Any, *args: Any) -> None:
+        if armed.is_set():
+            raise RuntimeError("task group closed")
+        real_start_soon(self, func, *args)
+
+    monkeypatch.setattr(Saver, "start_soon", start_soon)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["lora_A"].add_(1.0)
+        armed.set()
+        with anyio.fail_after(WAIT_S), pytest.raises(RuntimeError, match="task group closed"):
+            await ckpt.save(3, state)
+        armed.clear()
+        assert not tmp_dirs(tmp_path)
+        await (await ckpt.save(3, state))
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+    assert (tmp_path / TRACKER).read_text() == "3"
