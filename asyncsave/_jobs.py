@@ -64,6 +64,14 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Threads for an incremental save's early writes (at least ``writer_threads``).
+#: Its files are one per large tensor, each fsynced: with more fsyncs in flight the
+#: file system commits its journal for several at once. A save where every
+#: tensor changed (65 files of 16-32 MiB) took 1.24 x a full save's time with 2
+#: threads and 1.00-1.03 x with 8 (two A/B runs, 2026-12-01); the threads wait on
+#: the device, not the CPU.
+EARLY_WRITE_THREADS = 8
+
 # The integration that saves DTensor state (named, imported lazily: the core
 # does not depend on it, it depends on the core).
 DTENSOR_JOB = "asyncsave.dcp:DTensorJob"
@@ -270,7 +278,7 @@ class PlainJob(Job):
                 errors.append(exc)
 
         # Threads of their own: the hashing holds the save's writer threads.
-        threads = anyio.CapacityLimiter(saver.options.writer_threads)
+        threads = anyio.CapacityLimiter(max(saver.options.writer_threads, EARLY_WRITE_THREADS))
 
         try:
             await stage([e for e in entries if e.file not in hashed])

@@ -120,7 +120,11 @@ class CheckpointOptions:
         several ranks too (issue 11). While the budget is in use by an
         earlier save that is still writing, ``save()`` waits (backpressure).
     :param writer_threads: worker threads that write data files of one save in
-        parallel; the tensors of a save are spread over this many files.
+        parallel; the tensors of a save are spread over this many files. An
+        incremental save (one file per large tensor) hashes with this many and
+        writes the files that changed with ``max(writer_threads, 8)``
+        (``_jobs.EARLY_WRITE_THREADS``: more fsyncs in flight are committed
+        together).
     :param save_timeout_s: seconds one save may take from dispatch to commit
         before it fails with :class:`~asyncsave.CheckpointTimeoutError` (a stuck
         writer thread is abandoned, never waited on).
