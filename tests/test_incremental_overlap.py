@@ -389,3 +389,98 @@ async def test_early_writes_that_cannot_start_fail_the_save_without_hanging(
         await (await ckpt.save(3, state))
     assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
     assert (tmp_path / TRACKER).read_text() == "3"
+
+
+def hashed_files(entries: list[Any]) -> bool:
+    """Whether a staging call is the one of the files that change (no base file)."""
+    return not any(e.name.startswith("base.") for e in entries)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+async def test_the_unchanged_files_are_hashed_while_the_changed_ones_are_staged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool
+) -> None:
+    """The staging copy of the adapters' file waits (in the event loop's task)
+    until a base file's hashing has started: it can only start if the hashing
+    workers run while the changed files are staged. Staging first and hashing
+    after, the wait runs out."""
+    import asyncsave._jobs as jobs
+
+    armed, hashing = threading.Event(), threading.Event()
+    waited: list[bool] = []
+    real_prelink, real_stage = Reuse.prelink, jobs.stage_entries
+
+    def prelink(self: Reuse, *args: Any) -> bool:
+        if armed.is_set():
+            hashing.set()
+        return real_prelink(self, *args)
+
+    async def stage_entries(lease: Any, entries: list[Any], **kwargs: Any) -> None:
+        if armed.is_set() and entries and hashed_files(entries):
+            with anyio.move_on_after(WAIT_S):
+                while not hashing.is_set():
+                    await anyio.sleep(0.005)
+            waited.append(hashing.is_set())
+        await real_stage(lease, entries, **kwargs)
+
+    monkeypatch.setattr(Reuse, "prelink", prelink)
+    monkeypatch.setattr(jobs, "stage_entries", stage_entries)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["lora_A"].add_(1.0)
+        armed.set()
+        await (await ckpt.save(3, state, lazy=lazy))
+    assert waited == [True]
+    report = manifest(tmp_path / "step_3")["incremental"]
+    assert report["files_shared_at_staging"] == 3 and report["files_written"] == 1, report
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("where", ["hashing", "staging"])
+async def test_the_first_failure_stops_the_hashing_of_the_other_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """One hashing worker (``writer_threads=1``), three base files: the first
+    file's hashing fails, or the staging of the changed files fails while the
+    first base file is hashed. save() raises that failure as itself (not a
+    group) and no further base file is hashed: the worker stops after its file."""
+    import asyncsave._jobs as jobs
+
+    armed, staging_failed = threading.Event(), threading.Event()
+    calls: list[str] = []
+    real_prelink, real_stage = Reuse.prelink, jobs.stage_entries
+
+    def prelink(self: Reuse, fs: Any, tmp: Path, layout: Any, *args: Any) -> bool:
+        if armed.is_set():
+            calls.append(layout.name)
+            if where == "hashing":
+                raise RuntimeError("hashing failed")
+            staging_failed.wait(WAIT_S)
+        return real_prelink(self, fs, tmp, layout, *args)
+
+    async def stage_entries(lease: Any, entries: list[Any], **kwargs: Any) -> None:
+        if armed.is_set() and where == "staging" and entries and hashed_files(entries):
+            while not calls:  # the first base file is being hashed
+                await anyio.sleep(0.005)
+            staging_failed.set()
+            raise RuntimeError("staging failed")
+        await real_stage(lease, entries, **kwargs)
+
+    monkeypatch.setattr(Reuse, "prelink", prelink)
+    monkeypatch.setattr(jobs, "stage_entries", stage_entries)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True, writer_threads=1) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["lora_A"].add_(1.0)
+        armed.set()
+        with anyio.fail_after(WAIT_S), pytest.raises(RuntimeError, match=f"{where} failed"):
+            await ckpt.save(3, state)
+        armed.clear()
+        assert len(calls) == 1, calls
+        assert not tmp_dirs(tmp_path)
+        await (await ckpt.save(3, state))
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+    assert (tmp_path / TRACKER).read_text() == "3"
