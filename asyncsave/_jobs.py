@@ -257,8 +257,9 @@ class PlainJob(Job):
            next file until none is left;
         2. meanwhile the files that will be written whatever the hashing finds
            (new ones, and those that changed at their last save: adapters,
-           optimizer moments) are staged, and their writes start in the
-           background (``_write_early``; ``write()`` waits for them);
+           optimizer moments) are staged while the base checkpoint they are
+           compared with is read, and their writes start in the background
+           (``_write_early``; ``write()`` waits for them);
         3. once the hashing is done, the files that changed after all are
            staged, and written by ``write()``.
 
@@ -293,12 +294,27 @@ class PlainJob(Job):
 
         # Threads of their own: the hashing holds the save's writer threads.
         threads = anyio.CapacityLimiter(max(saver.options.writer_threads, EARLY_WRITE_THREADS))
+        # The base the early writes compare with, read while staging (10-15 ms
+        # for the bench's state: its manifest), not before their first write.
+        found: list[Base | None] = []
+        based = anyio.Event()
+
+        async def find_base() -> None:
+            try:
+                found.append(await saver.run(reuse.find_base, saver.fs, tmp, limiter=threads))
+            except Exception as exc:  # raised below, as the hashing's errors are
+                errors.append(exc)
+                stop.set()
+            finally:
+                based.set()
 
         async def stage_now() -> None:
             try:
                 await stage([e for e in entries if e.file not in hashed])
                 if now:
-                    self._write_early(saver, step, tmp, now, threads)
+                    await based.wait()
+                    if found:
+                        self._write_early(saver, step, tmp, now, threads, found[0])
             except Exception as exc:  # raised below as itself, before any hashing error
                 errors.insert(0, exc)
                 stop.set()
@@ -306,6 +322,8 @@ class PlainJob(Job):
         try:
             try:
                 async with anyio.create_task_group() as tg:
+                    if now:
+                        tg.start_soon(find_base)
                     for _ in range(min(saver.options.writer_threads, len(todo))):
                         tg.start_soon(saver.run, hash_files)
                     await stage_now()
@@ -345,14 +363,16 @@ class PlainJob(Job):
         tmp: Path,
         layouts: list[FileLayout],
         threads: anyio.CapacityLimiter,
+        base: Base | None,
     ) -> None:
-        """Start writing ``layouts`` (staged) in the background, as the checkpointer's
-        task: bounded by ``save_timeout_s`` from now, cancelled by a close that gives
-        up; the outcome is this save's, raised by :meth:`write`."""
+        """Start writing ``layouts`` (staged; compared with ``base``) in the
+        background, as the checkpointer's task: bounded by ``save_timeout_s`` from
+        now, cancelled by a close that gives up; the outcome is this save's, raised
+        by :meth:`write`."""
         assert self.reuse is not None and self.report is not None and self.lease is not None
         lease, timeout_s = self.lease, saver.options.save_timeout_s
         scope = anyio.CancelScope(shield=True, deadline=anyio.current_time() + timeout_s)
-        self.early = early = _EarlyWrites({fl.index for fl in layouts}, scope)
+        self.early = early = _EarlyWrites({fl.index for fl in layouts}, scope, base)
         reuse, report = self.reuse, self.report
         # Cancellable by a close that gives up from now on, not only once the task
         # has started.
@@ -362,8 +382,7 @@ class PlainJob(Job):
         async def run() -> None:
             try:
                 with scope:
-                    early.base = await saver.run(reuse.find_base, saver.fs, tmp, limiter=threads)
-                    writer = functools.partial(reuse.write_file, early.base, report)
+                    writer = functools.partial(reuse.write_file, base, report)
                     await write_files(
                         saver, tmp, self.plan, layouts, lease, self.progress, writer, threads
                     )

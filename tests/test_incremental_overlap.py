@@ -484,3 +484,76 @@ async def test_the_first_failure_stops_the_hashing_of_the_other_files(
         await (await ckpt.save(3, state))
     assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
     assert (tmp_path / TRACKER).read_text() == "3"
+
+
+@pytest.mark.anyio
+async def test_the_base_is_read_while_the_changed_files_are_staged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staging copy of the adapters' file waits until the base checkpoint is
+    being looked up: the early writes then start on a base already read, not
+    after reading it."""
+    import asyncsave._jobs as jobs
+
+    armed, looking = threading.Event(), threading.Event()
+    waited: list[bool] = []
+    real_find, real_stage = Reuse.find_base, jobs.stage_entries
+
+    def find_base(self: Reuse, *args: Any) -> Any:
+        if armed.is_set():
+            looking.set()
+        return real_find(self, *args)
+
+    async def stage_entries(lease: Any, entries: list[Any], **kwargs: Any) -> None:
+        if armed.is_set() and entries and hashed_files(entries):
+            with anyio.move_on_after(WAIT_S):
+                while not looking.is_set():
+                    await anyio.sleep(0.005)
+            waited.append(looking.is_set())
+        await real_stage(lease, entries, **kwargs)
+
+    monkeypatch.setattr(Reuse, "find_base", find_base)
+    monkeypatch.setattr(jobs, "stage_entries", stage_entries)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["lora_A"].add_(1.0)
+        armed.set()
+        await (await ckpt.save(3, state))
+    assert waited == [True]
+    report = manifest(tmp_path / "step_3")["incremental"]
+    assert report["base"] == "step_2" and report["files_written"] == 1, report
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("error", [RuntimeError("no base"), MemoryError()], ids=repr)
+async def test_a_failure_to_read_the_base_fails_the_save_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    """Looking up the base fails with an error that is not a missing or damaged
+    checkpoint (those mean a full write): the save fails with it (read while
+    staging: save() raises it; never a wait on a lookup that ended), nothing is
+    left behind, and the next save of the step commits whole."""
+    armed = threading.Event()
+    real_find = Reuse.find_base
+
+    def find_base(self: Reuse, *args: Any) -> Any:
+        if armed.is_set():
+            raise error
+        return real_find(self, *args)
+
+    monkeypatch.setattr(Reuse, "find_base", find_base)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["lora_A"].add_(1.0)
+        armed.set()
+        with anyio.fail_after(WAIT_S), pytest.raises(type(error)):
+            await ckpt.save(3, state)
+        armed.clear()
+        assert not tmp_dirs(tmp_path)
+        assert (tmp_path / TRACKER).read_text() == "2"
+        await (await ckpt.save(3, state))
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+    assert (tmp_path / TRACKER).read_text() == "3"
