@@ -66,7 +66,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Threads for an incremental save's early writes (at least ``writer_threads``).
+#: Threads that write an incremental save's files (at least ``writer_threads``):
+#: its early writes, and the files that ``write()`` writes after its staging.
 #: Its files are one per large tensor, each fsynced: with more fsyncs in flight the
 #: file system commits its journal for several at once. A save where every
 #: tensor changed (65 files of 16-32 MiB) took 1.24 x a full save's time with 2
@@ -427,6 +428,7 @@ class PlainJob(Job):
         if self.stream is None:
             writer: Any = write_data_file
             layouts = self.layouts
+            limiter = None
             if self.reuse is not None:
                 early = self.early
                 if early is not None:
@@ -452,8 +454,13 @@ class PlainJob(Job):
                 writer = functools.partial(self.reuse.write_file, base, self.report)
                 done = set(self.report.prelinked) | (set() if early is None else early.files)
                 layouts = [fl for fl in layouts if fl.index not in done]
+                # One file per large tensor: as many threads as the early writes
+                # (the first save, and files found changed while hashing).
+                limiter = anyio.CapacityLimiter(
+                    max(saver.options.writer_threads, EARLY_WRITE_THREADS)
+                )
             await write_files(
-                saver, tmp, self.plan, layouts, self.lease, self.progress, writer
+                saver, tmp, self.plan, layouts, self.lease, self.progress, writer, limiter
             )
             if self.reuse is not None:
                 await saver.run(self.reuse.keep_only, self.layouts)

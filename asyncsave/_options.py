@@ -122,7 +122,7 @@ class CheckpointOptions:
     :param writer_threads: worker threads that write data files of one save in
         parallel; the tensors of a save are spread over this many files. An
         incremental save (one file per large tensor) hashes with this many and
-        writes the files that changed with ``max(writer_threads, 8)``
+        writes its files with ``max(writer_threads, 8)``
         (``_jobs.EARLY_WRITE_THREADS``: more fsyncs in flight are committed
         together).
     :param save_timeout_s: seconds one save may take from dispatch to commit

@@ -30,7 +30,7 @@ from test_incremental import assert_equal_tree, lora_state, manifest
 
 import asyncsave
 from asyncsave import LocalFileSystem
-from asyncsave._incremental import Reuse
+from asyncsave._incremental import OWN_FILE_BYTES, Reuse
 
 TRACKER = "latest_checkpointed_iteration.txt"
 WAIT_S = 10.0  # how long a hook waits for what must happen concurrently
@@ -208,7 +208,9 @@ async def test_a_failure_while_hashing_waits_for_the_early_write_before_cleaning
     assert (tmp_path / TRACKER).read_text() == "3"
 
 
-@pytest.mark.timeout(60, method="thread")  # broken, it hangs in a shielded wait: fail sooner than 300 s
+@pytest.mark.timeout(
+    60, method="thread"
+)  # broken, it hangs in a shielded wait: fail sooner than 300 s
 @pytest.mark.anyio
 async def test_a_stuck_early_write_ends_at_its_own_deadline_when_staging_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -245,8 +247,7 @@ async def test_a_stuck_early_write_ends_at_its_own_deadline_when_staging_failed(
                 with anyio.fail_after(WAIT_S), pytest.raises(RuntimeError, match="hash failed"):
                     await ckpt.save(3, state)
                 assert any(
-                    "did not finish within save_timeout_s" in r.getMessage()
-                    for r in caplog.records
+                    "did not finish within save_timeout_s" in r.getMessage() for r in caplog.records
                 ), [r.getMessage() for r in caplog.records]
                 armed.clear()
                 with pytest.raises(asyncsave.SaveFailedError):
@@ -557,3 +558,47 @@ async def test_a_failure_to_read_the_base_fails_the_save_and_loses_nothing(
         await (await ckpt.save(3, state))
     assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
     assert (tmp_path / TRACKER).read_text() == "3"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("when", ["first save", "files found changed"])
+async def test_the_files_of_an_incremental_save_are_written_by_more_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """``writer_threads=1``: the files ``write()`` writes after the staging (every
+    file of a first save; the base files found changed while hashing) are still
+    written three at a time (``EARLY_WRITE_THREADS``: one fsynced file per large
+    tensor). With one thread, the three never meet and the barrier breaks."""
+    barrier = threading.Barrier(3, timeout=WAIT_S)
+    armed = threading.Event()
+    met: list[int] = []
+    real_write = Reuse.write_file
+
+    def write_file(
+        self: Reuse,
+        base: Any,
+        report: Any,
+        fs: Any,
+        d: Path,
+        layout: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        if armed.is_set() and layout.nbytes >= OWN_FILE_BYTES and len(met) < 3:
+            met.append(barrier.wait())
+        return real_write(self, base, report, fs, d, layout, *args, **kwargs)
+
+    monkeypatch.setattr(Reuse, "write_file", write_file)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True, writer_threads=1) as ckpt:
+        if when == "files found changed":
+            await two_saves(ckpt, state)
+            for key in ("base.0", "base.1", "base.2"):
+                state["model"][key].add_(1)
+        armed.set()
+        await (await ckpt.save(3, state))
+    assert sorted(met) == [0, 1, 2]
+    report = manifest(tmp_path / "step_3").get("incremental")
+    if when == "files found changed":
+        assert report["files_written"] == 3 and report["files_shared_at_staging"] == 0, report
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
