@@ -212,7 +212,7 @@ class PlainJob(Job):
 
         if self.rounds is None:
             if self.reuse is not None and saver.fs.atomic_rename and self.reuse.knows_files():
-                await self._stage_incremental(saver, step, stage, make_tmp)
+                await self._stage_incremental(saver, step, stage, make_tmp, deadline)
             else:
                 await stage(self.plan.entries, self.plan.staging_views)
         else:
@@ -248,7 +248,7 @@ class PlainJob(Job):
         await anyio.to_thread.run_sync(self.plan.release_sources)
 
     async def _stage_incremental(
-        self, saver: Services, step: int, stage: Any, make_tmp: Any
+        self, saver: Services, step: int, stage: Any, make_tmp: Any, deadline: float
     ) -> None:
         """An incremental save's staging on a local root, three things at once:
 
@@ -280,18 +280,33 @@ class PlainJob(Job):
         todo = collections.deque(fl for fl in self.layouts if fl.index in hashed)
         errors: list[Exception] = []
         stop = threading.Event()  # set on the first error, or when this ends
+        active = [0]  # worker threads running hash_files (under `lock`)
+        lock = threading.Lock()
 
         def hash_files() -> None:
-            while not stop.is_set():
-                try:
-                    fl = todo.popleft()  # atomic: workers never take the same file
-                except IndexError:
-                    return
-                try:
-                    reuse.prelink(saver.fs, tmp, fl, entries, report)
-                except Exception as exc:  # raised below as the first failure, not a group
-                    errors.append(exc)
-                    stop.set()
+            with lock:
+                active[0] += 1
+            try:
+                while not stop.is_set():
+                    try:
+                        fl = todo.popleft()  # atomic: workers never take the same file
+                    except IndexError:
+                        return
+                    try:
+                        reuse.prelink(saver.fs, tmp, fl, entries, report)
+                    except Exception as exc:  # raised below as the first failure
+                        errors.append(exc)
+                        stop.set()
+            finally:
+                with lock:
+                    active[0] -= 1
+
+        async def hash_worker() -> None:
+            try:
+                await saver.run(hash_files)
+            except Exception as exc:  # a worker that died (WorkerDiedError): as itself
+                errors.append(exc)
+                stop.set()
 
         # Threads of their own: the hashing holds the save's writer threads.
         threads = anyio.CapacityLimiter(max(saver.options.writer_threads, EARLY_WRITE_THREADS))
@@ -302,7 +317,18 @@ class PlainJob(Job):
 
         async def find_base() -> None:
             try:
-                found.append(await saver.run(reuse.find_base, saver.fs, tmp, limiter=threads))
+                with anyio.move_on_after(max(0.0, deadline - anyio.current_time())) as scope:
+                    found.append(
+                        await saver.run(reuse.find_base, saver.fs, tmp, limiter=threads)
+                    )
+                if scope.cancelled_caught:
+                    raise CheckpointTimeoutError(
+                        f"looking up the base checkpoint of step {step} under "
+                        f"{reuse.root} took over save_timeout_s="
+                        f"{saver.options.save_timeout_s}",
+                        step=step,
+                        path=tmp,
+                    )
             except Exception as exc:  # raised below, as the hashing's errors are
                 errors.append(exc)
                 stop.set()
@@ -314,7 +340,7 @@ class PlainJob(Job):
                 await stage([e for e in entries if e.file not in hashed])
                 if now:
                     await based.wait()
-                    if found:
+                    if found and not stop.is_set():  # not for a save that failed
                         self._write_early(saver, step, tmp, now, threads, found[0])
             except Exception as exc:  # raised below as itself, before any hashing error
                 errors.insert(0, exc)
@@ -326,10 +352,15 @@ class PlainJob(Job):
                     if now:
                         tg.start_soon(find_base)
                     for _ in range(min(saver.options.writer_threads, len(todo))):
-                        tg.start_soon(saver.run, hash_files)
+                        tg.start_soon(hash_worker)
                     await stage_now()
             finally:
                 stop.set()  # a worker abandoned by a cancellation stops after its file
+                # ... and finishes it before the failure's clean-up removes the
+                # directory it links into (shielded, bounded by the save's deadline).
+                with anyio.CancelScope(shield=True, deadline=deadline):
+                    while active[0]:
+                        await anyio.sleep(0.005)
             if errors:
                 raise errors[0]
             linked = set(report.prelinked)

@@ -172,13 +172,21 @@ async def test_a_failure_while_hashing_waits_for_the_early_write_before_cleaning
     fs = SlowWrites(delay_s=0.3)
     armed = threading.Event()
     if where == "hashing":
-        real_prelink = Reuse.prelink
+        real_prelink, real_write = Reuse.prelink, Reuse.write_file
+        writing = threading.Event()
+
+        def write_file(self: Reuse, *args: Any, **kwargs: Any) -> Any:
+            if armed.is_set():
+                writing.set()
+            return real_write(self, *args, **kwargs)
 
         def prelink(self: Reuse, *args: Any) -> bool:
             if armed.is_set():
+                writing.wait(WAIT_S)  # fails once the early write is under way
                 raise error
             return real_prelink(self, *args)
 
+        monkeypatch.setattr(Reuse, "write_file", write_file)
         monkeypatch.setattr(Reuse, "prelink", prelink)
     else:
         from asyncsave._plan import Plan
@@ -601,4 +609,157 @@ async def test_the_files_of_an_incremental_save_are_written_by_more_threads(
     report = manifest(tmp_path / "step_3").get("incremental")
     if when == "files found changed":
         assert report["files_written"] == 3 and report["files_shared_at_staging"] == 0, report
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+
+
+@pytest.mark.anyio
+async def test_a_hashing_worker_that_dies_fails_the_save_with_its_own_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hashing worker thread ends with a BaseException (``SystemExit`` from a
+    library): the save fails with ``WorkerDiedError`` itself, not a group, and
+    the checkpointer goes on."""
+    from asyncsave._pipeline import WorkerDiedError
+
+    armed = threading.Event()
+    real_prelink = Reuse.prelink
+
+    def prelink(self: Reuse, *args: Any) -> bool:
+        if armed.is_set():
+            raise SystemExit(3)
+        return real_prelink(self, *args)
+
+    monkeypatch.setattr(Reuse, "prelink", prelink)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["lora_A"].add_(1.0)
+        armed.set()
+        with anyio.fail_after(WAIT_S), pytest.raises(WorkerDiedError) as info:
+            await (await ckpt.save(3, state))
+        assert isinstance(info.value.__cause__, SystemExit)
+        armed.clear()
+        assert not tmp_dirs(tmp_path)
+        await (await ckpt.save(3, state))
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+
+
+@pytest.mark.anyio
+async def test_no_early_write_starts_for_a_save_whose_hashing_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hashing fails while the changed files are still being staged: their
+    write never starts (the save has failed; nothing to wait for)."""
+    import asyncsave._jobs as jobs
+
+    armed, failed = threading.Event(), threading.Event()
+    writes: list[str] = []
+    real_prelink, real_stage, real_write = Reuse.prelink, jobs.stage_entries, Reuse.write_file
+
+    def prelink(self: Reuse, *args: Any) -> bool:
+        if armed.is_set():
+            failed.set()
+            raise RuntimeError("hashing failed")
+        return real_prelink(self, *args)
+
+    async def stage_entries(lease: Any, entries: list[Any], **kwargs: Any) -> None:
+        if armed.is_set() and entries and hashed_files(entries):
+            with anyio.move_on_after(WAIT_S):
+                while not failed.is_set():
+                    await anyio.sleep(0.005)
+        await real_stage(lease, entries, **kwargs)
+
+    def write_file(self: Reuse, *args: Any, **kwargs: Any) -> Any:
+        if armed.is_set():
+            writes.append(args[4].name)
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Reuse, "prelink", prelink)
+    monkeypatch.setattr(Reuse, "write_file", write_file)
+    monkeypatch.setattr(jobs, "stage_entries", stage_entries)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["lora_A"].add_(1.0)
+        armed.set()
+        with pytest.raises(RuntimeError, match="hashing failed"):
+            await ckpt.save(3, state)
+        assert failed.is_set() and writes == []
+        armed.clear()
+        await (await ckpt.save(3, state))
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_save_waits_for_its_hashing_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller is cancelled while base files are hashed: save() returns only
+    once no worker is inside a hashing (they link into the temporary directory
+    that the cancellation's clean-up removes), and nothing is left behind."""
+    armed = threading.Event()
+    inside = [0]
+    lock = threading.Lock()
+    real_prelink = Reuse.prelink
+
+    def prelink(self: Reuse, *args: Any) -> bool:
+        if not armed.is_set():
+            return real_prelink(self, *args)
+        with lock:
+            inside[0] += 1
+        try:
+            time.sleep(0.6)  # a slow hashing, longer than the caller waits
+            return real_prelink(self, *args)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(Reuse, "prelink", prelink)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["lora_A"].add_(1.0)
+        armed.set()
+        with anyio.move_on_after(0.2) as scope:
+            await ckpt.save(3, state)
+        assert scope.cancelled_caught
+        assert inside[0] == 0
+        assert not tmp_dirs(tmp_path)
+        armed.clear()
+        await (await ckpt.save(3, state))
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+
+
+@pytest.mark.anyio
+async def test_a_base_lookup_that_hangs_is_a_timeout_of_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Looking up the base never returns (a hung listing): the save fails with
+    ``CheckpointTimeoutError`` (as the cause of its ``SaveFailedError``: it ended
+    before its snapshot was taken) at ``save_timeout_s``, not a wait without end."""
+    armed, release = threading.Event(), threading.Event()
+    real_find = Reuse.find_base
+
+    def find_base(self: Reuse, *args: Any) -> Any:
+        if armed.is_set():
+            release.wait(WAIT_S)
+        return real_find(self, *args)
+
+    monkeypatch.setattr(Reuse, "find_base", find_base)
+    state = lora_state()
+    try:
+        async with asyncsave.Checkpointer(tmp_path, incremental=True, save_timeout_s=1.0) as ckpt:
+            await two_saves(ckpt, state)
+            state["model"]["lora_A"].add_(1.0)
+            armed.set()
+            with anyio.fail_after(WAIT_S / 2), pytest.raises(asyncsave.SaveFailedError) as info:
+                await (await ckpt.save(3, state))
+            # A failure before the snapshot was taken, caused by the timeout.
+            assert isinstance(info.value.__cause__, asyncsave.CheckpointTimeoutError), info.value
+            assert "looking up the base checkpoint" in str(info.value.__cause__)
+            armed.clear()
+            release.set()
+            await (await ckpt.save(3, state))
+    finally:
+        release.set()
     assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
