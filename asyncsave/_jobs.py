@@ -255,14 +255,15 @@ class PlainJob(Job):
         1. the files this process wrote before that did not change at their last
            try (a frozen base) are hashed in place and linked when equal
            (``Reuse.prelink``), by ``writer_threads`` workers that each take the
-           next file until none is left;
+           next file until none is left; a file found changed is staged at once
+           and handed to the early writes;
         2. meanwhile the files that will be written whatever the hashing finds
            (new ones, and those that changed at their last save: adapters,
            optimizer moments) are staged while the base checkpoint they are
            compared with is read, and their writes start in the background
            (``_write_early``; ``write()`` waits for them);
-        3. once the hashing is done, the files that changed after all are
-           staged, and written by ``write()``.
+        3. once the hashing is done, what is left (a file not linked for another
+           reason) is staged, and written by ``write()``.
 
         The caller waits for 1-3 but not for the early writes: their write and
         fsync overlap the hashing instead of following the whole snapshot.
@@ -271,17 +272,27 @@ class PlainJob(Job):
         reached durable in 0.164 and 0.177 s, hashing by workers while staging
         in 0.137 and 0.147 s (a thread call per file costs the event loop ~0.3 ms,
         which competes with the hashing for the 2 cores; the staging copy of
-        small tensors uses one core, the hashing workers the rest)."""
+        small tensors uses one core, the hashing workers the rest). A file found
+        changed is written while the others are still hashed, so the first save
+        after every tensor changed does not hash the whole state before its
+        first write."""
         assert self.reuse is not None
         self.report = report = Report()
         reuse, tmp, entries = self.reuse, await make_tmp(), self.plan.entries
         hashed = {fl.index for fl in self.layouts if reuse.worth_prelinking(fl, entries)}
         now = [fl for fl in self.layouts if fl.index not in hashed]
         todo = collections.deque(fl for fl in self.layouts if fl.index in hashed)
+        by_file: dict[int, list[Entry]] = {}
+        for e in entries:
+            by_file.setdefault(e.file, []).append(e)
         errors: list[Exception] = []
         stop = threading.Event()  # set on the first error, or when this ends
         active = [0]  # worker threads running hash_files (under `lock`)
         lock = threading.Lock()
+        # Files found changed, from the hashing workers to the event loop, which
+        # stages them (host copies, never abandoned) and hands them on.
+        changed_send, changed_recv = anyio.create_memory_object_stream[FileLayout](math.inf)
+        handed: set[int] = set()  # staged and handed to the early writes
 
         def hash_files() -> None:
             with lock:
@@ -293,10 +304,17 @@ class PlainJob(Job):
                     except IndexError:
                         return
                     try:
-                        reuse.prelink(saver.fs, tmp, fl, entries, report)
+                        linked = reuse.prelink(saver.fs, tmp, fl, entries, report)
                     except Exception as exc:  # raised below as the first failure
                         errors.append(exc)
                         stop.set()
+                        continue
+                    # Hashed and not linked (changed, or its link failed): its
+                    # checksums are known; the writer shares it from the base if
+                    # it is equal after all, else writes it.
+                    if not linked and not stop.is_set() and all(e.digest for e in by_file[fl.index]):
+                        with contextlib.suppress(anyio.ClosedResourceError, RuntimeError):
+                            anyio.from_thread.run_sync(changed_send.send_nowait, fl)
             finally:
                 with lock:
                     active[0] -= 1
@@ -308,12 +326,20 @@ class PlainJob(Job):
                 errors.append(exc)
                 stop.set()
 
+        async def hashing() -> None:
+            try:
+                async with anyio.create_task_group() as tg:
+                    for _ in range(min(saver.options.writer_threads, len(todo))):
+                        tg.start_soon(hash_worker)
+            finally:
+                changed_send.close()
+
         # Threads of their own: the hashing holds the save's writer threads.
         threads = anyio.CapacityLimiter(max(saver.options.writer_threads, EARLY_WRITE_THREADS))
         # The base the early writes compare with, read while staging (10-15 ms
         # for the bench's state: its manifest), not before their first write.
         found: list[Base | None] = []
-        based = anyio.Event()
+        based, started = anyio.Event(), anyio.Event()
 
         async def find_base() -> None:
             try:
@@ -338,21 +364,37 @@ class PlainJob(Job):
         async def stage_now() -> None:
             try:
                 await stage([e for e in entries if e.file not in hashed])
-                if now:
-                    await based.wait()
-                    if found and not stop.is_set():  # not for a save that failed
-                        self._write_early(saver, step, tmp, now, threads, found[0])
+                await based.wait()
+                if found and not stop.is_set():  # not for a save that failed
+                    self._write_early(saver, step, tmp, now, threads, found[0])
             except Exception as exc:  # raised below as itself, before any hashing error
                 errors.insert(0, exc)
                 stop.set()
+            finally:
+                started.set()
+
+        async def stage_changed() -> None:
+            await started.wait()
+            async with changed_recv:
+                async for fl in changed_recv:
+                    early = self.early
+                    if early is None or stop.is_set():
+                        continue  # left to the staging after the hashing, or failed
+                    try:
+                        await stage(by_file[fl.index])
+                    except Exception as exc:
+                        errors.insert(0, exc)
+                        stop.set()
+                        continue
+                    if early.add(fl):
+                        handed.add(fl.index)
 
         try:
             try:
                 async with anyio.create_task_group() as tg:
-                    if now:
-                        tg.start_soon(find_base)
-                    for _ in range(min(saver.options.writer_threads, len(todo))):
-                        tg.start_soon(hash_worker)
+                    tg.start_soon(find_base)
+                    tg.start_soon(hashing)
+                    tg.start_soon(stage_changed)
                     await stage_now()
             finally:
                 stop.set()  # a worker abandoned by a cancellation stops after its file
@@ -361,10 +403,18 @@ class PlainJob(Job):
                 with anyio.CancelScope(shield=True, deadline=deadline):
                     while active[0]:
                         await anyio.sleep(0.005)
+                if self.early is not None:
+                    self.early.finish()  # no more files: it ends when they are written
             if errors:
                 raise errors[0]
             linked = set(report.prelinked)
-            await stage([e for e in entries if e.file in hashed and e.file not in linked])
+            await stage(
+                [
+                    e
+                    for e in entries
+                    if e.file in hashed and e.file not in linked and e.file not in handed
+                ]
+            )
         except BaseException:
             await self.settle()  # before the failure's clean-up (see settle)
             raise
@@ -398,13 +448,15 @@ class PlainJob(Job):
         base: Base | None,
     ) -> None:
         """Start writing ``layouts`` (staged; compared with ``base``) in the
-        background, as the checkpointer's task: bounded by ``save_timeout_s`` from
-        now, cancelled by a close that gives up; the outcome is this save's, raised
-        by :meth:`write`."""
+        background, and every file handed on by ``early.add`` (staged) until
+        ``early.finish()``, as the checkpointer's task: bounded by
+        ``save_timeout_s`` from now, cancelled by a close that gives up; the
+        outcome is this save's, raised by :meth:`write`."""
         assert self.reuse is not None and self.report is not None and self.lease is not None
         lease, timeout_s = self.lease, saver.options.save_timeout_s
         scope = anyio.CancelScope(shield=True, deadline=anyio.current_time() + timeout_s)
-        self.early = early = _EarlyWrites({fl.index for fl in layouts}, scope, base)
+        more, incoming = anyio.create_memory_object_stream[FileLayout](math.inf)
+        self.early = early = _EarlyWrites({fl.index for fl in layouts}, scope, base, more)
         reuse, report = self.reuse, self.report
         # Cancellable by a close that gives up from now on, not only once the task
         # has started.
@@ -415,9 +467,22 @@ class PlainJob(Job):
             try:
                 with scope:
                     writer = functools.partial(reuse.write_file, base, report)
-                    await write_files(
-                        saver, tmp, self.plan, layouts, lease, self.progress, writer, threads
-                    )
+                    errors: list[Exception] = []
+
+                    async def write(batch: list[FileLayout]) -> None:
+                        try:
+                            await write_files(
+                                saver, tmp, self.plan, batch, lease, self.progress, writer, threads
+                            )
+                        except Exception as exc:  # raised below as the first failure
+                            errors.append(exc)
+
+                    async with anyio.create_task_group() as tg, incoming:
+                        tg.start_soon(write, layouts)
+                        async for fl in incoming:
+                            tg.start_soon(write, [fl])
+                    if errors:
+                        raise errors[0]
                     early.ok = True
                 if scope.cancelled_caught:
                     # Abandoned threads may still read the arena: never leased again.
@@ -439,6 +504,8 @@ class PlainJob(Job):
             saver.start_soon(run)
         except BaseException:  # never started: nothing to wait for
             registered.__exit__(None, None, None)
+            more.close()
+            incoming.close()
             self.early = None
             raise
 
@@ -551,10 +618,26 @@ class _EarlyWrites:
 
     files: set[int]  # their layout indices
     scope: anyio.CancelScope  # theirs: shielded, with the deadline, cancellable
-    base: Base | None = None  # the checkpoint they were compared with
+    base: Base | None  # the checkpoint they were compared with
+    more: Any  # where further files are handed on (a memory object stream)
     done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
     ok: bool = False  # every file written and fsynced
     error: Exception | None = None
+
+    def add(self, fl: FileLayout) -> bool:
+        """Write ``fl`` too (staged). From the event loop, before :meth:`finish`;
+        ``False`` when the writes have ended already (given up on: the save fails
+        with their error)."""
+        try:
+            self.more.send_nowait(fl)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        self.files.add(fl.index)
+        return True
+
+    def finish(self) -> None:
+        """No more files: the writes end once those handed on are written."""
+        self.more.close()
 
 
 async def write_files(

@@ -400,9 +400,14 @@ async def test_early_writes_that_cannot_start_fail_the_save_without_hanging(
     assert (tmp_path / TRACKER).read_text() == "3"
 
 
+def is_base(entry: Any) -> bool:
+    """Whether a plan entry is one of the frozen base tensors (``model/base.N``)."""
+    return entry.name.rsplit("/", 1)[-1].startswith("base.")
+
+
 def hashed_files(entries: list[Any]) -> bool:
     """Whether a staging call is the one of the files that change (no base file)."""
-    return not any(e.name.startswith("base.") for e in entries)
+    return not any(is_base(e) for e in entries)
 
 
 @pytest.mark.anyio
@@ -763,3 +768,126 @@ async def test_a_base_lookup_that_hangs_is_a_timeout_of_the_save(
     finally:
         release.set()
     assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+async def test_a_base_file_found_changed_is_written_while_the_others_are_hashed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool
+) -> None:
+    """Every base tensor changed (a model unfrozen): with one hashing worker, the
+    hashing of the second and third base files waits until the first one, found
+    changed, is being written. Written only after the hashing (in ``write()``),
+    each wait runs out."""
+    armed, writing = threading.Event(), threading.Event()
+    waited: list[bool] = []
+    real_prelink, real_write = Reuse.prelink, Reuse.write_file
+
+    def write_file(
+        self: Reuse,
+        base: Any,
+        report: Any,
+        fs: Any,
+        d: Path,
+        layout: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        if armed.is_set() and layout.nbytes >= OWN_FILE_BYTES:
+            writing.set()
+        return real_write(self, base, report, fs, d, layout, *args, **kwargs)
+
+    seen: list[str] = []
+
+    def prelink(self: Reuse, fs: Any, tmp: Path, layout: Any, *args: Any) -> bool:
+        if armed.is_set():
+            if seen:  # not the first base file
+                waited.append(writing.wait(WAIT_S))
+            seen.append(layout.name)
+        return real_prelink(self, fs, tmp, layout, *args)
+
+    monkeypatch.setattr(Reuse, "write_file", write_file)
+    monkeypatch.setattr(Reuse, "prelink", prelink)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True, writer_threads=1) as ckpt:
+        await two_saves(ckpt, state)
+        for key in ("base.0", "base.1", "base.2"):
+            state["model"][key].add_(1)
+        armed.set()
+        handle = await ckpt.save(3, state, lazy=lazy)
+        await handle
+    assert len(seen) == 3 and waited == [True, True], (seen, waited)
+    report = manifest(tmp_path / "step_3")["incremental"]
+    assert report["files_written"] == 3 and report["files_shared_at_staging"] == 0, report
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+    asyncsave.verify(tmp_path / "step_3")
+    assert not tmp_dirs(tmp_path)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+async def test_a_failed_write_of_a_file_found_changed_fails_the_save(
+    tmp_path: Path, code: int
+) -> None:
+    """Every base tensor changed; the first base file handed to the early writes
+    cannot be written: the save fails with the I/O error as its cause, step 2
+    stays tracked and whole, nothing temporary is left (the files handed on
+    after the failure are not lost track of: the save fails, whole)."""
+    armed = threading.Event()
+    fs = FaultyFS(
+        "write",
+        raise_errno(code),
+        where=lambda p: armed.is_set() and "-tmp-3-" in p and p.endswith(".safetensors"),
+    )
+    state = lora_state()
+    with pytest.raises(asyncsave.SaveFailedError):
+        async with asyncsave.Checkpointer(
+            tmp_path, incremental=True, filesystem=fs, writer_threads=1
+        ) as ckpt:
+            await two_saves(ckpt, state)
+            step_2 = {k: v.clone() for k, v in state["model"].items()}
+            for key in ("base.0", "base.1", "base.2"):
+                state["model"][key].add_(1)
+            armed.set()
+            with pytest.raises(asyncsave.SaveFailedError) as at_handle:
+                await (await ckpt.save(3, state))
+    assert fs.fired.is_set()
+    cause = at_handle.value.__cause__
+    assert isinstance(cause, OSError) and cause.errno == code, repr(cause)
+    assert (tmp_path / TRACKER).read_text() == "2"
+    assert not (tmp_path / "step_3").exists() and not tmp_dirs(tmp_path)
+    assert_equal_tree(asyncsave.load(tmp_path / "step_2")["model"], step_2)
+
+
+@pytest.mark.anyio
+async def test_a_failed_staging_of_a_file_found_changed_fails_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staging copy of a base file found changed fails: save() raises that
+    error as itself, the early writes are awaited first, nothing is left, and
+    the next save of the step commits whole."""
+    import asyncsave._jobs as jobs
+
+    armed = threading.Event()
+    real_stage = jobs.stage_entries
+
+    async def stage_entries(lease: Any, entries: list[Any], **kwargs: Any) -> None:
+        if armed.is_set() and any(is_base(e) for e in entries):
+            raise RuntimeError("staging failed")
+        await real_stage(lease, entries, **kwargs)
+
+    monkeypatch.setattr(jobs, "stage_entries", stage_entries)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await two_saves(ckpt, state)
+        for key in ("lora_A", "base.0", "base.1", "base.2"):
+            state["model"][key].add_(1)
+        armed.set()
+        with anyio.fail_after(WAIT_S), pytest.raises(RuntimeError, match="staging failed"):
+            await ckpt.save(3, state)
+        armed.clear()
+        assert not tmp_dirs(tmp_path)
+        assert (tmp_path / TRACKER).read_text() == "2"
+        await (await ckpt.save(3, state))
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
+    assert (tmp_path / TRACKER).read_text() == "3"
