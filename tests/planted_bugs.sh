@@ -35,13 +35,15 @@ BUGS=(
 "11|asyncsave/_load.py|        if name != \"__metadata__\" and not _well_formed(h):|        if False:|tests/test_bad_inputs.py"
 "12|asyncsave/_manifest.py|        and \"/\" not in name\n|\n|tests/test_bad_inputs.py"
 "13|asyncsave/_track.py|    text = raw.decode(\"ascii\", errors=\"replace\").strip()|    text = raw.decode(\"ascii\", errors=\"replace\").strip().lstrip(\"+-\")|tests/test_fuzz_parsers.py"
-"14|asyncsave/_manifest.py|    if digest != xxhash.xxh3_64_hexdigest(_canonical(doc)):|    if False:|tests/test_fuzz_parsers.py"
+"14|asyncsave/_manifest.py|def _self_checksum_ok(raw: bytes, doc: dict[str, Any], digest: Any) -> bool:\n|def _self_checksum_ok(raw: bytes, doc: dict[str, Any], digest: Any) -> bool:\n    return True\n|tests/test_fuzz_parsers.py"
 "15|asyncsave/_pipeline.py|                            committing = True\n|                            committing = True\n                            await self.track(step)\n|tests/test_crash_matrix.py -k randomized"
 "16|asyncsave/_retention.py|            fs.rename(final, doomed)\n        except OSError|            doomed = final\n        except OSError|tests/test_power_loss.py -k retention"
 # Incremental saves (issue 14): the early writes' failure dropped; a failure while
 # hashing not waiting for the early writes before the clean-up.
-"17|asyncsave/_jobs.py|                    if early.error is not None:\n                        raise early.error|                    pass|tests/test_incremental_overlap.py -k failed_early"
-"18|asyncsave/_jobs.py|                with anyio.CancelScope(shield=True):\n                    await self.early.done.wait()|                pass|tests/test_incremental_overlap.py -k failure_while_hashing"
+"17|asyncsave/_jobs.py|                    if not early.ok:\n                        raise early.error or CheckpointError(|                    if False:\n                        raise early.error or CheckpointError(|tests/test_incremental_overlap.py -k failed_early"
+"18|asyncsave/_jobs.py|        with anyio.CancelScope(shield=True):\n            await early.done.wait()\n        if early.error is not None:|        if early.error is not None:|tests/test_incremental_overlap.py -k failure_while_hashing"
+# ... and a cancelled save not waiting for its hashing workers before its clean-up.
+"19|asyncsave/_jobs.py|                    while active[0]:|                    while False:|tests/test_incremental_overlap.py -k waits_for_its_hashing"
 # The same bugs of the one pipeline, caught on 2 ranks (issue 11).
 "4r|asyncsave/_pipeline.py|                            committing = True\n|                            committing = True\n                            await self.track(step)\n|tests/test_crash_ranks.py"
 "5r|asyncsave/_commit.py|        if is_temp_name(name) and _remove_unless_held(|        if False and _remove_unless_held(|tests/test_crash_ranks.py"
