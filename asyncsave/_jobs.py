@@ -388,6 +388,8 @@ class PlainJob(Job):
                         continue
                     if early.add(fl):
                         handed.add(fl.index)
+                    else:  # given up on (a close): the save fails with their error
+                        stop.set()
 
         try:
             try:
@@ -450,13 +452,17 @@ class PlainJob(Job):
         """Start writing ``layouts`` (staged; compared with ``base``) in the
         background, and every file handed on by ``early.add`` (staged) until
         ``early.finish()``, as the checkpointer's task: bounded by
-        ``save_timeout_s`` from now, cancelled by a close that gives up; the
-        outcome is this save's, raised by :meth:`write`."""
+        ``save_timeout_s`` from ``finish()`` (while files may still come, the
+        hashing that finds them runs: it is not a stuck write), cancelled by a
+        close that gives up; the outcome is this save's, raised by
+        :meth:`write`."""
         assert self.reuse is not None and self.report is not None and self.lease is not None
         lease, timeout_s = self.lease, saver.options.save_timeout_s
-        scope = anyio.CancelScope(shield=True, deadline=anyio.current_time() + timeout_s)
+        scope = anyio.CancelScope(shield=True)
         more, incoming = anyio.create_memory_object_stream[FileLayout](math.inf)
-        self.early = early = _EarlyWrites({fl.index for fl in layouts}, scope, base, more)
+        self.early = early = _EarlyWrites(
+            {fl.index for fl in layouts}, scope, base, more, timeout_s
+        )
         reuse, report = self.reuse, self.report
         # Cancellable by a close that gives up from now on, not only once the task
         # has started.
@@ -468,14 +474,19 @@ class PlainJob(Job):
                 with scope:
                     writer = functools.partial(reuse.write_file, base, report)
                     errors: list[Exception] = []
+                    abandoned = False  # a write cancelled while its threads ran
 
                     async def write(batch: list[FileLayout]) -> None:
+                        nonlocal abandoned
                         try:
                             await write_files(
                                 saver, tmp, self.plan, batch, lease, self.progress, writer, threads
                             )
                         except Exception as exc:  # raised below as the first failure
                             errors.append(exc)
+                        except BaseException:
+                            abandoned = True
+                            raise
 
                     async with anyio.create_task_group() as tg, incoming:
                         tg.start_soon(write, layouts)
@@ -485,8 +496,8 @@ class PlainJob(Job):
                         raise errors[0]
                     early.ok = True
                 if scope.cancelled_caught:
-                    # Abandoned threads may still read the arena: never leased again.
-                    lease.poison()
+                    if abandoned:  # their threads may still read the arena: never leased again
+                        lease.poison()
                     raise CheckpointTimeoutError(
                         f"writing the changed files of step {step} (started while its "
                         f"unchanged ones were hashed) did not finish within "
@@ -620,6 +631,7 @@ class _EarlyWrites:
     scope: anyio.CancelScope  # theirs: shielded, with the deadline, cancellable
     base: Base | None  # the checkpoint they were compared with
     more: Any  # where further files are handed on (a memory object stream)
+    timeout_s: float  # their deadline, from finish()
     done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
     ok: bool = False  # every file written and fsynced
     error: Exception | None = None
@@ -636,8 +648,10 @@ class _EarlyWrites:
         return True
 
     def finish(self) -> None:
-        """No more files: the writes end once those handed on are written."""
+        """No more files: the writes end once those handed on are written, at
+        most ``timeout_s`` from now (then abandoned: the save times out)."""
         self.more.close()
+        self.scope.deadline = anyio.current_time() + self.timeout_s
 
 
 async def write_files(

@@ -891,3 +891,37 @@ async def test_a_failed_staging_of_a_file_found_changed_fails_the_save(
         await (await ckpt.save(3, state))
     assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])
     assert (tmp_path / TRACKER).read_text() == "3"
+
+
+@pytest.mark.anyio
+async def test_hashing_longer_than_save_timeout_s_is_not_a_stuck_early_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The early writes take files for as long as the hashing runs; their
+    deadline counts from the end of the staging, so a slow hashing (0.5 s per
+    base file, 1.5 s against ``save_timeout_s=1``) neither times the save out
+    nor poisons the staging memory: steps 3 and 4 commit whole."""
+    armed = threading.Event()
+    real_prelink = Reuse.prelink
+
+    def prelink(self: Reuse, *args: Any) -> bool:
+        if armed.is_set():
+            time.sleep(0.5)
+        return real_prelink(self, *args)
+
+    monkeypatch.setattr(Reuse, "prelink", prelink)
+    state = lora_state()
+    async with asyncsave.Checkpointer(
+        tmp_path, incremental=True, writer_threads=1, save_timeout_s=1.0
+    ) as ckpt:
+        await two_saves(ckpt, state)
+        armed.set()
+        for step in (3, 4):
+            state["model"]["lora_A"].add_(1.0)
+            state["model"]["base.1"].add_(1)  # found changed while hashing: handed on
+            await (await ckpt.save(step, state))
+        armed.clear()
+    report = manifest(tmp_path / "step_4")["incremental"]
+    assert report["files_shared_at_staging"] == 2 and report["files_written"] == 2, report
+    assert_equal_tree(asyncsave.load(tmp_path / "step_4")["model"], state["model"])
+    assert (tmp_path / TRACKER).read_text() == "4"
