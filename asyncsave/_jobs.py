@@ -319,9 +319,14 @@ class PlainJob(Job):
                 with lock:
                     active[0] -= 1
 
+        # Threads of their own, not the writer threads: a previous save's commit,
+        # tracker and retention run on those, and do not wait for this hashing.
+        workers = min(saver.options.writer_threads, len(todo))
+        hashers = anyio.CapacityLimiter(max(1, workers))
+
         async def hash_worker() -> None:
             try:
-                await saver.run(hash_files)
+                await saver.run(hash_files, limiter=hashers)
             except Exception as exc:  # a worker that died (WorkerDiedError): as itself
                 errors.append(exc)
                 stop.set()
@@ -329,12 +334,12 @@ class PlainJob(Job):
         async def hashing() -> None:
             try:
                 async with anyio.create_task_group() as tg:
-                    for _ in range(min(saver.options.writer_threads, len(todo))):
+                    for _ in range(workers):
                         tg.start_soon(hash_worker)
             finally:
                 changed_send.close()
 
-        # Threads of their own: the hashing holds the save's writer threads.
+        # The early writes' threads: more than the writer threads (see EARLY_WRITE_THREADS).
         threads = anyio.CapacityLimiter(max(saver.options.writer_threads, EARLY_WRITE_THREADS))
         # The base the early writes compare with, read while staging (10-15 ms
         # for the bench's state: its manifest), not before their first write.

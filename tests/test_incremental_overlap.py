@@ -16,6 +16,7 @@ that share (linked while staging, and from the base while writing).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -925,3 +926,44 @@ async def test_hashing_longer_than_save_timeout_s_is_not_a_stuck_early_write(
     assert report["files_shared_at_staging"] == 2 and report["files_written"] == 2, report
     assert_equal_tree(asyncsave.load(tmp_path / "step_4")["model"], state["model"])
     assert (tmp_path / TRACKER).read_text() == "4"
+
+
+@pytest.mark.anyio
+async def test_a_previous_save_commits_while_the_next_one_hashes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``writer_threads=1``: step 4's hashing waits (in its worker) until step 3
+    is committed and tracked. Step 3's commit runs on the writer threads, which
+    the hashing must not hold, else each waits for the other until the wait
+    runs out."""
+    armed = threading.Event()
+    waited: list[bool] = []
+    real_prelink = Reuse.prelink
+
+    def tracked(step: str) -> bool:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if (tmp_path / TRACKER).read_text() == step:
+                    return True
+            time.sleep(0.005)
+        return False
+
+    def prelink(self: Reuse, *args: Any) -> bool:
+        if armed.is_set() and not waited:
+            waited.append(tracked("3"))
+        return real_prelink(self, *args)
+
+    monkeypatch.setattr(Reuse, "prelink", prelink)
+    state = lora_state()
+    async with asyncsave.Checkpointer(tmp_path, incremental=True, writer_threads=1) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["lora_A"].add_(1.0)
+        handle_3 = await ckpt.save(3, state)  # written and committed in the background
+        armed.set()
+        state["model"]["lora_A"].add_(1.0)
+        await (await ckpt.save(4, state))
+        await handle_3
+    assert waited == [True]
+    assert (tmp_path / TRACKER).read_text() == "4"
+    assert_equal_tree(asyncsave.load(tmp_path / "step_4")["model"], state["model"])
