@@ -411,6 +411,43 @@ def hashed_files(entries: list[Any]) -> bool:
     return not any(is_base(e) for e in entries)
 
 
+def staging_waits_for(
+    monkeypatch: pytest.MonkeyPatch, armed: threading.Event, event: threading.Event
+) -> list[bool]:
+    """While ``armed``, the staging of the changed files (no base file) first
+    waits in the event loop until ``event`` is set (at most ``WAIT_S``). Returns
+    the list of whether it was, one item per such staging."""
+    import asyncsave._jobs as jobs
+
+    waited: list[bool] = []
+    real_stage = jobs.stage_entries
+
+    async def stage_entries(lease: Any, entries: list[Any], **kwargs: Any) -> None:
+        if armed.is_set() and entries and hashed_files(entries):
+            with anyio.move_on_after(WAIT_S):
+                while not event.is_set():
+                    await anyio.sleep(0.005)
+            waited.append(event.is_set())
+        await real_stage(lease, entries, **kwargs)
+
+    monkeypatch.setattr(jobs, "stage_entries", stage_entries)
+    return waited
+
+
+def sets_when_called(
+    monkeypatch: pytest.MonkeyPatch, name: str, armed: threading.Event, event: threading.Event
+) -> None:
+    """While ``armed``, ``Reuse.<name>`` sets ``event`` when it is called."""
+    real = getattr(Reuse, name)
+
+    def hooked(self: Reuse, *args: Any) -> Any:
+        if armed.is_set():
+            event.set()
+        return real(self, *args)
+
+    monkeypatch.setattr(Reuse, name, hooked)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 async def test_the_unchanged_files_are_hashed_while_the_changed_ones_are_staged(
@@ -420,27 +457,9 @@ async def test_the_unchanged_files_are_hashed_while_the_changed_ones_are_staged(
     until a base file's hashing has started: it can only start if the hashing
     workers run while the changed files are staged. Staging first and hashing
     after, the wait runs out."""
-    import asyncsave._jobs as jobs
-
     armed, hashing = threading.Event(), threading.Event()
-    waited: list[bool] = []
-    real_prelink, real_stage = Reuse.prelink, jobs.stage_entries
-
-    def prelink(self: Reuse, *args: Any) -> bool:
-        if armed.is_set():
-            hashing.set()
-        return real_prelink(self, *args)
-
-    async def stage_entries(lease: Any, entries: list[Any], **kwargs: Any) -> None:
-        if armed.is_set() and entries and hashed_files(entries):
-            with anyio.move_on_after(WAIT_S):
-                while not hashing.is_set():
-                    await anyio.sleep(0.005)
-            waited.append(hashing.is_set())
-        await real_stage(lease, entries, **kwargs)
-
-    monkeypatch.setattr(Reuse, "prelink", prelink)
-    monkeypatch.setattr(jobs, "stage_entries", stage_entries)
+    sets_when_called(monkeypatch, "prelink", armed, hashing)
+    waited = staging_waits_for(monkeypatch, armed, hashing)
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
@@ -508,27 +527,9 @@ async def test_the_base_is_read_while_the_changed_files_are_staged(
     """The staging copy of the adapters' file waits until the base checkpoint is
     being looked up: the early writes then start on a base already read, not
     after reading it."""
-    import asyncsave._jobs as jobs
-
     armed, looking = threading.Event(), threading.Event()
-    waited: list[bool] = []
-    real_find, real_stage = Reuse.find_base, jobs.stage_entries
-
-    def find_base(self: Reuse, *args: Any) -> Any:
-        if armed.is_set():
-            looking.set()
-        return real_find(self, *args)
-
-    async def stage_entries(lease: Any, entries: list[Any], **kwargs: Any) -> None:
-        if armed.is_set() and entries and hashed_files(entries):
-            with anyio.move_on_after(WAIT_S):
-                while not looking.is_set():
-                    await anyio.sleep(0.005)
-            waited.append(looking.is_set())
-        await real_stage(lease, entries, **kwargs)
-
-    monkeypatch.setattr(Reuse, "find_base", find_base)
-    monkeypatch.setattr(jobs, "stage_entries", stage_entries)
+    sets_when_called(monkeypatch, "find_base", armed, looking)
+    waited = staging_waits_for(monkeypatch, armed, looking)
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
@@ -656,24 +657,15 @@ async def test_no_early_write_starts_for_a_save_whose_hashing_failed(
 ) -> None:
     """The hashing fails while the changed files are still being staged: their
     write never starts (the save has failed; nothing to wait for)."""
-    import asyncsave._jobs as jobs
-
     armed, failed = threading.Event(), threading.Event()
     writes: list[str] = []
-    real_prelink, real_stage, real_write = Reuse.prelink, jobs.stage_entries, Reuse.write_file
+    real_prelink, real_write = Reuse.prelink, Reuse.write_file
 
     def prelink(self: Reuse, *args: Any) -> bool:
         if armed.is_set():
             failed.set()
             raise RuntimeError("hashing failed")
         return real_prelink(self, *args)
-
-    async def stage_entries(lease: Any, entries: list[Any], **kwargs: Any) -> None:
-        if armed.is_set() and entries and hashed_files(entries):
-            with anyio.move_on_after(WAIT_S):
-                while not failed.is_set():
-                    await anyio.sleep(0.005)
-        await real_stage(lease, entries, **kwargs)
 
     def write_file(self: Reuse, *args: Any, **kwargs: Any) -> Any:
         if armed.is_set():
@@ -682,7 +674,7 @@ async def test_no_early_write_starts_for_a_save_whose_hashing_failed(
 
     monkeypatch.setattr(Reuse, "prelink", prelink)
     monkeypatch.setattr(Reuse, "write_file", write_file)
-    monkeypatch.setattr(jobs, "stage_entries", stage_entries)
+    staging_waits_for(monkeypatch, armed, failed)
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
