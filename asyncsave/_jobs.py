@@ -292,7 +292,6 @@ class PlainJob(Job):
         # Files found changed, from the hashing workers to the event loop, which
         # stages them (host copies, never abandoned) and hands them on.
         changed_send, changed_recv = anyio.create_memory_object_stream[FileLayout](math.inf)
-        handed: set[int] = set()  # staged and handed to the early writes
 
         def hash_files() -> None:
             with lock:
@@ -391,9 +390,7 @@ class PlainJob(Job):
                         errors.insert(0, exc)
                         stop.set()
                         continue
-                    if early.add(fl):
-                        handed.add(fl.index)
-                    else:  # given up on (a close): the save fails with their error
+                    if not early.add(fl):  # given up on (a close): the save fails with it
                         stop.set()
 
         try:
@@ -414,14 +411,9 @@ class PlainJob(Job):
                     self.early.finish()  # no more files: it ends when they are written
             if errors:
                 raise errors[0]
-            linked = set(report.prelinked)
-            await stage(
-                [
-                    e
-                    for e in entries
-                    if e.file in hashed and e.file not in linked and e.file not in handed
-                ]
-            )
+            # What neither the hashing linked nor the early writes took.
+            done = set(report.prelinked) | (set() if self.early is None else self.early.files)
+            await stage([e for e in entries if e.file in hashed and e.file not in done])
         except BaseException:
             await self.settle()  # before the failure's clean-up (see settle)
             raise
