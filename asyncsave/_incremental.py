@@ -458,9 +458,9 @@ class Reuse:
 
         :returns: entry index -> XXH3-64 hex digest of the entry's staged bytes.
         """
-        # Checksums of the sources taken while staging (see prelink) are those of
-        # the staged bytes: never hashed twice.
-        digests = {i: entries[i].digest for i in layout.entries if entries[i].digest}
+        # Hashed here from the staged bytes (prelink keeps no checksum of a file it
+        # did not link): what the manifest records is what the file holds.
+        digests: dict[int, str] = {}
         f = None if base is None else base.match(layout, entries)
         if base is not None and f is not None:
             view = memoryview(buffer.numpy())  # type: ignore[arg-type]
@@ -568,11 +568,14 @@ class Reuse:
         is unchanged after all) until a save shares it again, so a save where
         everything changes does not hash while the caller waits. The *sources* (host
         tensors, contiguous) are hashed in place instead of staged copies; a
-        linked file's entries are neither copied into staging memory nor written,
-        and the checksums of a file that is not linked are kept on its entries
-        for the writer (the staged bytes are these bytes: the caller is in
-        ``save()`` (eager) or has not yet been told the snapshot is taken (lazy);
-        what a lazy save snapshots at once is hashed from that private copy).
+        linked file's entries are neither copied into staging memory nor written.
+        A file that is not linked keeps no checksum from here: its staged copy is
+        hashed by the writer, so that the checksums a checkpoint records are
+        those of the bytes it holds even when a caller changes a tensor during
+        its save (against the contract of ``save()`` and ``staged()``; a fresh
+        user's trial committed checkpoints that failed ``verify`` that way, where
+        full saves stayed verifiable). That costs the changed files of a save a
+        second hashing, overlapped with their writes.
 
         The file linked need not be committed: it was fsynced whole before it was
         remembered (:meth:`remember`), its identity (inode, size, ``mtime_ns``) is
@@ -589,8 +592,6 @@ class Reuse:
             if known is None or header_hash in self._changing:
                 return False
         digests = tuple(_hash_source(entries[i]) for i in layout.entries)
-        for i, digest in zip(layout.entries, digests, strict=True):
-            entries[i].digest = digest
         if digests != known[0]:
             with self._lock:
                 self._changing.add(header_hash)
@@ -613,6 +614,8 @@ class Reuse:
             logger.info("incremental save: sharing %s while staging failed (%r)", src, exc)
             _unlink_quietly(fs, dst)
             return False
+        for i, digest in zip(layout.entries, digests, strict=True):
+            entries[i].digest = digest  # the linked file's bytes: the manifest's checksums
         with self._lock:
             report.bytes_shared += layout.nbytes
             report.files_shared += 1

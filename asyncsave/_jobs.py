@@ -282,7 +282,7 @@ class PlainJob(Job):
         hashed = {fl.index for fl in self.layouts if reuse.worth_prelinking(fl, entries)}
         now = [fl for fl in self.layouts if fl.index not in hashed]
         todo = collections.deque(fl for fl in self.layouts if fl.index in hashed)
-        by_file: dict[int, list[Entry]] = {}
+        by_file: dict[int, list[Entry]] = {}  # each file's entries
         for e in entries:
             by_file.setdefault(e.file, []).append(e)
         errors: list[Exception] = []
@@ -308,10 +308,10 @@ class PlainJob(Job):
                         errors.append(exc)
                         stop.set()
                         continue
-                    # Hashed and not linked (changed, or its link failed): its
-                    # checksums are known; the writer shares it from the base if
-                    # it is equal after all, else writes it.
-                    if not linked and not stop.is_set() and all(e.digest for e in by_file[fl.index]):
+                    # Not linked (changed, or its link failed): staged at once and
+                    # written, or shared from the base if equal after all (the
+                    # writer hashes the staged copy).
+                    if not linked and not stop.is_set():
                         with contextlib.suppress(anyio.ClosedResourceError, RuntimeError):
                             anyio.from_thread.run_sync(changed_send.send_nowait, fl)
             finally:

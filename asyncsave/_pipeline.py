@@ -384,7 +384,9 @@ class Saver:
             else:
                 job.snapshot_eager(ready)
         except BaseException as exc:
-            self._snapshot_failed(save, exc)
+            # The caller is still in save(): it hears of it (a cancellation, too);
+            # the checkpointer goes on.
+            self._snapshot_failed(save, exc, heard=True)
             raise
         self.lazy[step] = handle
         save.blocked_s = time.perf_counter() - t0
@@ -481,7 +483,9 @@ class Saver:
             event, self._stage_changed = self._stage_changed, anyio.Event()
             event.set()
 
-    def _snapshot_failed(self, save: _Save, exc: BaseException) -> SaveFailedError:
+    def _snapshot_failed(
+        self, save: _Save, exc: BaseException, *, heard: bool = False
+    ) -> SaveFailedError:
         # Whoever shares this handle (a duplicate save() of the same step, or a
         # close waiting for it) must hear of it: nothing else will resolve it.
         step, handle, job = save.handle.step, save.handle, save.job
@@ -499,7 +503,7 @@ class Saver:
                 step=step,
             )
         error.__cause__ = exc
-        if save.lazy:
+        if save.lazy and not heard:
             # Nobody is in save() to hear of it: the checkpointer refuses further
             # saves, so it is raised at the next save(), wait() or close.
             self.set_failure(error)

@@ -959,3 +959,35 @@ async def test_a_previous_save_commits_while_the_next_one_hashes(
     assert waited == [True]
     assert (tmp_path / TRACKER).read_text() == "4"
     assert_equal_tree(asyncsave.load(tmp_path / "step_4")["model"], state["model"])
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+async def test_a_tensor_changed_during_its_save_still_gives_a_verifiable_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool
+) -> None:
+    """A caller that breaks the contract and changes a base tensor after its
+    hashing found it changed and before it is staged (another thread of the
+    trainer, or a lazy save's tensors changed before ``staged()``): the
+    checkpoint holds the bytes staged, with their checksums, so ``verify`` and
+    ``load`` agree on it, as for a full save. (The in-place checksum was kept for
+    the writer: such checkpoints failed ``verify``.)"""
+    armed = threading.Event()
+    real_prelink = Reuse.prelink
+    state = lora_state()
+
+    def prelink(self: Reuse, fs: Any, tmp: Path, layout: Any, *args: Any) -> bool:
+        linked = real_prelink(self, fs, tmp, layout, *args)
+        if armed.is_set() and not linked:
+            state["model"]["base.0"].add_(1.0)  # after its hashing, before its staging
+        return linked
+
+    monkeypatch.setattr(Reuse, "prelink", prelink)
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        await two_saves(ckpt, state)
+        state["model"]["base.0"].add_(1.0)  # found changed: handed on after its hashing
+        armed.set()
+        await (await ckpt.save(3, state, lazy=lazy))
+        armed.clear()
+    asyncsave.verify(tmp_path / "step_3")
+    assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])

@@ -230,3 +230,52 @@ def test_stage_before_step_refuses_what_is_not_a_checkpointer() -> None:
     _, opt = model_and_opt()
     with pytest.raises(TypeError, match="Checkpointer"):
         asyncsave.stage_before_step(opt, object())
+
+
+@pytest.mark.parametrize("how", ["cancelled", "raises"])
+async def test_a_lazy_save_that_fails_before_it_returns_leaves_the_checkpointer_usable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The caller of a lazy ``save()`` is cancelled (or the copy of its small
+    tensors fails) while still inside ``save()``, once its snapshot has been
+    dispatched: the caller hears it (it is in ``save()``), so the checkpointer
+    does not refuse later saves as it does for a lazy save that fails after
+    returning (a fresh user's trial found every later save refused)."""
+    from asyncsave._jobs import PlainJob
+
+    armed = threading.Event()
+    scopes: list[anyio.CancelScope] = []
+    real_devices, real_snapshot = PlainJob.devices, PlainJob.snapshot_eager
+
+    def devices(self: PlainJob) -> Any:
+        if armed.is_set() and scopes:
+            scopes.pop().cancel()  # delivered at the next checkpoint: in dispatch
+        return real_devices(self)
+
+    def snapshot_eager(self: PlainJob, ready: Any) -> None:
+        if armed.is_set():
+            raise MemoryError("no memory for the small tensors' copies")
+        real_snapshot(self, ready)
+
+    monkeypatch.setattr(PlainJob, "devices", devices)
+    if how == "raises":
+        monkeypatch.setattr(PlainJob, "snapshot_eager", snapshot_eager)
+    state = {"w": torch.randn(1 << 16), "b": torch.zeros(8)}
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, state, lazy=True))
+        armed.set()
+        if how == "cancelled":
+            with anyio.CancelScope() as scope:
+                scopes.append(scope)
+                await ckpt.save(2, state, lazy=True)
+            assert scope.cancelled_caught and not scopes
+        else:
+            with pytest.raises(MemoryError):
+                await ckpt.save(2, state, lazy=True)
+        armed.clear()
+        state["w"].add_(1.0)
+        await (await ckpt.save(2, state, lazy=True))
+        await ckpt.wait()
+    info = asyncsave.latest(tmp_path)
+    assert info is not None and info.step == 2
+    assert torch.equal(asyncsave.load(tmp_path / "step_2")["w"], state["w"])
