@@ -138,7 +138,10 @@ class StagingPool:
         if self._poisoned:
             self._busy.release()  # wake the next waiter to the same error
             raise SaveFailedError(
-                "the staging memory was lost to device copies that never finished"
+                "the staging memory was lost: a device copy into it never finished, or "
+                "a writer thread reading it was abandoned at save_timeout_s (or by a "
+                "close that gave up); it is never reused, so this checkpointer saves "
+                "no more (open a new one)"
             )
         if self._closed:
             self._busy.release()
@@ -192,7 +195,8 @@ class StagingPool:
             self._poisoned = True
         if self._poisoned:
             logger.warning(
-                "not freeing the %d-byte staging arena: device copies into it never finished",
+                "not freeing the %d-byte staging arena: a device copy into it never "
+                "finished, or a thread given up on may still read it",
                 self.capacity,
             )
             if self._arena is not None:
