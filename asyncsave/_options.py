@@ -194,6 +194,7 @@ class CheckpointOptions:
     allow_pickle: bool = False
     poll_interval_s: float = 0.0005
     direct_io: bool = True
+    overlap_writes: bool | None = None
     filesystem: LocalFileSystem | None = None
     storage_options: Mapping[str, Any] | None = None
     distributed: bool | None = None
@@ -225,6 +226,10 @@ class CheckpointOptions:
             raise ValueError(f"persistent={self.persistent!r} must be an asyncsave.Tier or None")
         if self.incremental not in (True, False):
             raise ValueError(f"incremental={self.incremental!r} must be True or False")
+        if self.overlap_writes not in (None, True, False):
+            raise ValueError(
+                f"overlap_writes={self.overlap_writes!r} must be None, True or False"
+            )
         if self.distributed not in (None, True, False):
             raise ValueError(f"distributed={self.distributed!r} must be None, True or False")
         for name in ("save_timeout_s", "close_timeout_s", "poll_interval_s", "dist_timeout_s"):

@@ -367,6 +367,7 @@ class Saver:
         if isinstance(job, Job):
             handle._progress.total_bytes = job.nbytes
             job.progress = handle._progress
+            job.lazy = lazy
         self.pending[step] = handle
         if ticket is None:
             ticket = self.coord.take_ticket()
@@ -435,10 +436,12 @@ class Saver:
                 or isinstance(exc, CheckpointerClosedError)
                 or not self.accepting
             ):
-                error = self._snapshot_failed(save, exc)
+                # Gone before the handle fails: whoever waits on it finds no
+                # temporary directory of this save (lazy: ``await handle``).
                 if save.tmp is not None and self.owns_root:
                     await self.discard(save.tmp)
                 await self.discard(save.private)
+                error = self._snapshot_failed(save, exc)
                 if isinstance(exc, OSError):  # a streamed round's write: an I/O failure
                     raise error from exc
                 raise
@@ -731,10 +734,14 @@ class Saver:
                         rank=0,
                     )
                     error.__cause__ = exc
-                self.fail(handle, error)
+                # Removed before the handle fails: whoever it wakes finds no
+                # temporary directory of this save.
                 if self.owns_root and not committing and not committed:
                     await self.discard(tmp)
+                self.fail(handle, error)
             except anyio.get_cancelled_exc_class():
+                if self.owns_root and not committing and not committed:
+                    await self.discard(tmp)
                 self.fail(
                     handle,
                     CheckpointTimeoutError(
@@ -743,8 +750,6 @@ class Saver:
                         path=tmp,
                     ),
                 )
-                if self.owns_root and not committing and not committed:
-                    await self.discard(tmp)
                 raise
             finally:
                 coord.end_turn(save.ticket)
@@ -753,6 +758,10 @@ class Saver:
                 part, outcomes = None, []
                 parts = own = []
                 if isinstance(job, Job):
+                    # Writes started while staging, when write() never ran (a
+                    # rank failed before): they read the arena and write into
+                    # save.private, both released below.
+                    await job.settle()
                     job.release()
                 if save.private is not None:  # moved into tmp, or failed: gone either way
                     await self.discard(save.private)

@@ -9,7 +9,10 @@ one run, with:
 - ``asyncsave per-rank``: ``Checkpointer.save`` of each rank's local shards as
   plain tensors (pool staging, collective commit);
 - ``asyncsave per-rank lazy``: the same with ``lazy=True`` (``save()`` returns
-  before the snapshot; issue 11: the same pipeline as one process);
+  before the snapshot; issue 11: the same pipeline as one process); its files
+  are written while the snapshot is copied (``overlap_writes``' default);
+- ``asyncsave per-rank overlap``: eager, with ``overlap_writes=True`` (the
+  files written while ``save()`` still copies);
 - ``dcp.async_save FileSystemWriter``: DCP's own async save and writer
   (``future.result()`` = written; DCP's writer has no rename commit);
 - ``dcp.async_save asyncsave writer``: DCP's async save with
@@ -18,7 +21,8 @@ one run, with:
 For each: the seconds ``save()`` / ``async_save()`` blocked the caller, and the
 seconds until durable (``await handle`` / ``future.result()``), the median of
 ``--repeats`` rounds, the slower rank's figure each round. References on the same
-machine, measured in every round between the methods (every rank at once): a host
+machine, measured in every round (every rank at once; the saves and the reference
+writes take turns at going first, round by round): a host
 memcpy of one rank's bytes; a raw sequential write + fsync of them into one file
 (``raw write+fsync``); and the same bytes as the files asyncsave's per-rank save
 wrote for that rank (their number and sizes, read from its manifest), written by
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import mmap
 import os
@@ -220,27 +225,22 @@ def _bench(
         shutil.rmtree(directory)
         return seconds
 
-    def references(step: int) -> None:
+    def memcpy() -> None:
         dist.barrier()
         t0 = time.perf_counter()
         dst.copy_(flat)
         ref["host_memcpy_s"].append(_slowest(time.perf_counter() - t0))
-        # The writes take turns at going first: the first fsync after a
-        # pause may also pay for other processes' dirty pages (ext4 commits
-        # them in the same journal transaction).
-        order = [
-            ("raw_write_fsync_s", one_file),
-            ("raw_same_files_s", same_files),
-            ("raw_same_files_direct_s", same_files_direct),
-        ]
-        turn = step % len(order)
-        for key, measure in order[turn:] + order[:turn]:
-            dist.barrier()
-            ref[key].append(_slowest(measure(step)))
+
+    def reference(key: str, measure: Any, step: int) -> None:
+        dist.barrier()
+        ref[key].append(_slowest(measure(step)))
 
     async def rounds() -> None:
-        # Methods and references interleaved round by round, so that the disk's
-        # mood on this shared machine spreads over all of them alike.
+        # Methods and references interleaved round by round, and taking turns at
+        # going first: a write's time depends on what the disk did just before
+        # (the first fsync after a pause may also pay for other processes' dirty
+        # pages, ext4 commits them in the same journal transaction), so every one
+        # of them runs in every position over the rounds, alike.
         async with (
             asyncsave.Checkpointer(
                 f"{base}/as-dtensor", dist_timeout_s=600, direct_io=direct_io
@@ -248,25 +248,47 @@ def _bench(
             asyncsave.Checkpointer(
                 f"{base}/as-plain", dist_timeout_s=600, direct_io=direct_io
             ) as c_pl,
+            asyncsave.Checkpointer(
+                f"{base}/as-overlap", dist_timeout_s=600, direct_io=direct_io, overlap_writes=True
+            ) as c_ov,
         ):
+            steps = {id(c_dt): 0, id(c_pl): 0, id(c_ov): 0}
+
+            async def save(name: str, ckpt: Any, state: Any, lazy: bool) -> None:
+                steps[id(ckpt)] += 1  # in call order: the turns reorder eager and lazy
+                dist.barrier()
+                t0 = time.perf_counter()
+                handle = await ckpt.save(steps[id(ckpt)], state, lazy=lazy)
+                blocked = time.perf_counter() - t0
+                info = await handle
+                record(name, blocked, time.perf_counter() - t0)
+                if not sizes and state is local:
+                    assert info is not None
+                    sizes.extend(_rank_file_sizes(info.path, rank))
+
             for step in range(1, repeats + 1):
-                for name, ckpt, state, lazy, at in (
-                    ("asyncsave DTensor", c_dt, sharded, False, step),
-                    ("asyncsave per-rank", c_pl, local, False, 2 * step - 1),
-                    ("asyncsave per-rank lazy", c_pl, local, True, 2 * step),
+                turns: list[Any] = []
+                if rows != "per-rank":
+                    turns.append(functools.partial(save, "asyncsave DTensor", c_dt, sharded, False))
+                turns += [
+                    functools.partial(save, "asyncsave per-rank", c_pl, local, False),
+                    functools.partial(save, "asyncsave per-rank lazy", c_pl, local, True),
+                    functools.partial(save, "asyncsave per-rank overlap", c_ov, local, False),
+                ]
+                for key, measure in (
+                    ("raw_write_fsync_s", one_file),
+                    ("raw_same_files_s", same_files),
+                    ("raw_same_files_direct_s", same_files_direct),
                 ):
-                    if rows == "per-rank" and state is sharded:
-                        continue
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    handle = await ckpt.save(at, state, lazy=lazy)
-                    blocked = time.perf_counter() - t0
-                    info = await handle
-                    record(name, blocked, time.perf_counter() - t0)
-                    if not sizes and state is local:
-                        assert info is not None
-                        sizes.extend(_rank_file_sizes(info.path, rank))
-                await anyio.to_thread.run_sync(references, step)
+                    turns.append(
+                        functools.partial(anyio.to_thread.run_sync, reference, key, measure, step)
+                    )
+                # The first round starts with the saves: the references write
+                # the files the per-rank save wrote.
+                turn = (step - 1) % len(turns)
+                for run in turns[turn:] + turns[:turn]:
+                    await run()
+                await anyio.to_thread.run_sync(memcpy)
                 if rows == "per-rank":
                     continue
                 for name, writer in (
@@ -347,7 +369,7 @@ def main() -> None:
     # The disk's mood drifts between rounds: the ratio within each round, then
     # the median over rounds, is steadier than a ratio of medians.
     per_round: dict[str, float] = {}
-    for name in ("asyncsave per-rank", "asyncsave per-rank lazy"):
+    for name in ("asyncsave per-rank", "asyncsave per-rank lazy", "asyncsave per-rank overlap"):
         durable = r0["results"][name]["durable_s"]
         for ref_name in ("raw_write_fsync_s", "raw_same_files_s", "raw_same_files_direct_s"):
             refs = r0["reference"][ref_name]

@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 import asyncsave
 from asyncsave import _jobs
 from asyncsave._paths import is_temp_name
+from asyncsave._stage import StagedMark
 
 pytestmark = pytest.mark.anyio
 
@@ -180,7 +181,16 @@ async def test_a_training_error_propagates_unchanged_and_the_lazy_save_is_flushe
 
 # -- each phase paused when close begins -----------------------------------------
 
-PHASES = ["buffer", "staging", "round", "writing", "committing", "tracking", "retention"]
+PHASES = [
+    "buffer",
+    "staging",
+    "following",
+    "round",
+    "writing",
+    "committing",
+    "tracking",
+    "retention",
+]
 
 
 class PausedStage:
@@ -215,6 +225,18 @@ def pause_at(
         stage = PausedStage(armed, gate)
         monkeypatch.setattr(_jobs, "stage_entries", stage)
         return None, stage.reached, {}
+    if phase == "following":  # copied while its files are written (overlap_writes)
+        monkeypatch.setattr(_jobs, "FOLLOW_MIN_BYTES", 0)
+        real, reached = StagedMark.advance, threading.Event()
+
+        def advance(self: StagedMark, index: int, upto: int) -> None:
+            real(self, index, upto)
+            if armed.is_set() and not reached.is_set():
+                reached.set()
+                gate.wait(HANG_GUARD_S)
+
+        monkeypatch.setattr(StagedMark, "advance", advance)
+        return None, reached, {"overlap_writes": True}
     if phase == "round":  # the first round's write, inside the snapshot
         fs = FaultyFS("write", pause(gate), where=of_step_2(".safetensors"))
         return fs, fs.fired, {"budget_bytes": SMALL_BUDGET}

@@ -22,6 +22,7 @@ Beside the shim, a real 4 MiB tmpfs is filled up (as root) to show ENOSPC end to
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import subprocess
@@ -36,6 +37,7 @@ from fstrace import TracingFS
 from reliability import record
 
 import asyncsave
+import asyncsave._jobs
 from asyncsave._paths import is_temp_name
 
 pytestmark = pytest.mark.anyio
@@ -74,12 +76,12 @@ class FaultFS(TracingFS):
         raise OSError(self.code, os.strerror(self.code), path)
 
 
-def clean_calls(tmp: Path) -> tuple[int, list[tuple[str, str]]]:
+def clean_calls(tmp: Path, **options: Any) -> tuple[int, list[tuple[str, str]]]:
     """Calls made before step 2's save, and the calls of that save."""
     fs = TracingFS(tmp, record=False)
 
     async def go() -> int:
-        async with asyncsave.Checkpointer(tmp, filesystem=fs) as ckpt:
+        async with asyncsave.Checkpointer(tmp, filesystem=fs, **options) as ckpt:
             await (await ckpt.save(1, state_of(1)))
             before = fs.calls
             await (await ckpt.save(2, state_of(2)))
@@ -100,9 +102,11 @@ def check_after_failure(root: Path, expect_cause_errno: int) -> None:
     assert not leftovers, leftovers
 
 
-async def fail_one(root: Path, at: int, code: int, short: bool) -> tuple[str, str]:
+async def fail_one(
+    root: Path, at: int, code: int, short: bool, **options: Any
+) -> tuple[str, str]:
     fs = FaultFS(root, at, code, short=short)
-    ckpt = asyncsave.Checkpointer(root, filesystem=fs)
+    ckpt = asyncsave.Checkpointer(root, filesystem=fs, **options)
     with anyio.fail_after(60):  # a hang detector, not a timing assertion
         with pytest.raises(asyncsave.SaveFailedError) as at_close:
             async with ckpt:
@@ -139,8 +143,27 @@ async def resume_and_save_again(root: Path) -> None:
 async def test_a_fault_at_every_write_site_is_raised_typed_and_loses_nothing(
     tmp_path: Path, kind: str, anyio_backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    await fault_at_every_site(tmp_path, kind, caplog)
+
+
+@pytest.mark.parametrize("kind", ["ENOSPC", "EIO", "short-write"])
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_fault_at_every_write_site_of_a_save_written_while_staged(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same, with the data files written while the snapshot is copied
+    (``overlap_writes=True``; the files' writers started before the copy)."""
+    monkeypatch.setattr(asyncsave._jobs, "FOLLOW_MIN_BYTES", 0)
+    await fault_at_every_site(tmp_path, kind, caplog, overlap_writes=True)
+
+
+async def fault_at_every_site(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture, **options: Any
+) -> None:
     caplog.set_level(logging.CRITICAL, logger="asyncsave")
-    before, calls = await anyio.to_thread.run_sync(clean_calls, tmp_path / "clean")
+    before, calls = await anyio.to_thread.run_sync(
+        functools.partial(clean_calls, tmp_path / "clean", **options)
+    )
     short = kind == "short-write"
     code = errno.ENOSPC if short else ERRNOS[kind]
     # (a one-byte write, the tracker's, cannot be short: it is a site of the errnos)
@@ -152,7 +175,7 @@ async def test_a_fault_at_every_write_site_is_raised_typed_and_loses_nothing(
     kinds_hit: set[str] = set()
     for n, at in enumerate(sites):
         root = tmp_path / f"case-{n}"
-        fired = await fail_one(root, at, code, short)
+        fired = await fail_one(root, at, code, short, **options)
         try:
             check_after_failure(root, code)
             await resume_and_save_again(root)
