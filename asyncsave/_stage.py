@@ -109,6 +109,7 @@ class StagingPool:
         self._busy = anyio.Semaphore(1)
         self._poisoned = False
         self._closed = False
+        self._gave_up = False  # see give_up()
         self.allocations = 0  # how many times an arena was allocated (S10)
         # Plans' views of the arena (see _views): dropped with the arena.
         self.views: weakref.WeakSet[ViewCache] = weakref.WeakSet()
@@ -141,6 +142,12 @@ class StagingPool:
         """
         self.check(nbytes)
         await self._busy.acquire()
+        if self._gave_up:  # before the poison check: a writer abandoned by it poisons
+            self._busy.release()
+            raise CheckpointerClosedError(
+                "the checkpointer's close gave up (close_timeout_s) while this save "
+                "waited for the staging memory"
+            )
         if self._poisoned:
             self._busy.release()  # wake the next waiter to the same error
             raise SaveFailedError(
@@ -190,6 +197,12 @@ class StagingPool:
             _unregister(self._arena)
         self._arena = None
         self._pinned = False
+
+    def give_up(self) -> None:
+        """The checkpointer's close gave up (``close_timeout_s``): saves waiting
+        for the arena, now or later, raise :class:`CheckpointerClosedError`, the
+        close's error, even if a writer it abandoned poisons the arena first."""
+        self._gave_up = True
 
     async def aclose(self) -> None:
         self._closed = True

@@ -473,7 +473,7 @@ async def test_close_timeout_refuses_an_overwrite_still_queued_when_it_gives_up(
             async with anyio.create_task_group() as tg:
                 with pytest.raises(asyncsave.CheckpointTimeoutError):
                     async with asyncsave.Checkpointer(
-                        tmp_path, filesystem=fs, close_timeout_s=0.3
+                        tmp_path, filesystem=fs, close_timeout_s=0.3, overlap_writes=overlap
                     ) as ckpt:
                         await ckpt.save(1, state_of(1))
                         assert await anyio.to_thread.run_sync(fs.fired.wait, HANG_GUARD_S)
@@ -497,13 +497,20 @@ async def test_close_timeout_refuses_an_overwrite_still_queued_when_it_gives_up(
         assert await reopened.load_latest() is None
 
 
-async def test_close_timeout_still_bounds_the_flush_of_accepted_saves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["staged-then-written", "overlap"])
+async def test_close_timeout_still_bounds_the_flush_of_accepted_saves(
+    tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Step 1's write hangs, a lazy step 2 waits for the buffer behind it, and an
     eager step 3 is still inside another task's ``save()``: close gives up after
     ``close_timeout_s`` while the write is still stuck, raises
     ``CheckpointTimeoutError`` naming the steps, the lazy handle fails with it, the
     eager ``save()`` raises ``CheckpointerClosedError`` (no handle), and nothing is
-    committed."""
+    committed. With step 1 written while staged (``overlap_writes``), its
+    abandoned writer poisons the staging memory: the waiting saves still get the
+    close's errors."""
+    if overlap:
+        monkeypatch.setattr(_jobs, "FOLLOW_MIN_BYTES", 0)
     gate = threading.Event()
     safety = threading.Timer(HANG_GUARD_S, gate.set)  # a broken close still ends
     safety.start()
@@ -514,7 +521,7 @@ async def test_close_timeout_still_bounds_the_flush_of_accepted_saves(tmp_path: 
             async with anyio.create_task_group() as tg:
                 with pytest.raises(asyncsave.CheckpointTimeoutError) as at_close:
                     async with asyncsave.Checkpointer(
-                        tmp_path, filesystem=fs, close_timeout_s=0.3
+                        tmp_path, filesystem=fs, close_timeout_s=0.3, overlap_writes=overlap
                     ) as ckpt:
                         await ckpt.save(1, state_of(1))
                         assert await anyio.to_thread.run_sync(fs.fired.wait, HANG_GUARD_S)
