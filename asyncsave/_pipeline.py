@@ -18,6 +18,12 @@ C. the leader writes the merged manifest, fsyncs, renames to the final name (or
    committed. Every rank's handle resolves after that broadcast. Retention
    follows on the leader, outside the save's deadline.
 
+A save written while it is staged (``overlap_writes``: ``PlainJob._stage_following``)
+or streamed through a small budget writes its files before its turn: one process
+into the save's temporary directory (made then; phase A takes it as it is), a
+rank of several into a directory of its own, whose files it moves into the
+shared one in phase B.
+
 With ``Tier(local_scope="rank")`` (``Saver.per_rank``) every rank has a root of
 its own (a node-local disk): in A and B each rank writes its own temporary
 directory, in C each commits its own part as a checkpoint of one rank, tracks

@@ -6,7 +6,9 @@ written, and the next save waits (backpressure) until then. For CUDA sources the
 arena is page-locked with ``cudaHostRegister`` on an exact-size allocation (torch's
 caching host allocator rounds pinned blocks up to a power of two, which wastes up to
 half the budget), device-to-host copies run on one side stream per device, and the
-event loop polls a CUDA event for completion instead of synchronizing.
+event loop polls a CUDA event for completion instead of synchronizing. Host
+copies that writers follow (``overlap_writes``) go through :func:`copy_following`,
+which advances a :class:`StagedMark` per file as it goes.
 
 Every entry is copied through a same-size integer view (complex: its real view), so
 every dtype, NaN payloads and float8/float4/bits types included, is copied

@@ -473,7 +473,7 @@ async def test_close_timeout_refuses_an_overwrite_still_queued_when_it_gives_up(
             async with anyio.create_task_group() as tg:
                 with pytest.raises(asyncsave.CheckpointTimeoutError):
                     async with asyncsave.Checkpointer(
-                        tmp_path, filesystem=fs, close_timeout_s=0.3, overlap_writes=overlap
+                        tmp_path, filesystem=fs, close_timeout_s=0.3
                     ) as ckpt:
                         await ckpt.save(1, state_of(1))
                         assert await anyio.to_thread.run_sync(fs.fired.wait, HANG_GUARD_S)

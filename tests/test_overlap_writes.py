@@ -301,9 +301,7 @@ async def test_a_failed_copy_is_the_saves_error_and_stops_the_writers(
 @pytest.mark.anyio
 @pytest.mark.usefixtures("small_steps")
 @pytest.mark.parametrize("op", ["write", "fsync", "create"])
-async def test_a_failed_write_while_staging_is_the_saves_error(
-    tmp_path: Path, op: str
-) -> None:
+async def test_a_failed_write_while_staging_is_the_saves_error(tmp_path: Path, op: str) -> None:
     """A data file's write, fsync or creation fails (disk full) while its save
     is still staged: ``save()`` returns (the snapshot is whole), the handle
     raises :class:`SaveFailedError` with the ``OSError`` as its cause, no
@@ -415,9 +413,10 @@ async def test_a_stuck_write_while_staging_is_a_timeout_of_the_save(tmp_path: Pa
             ) as ckpt:
                 await (await ckpt.save(1, state))
                 handle = await ckpt.save(2, state)
-                with anyio.fail_after(WAIT_S), pytest.raises(
-                    asyncsave.CheckpointTimeoutError
-                ) as caught:
+                with (
+                    anyio.fail_after(WAIT_S),
+                    pytest.raises(asyncsave.CheckpointTimeoutError) as caught,
+                ):
                     await handle
                 assert caught.value.step == 2
                 with pytest.raises(asyncsave.SaveFailedError):
