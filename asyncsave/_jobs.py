@@ -101,7 +101,7 @@ class Services(Protocol):
     layout: Layout
     options: CheckpointOptions
     pool: StagingPool | None
-    pending: dict[int, Any]  # step -> handle of every save not yet finished
+    pending: dict[int, Any]  # step -> SaveHandle of every save not yet cleaned up
 
     async def run(
         self, func: Any, *args: Any, limiter: anyio.CapacityLimiter | None = None
@@ -190,6 +190,7 @@ class PlainJob(Job):
         self.report: Report | None = None
         self.early: _EarlyWrites | None = None  # files written while staging
         self.failed_early: Exception | None = None  # raised by write()
+        self.mark: StagedMark | None = None  # what the early writes follow
         self.nbytes = plan.nbytes
         self.num_tensors = len(plan.leaves)
 
@@ -279,7 +280,9 @@ class PlainJob(Job):
             and saver.fs.atomic_rename
             and self.staging_bytes >= FOLLOW_MIN_BYTES
             and all(d.type == "cpu" for d in self.plan.devices)
-            and all(s == step for s in saver.pending)
+            # Finished ones (their handle resolved) may still be in their
+            # clean-up, which competes with nothing.
+            and all(s == step or h.done() for s, h in saver.pending.items())
         )
 
     async def _stage_following(
@@ -305,7 +308,8 @@ class PlainJob(Job):
             self.failed_early = exc
             await stage(self.plan.entries, self.plan.staging_views)
             return
-        mark = StagedMark(self.layouts)
+        saver.check_flushing(step)  # a close that gave up meanwhile: no writes started
+        self.mark = mark = StagedMark(self.layouts)
         writer = functools.partial(write_data_file, ready=mark.wait)
         self._write_early(saver, step, tmp, self.layouts, None, writer)
         assert self.early is not None
@@ -321,7 +325,7 @@ class PlainJob(Job):
                 None if progress is None else progress.add_staged,
             )
         except BaseException as exc:
-            mark.fail(exc)  # the writers waiting for it stop
+            mark.fail(exc)  # the writers stop at their next chunk
             self.early.finish()
             await self.settle()  # before the failure's clean-up (see settle)
             raise
@@ -507,12 +511,18 @@ class PlainJob(Job):
         into the temporary directory, both released by that clean-up), shielded
         and bounded by their own deadline; never cancelled here, as host staging
         copies are not (a close that gives up cancels them). Their own error, if
-        any, is logged: the failure being handled is the one raised."""
+        any, is logged: the failure being handled is the one raised. Writes
+        that follow the staging (``_stage_following``) are stopped at their next
+        chunk first (a cancelled save returns without writing its files to the
+        end); those already done are not affected."""
         early = self.early
         if early is None:
             return
-        with anyio.CancelScope(shield=True):
-            await early.done.wait()
+        if self.mark is not None:
+            self.mark.fail(CheckpointError("the save failed before its files were needed"))
+        if not early.done.is_set():  # (no checkpoint otherwise: see _pipeline's finally)
+            with anyio.CancelScope(shield=True):
+                await early.done.wait()
         if early.error is not None and not isinstance(early.error, StagingAbandonedError):
             logger.warning(
                 "the early writes of this save failed too (not raised: the save "

@@ -442,12 +442,10 @@ class Saver:
                 or isinstance(exc, CheckpointerClosedError)
                 or not self.accepting
             ):
-                # Gone before the handle fails: whoever waits on it finds no
-                # temporary directory of this save (lazy: ``await handle``).
+                error = self._snapshot_failed(save, exc)
                 if save.tmp is not None and self.owns_root:
                     await self.discard(save.tmp)
                 await self.discard(save.private)
-                error = self._snapshot_failed(save, exc)
                 if isinstance(exc, OSError):  # a streamed round's write: an I/O failure
                     raise error from exc
                 raise
@@ -740,14 +738,10 @@ class Saver:
                         rank=0,
                     )
                     error.__cause__ = exc
-                # Removed before the handle fails: whoever it wakes finds no
-                # temporary directory of this save.
-                if self.owns_root and not committing and not committed:
-                    await self.discard(tmp)
                 self.fail(handle, error)
-            except anyio.get_cancelled_exc_class():
                 if self.owns_root and not committing and not committed:
                     await self.discard(tmp)
+            except anyio.get_cancelled_exc_class():
                 self.fail(
                     handle,
                     CheckpointTimeoutError(
@@ -756,6 +750,8 @@ class Saver:
                         path=tmp,
                     ),
                 )
+                if self.owns_root and not committing and not committed:
+                    await self.discard(tmp)
                 raise
             finally:
                 coord.end_turn(save.ticket)

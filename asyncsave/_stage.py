@@ -225,13 +225,17 @@ class StagingPool:
 
 
 def _page_aligned(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of host memory (``uint8``), page-aligned (an anonymous mapping
-    of its own, unmapped when the last view is dropped), in transparent huge
-    pages where the kernel grants them (``MADV_HUGEPAGE``; not on the
-    development VM). Against a page-aligned slice of ``torch.empty`` (A/B, 3
-    alternated runs, 128 MiB, one process): eager ``save()`` blocked 17-18 ms
-    instead of 18-21."""
-    buf = mmap.mmap(-1, nbytes)
+    """``nbytes`` of host memory (``uint8``), page-aligned (a private anonymous
+    mapping of its own, unmapped when the last view is dropped), in transparent
+    huge pages where the kernel grants them (``MADV_HUGEPAGE``).
+
+    :raises MemoryError: the mapping could not be made."""
+    try:
+        # Private: a shared anonymous mapping is shmem, whose huge pages follow
+        # shmem_enabled (never, on the development VM), not MADV_HUGEPAGE.
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:  # ENOMEM: a memory error, not an I/O error of the save
+        raise MemoryError(f"could not map {nbytes} bytes of staging memory: {exc}") from exc
     with contextlib.suppress(AttributeError, OSError):
         buf.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buf, dtype=torch.uint8)
@@ -365,7 +369,8 @@ class StagedMark:
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
-        """The staging ended before every byte was staged: waiting writers raise."""
+        """The save failed (its staging, or anything before its files were
+        needed): writers raise at their next chunk."""
         with self._cond:
             if self._error is None:
                 self._error = error
@@ -374,14 +379,18 @@ class StagedMark:
     def wait(self, index: int, upto: int) -> None:
         """Block until file ``index`` is staged up to buffer offset ``upto``.
 
-        :raises StagingAbandonedError: the staging failed (or was cancelled)
-            first; its own error is the save's."""
+        :raises StagingAbandonedError: the save failed (:meth:`fail`), whether or
+            not the bytes are staged: its writers stop at their next chunk
+            instead of writing a doomed save to its end; the save's own error is
+            the one raised to the caller."""
         with self._cond:
-            while self._upto[index] < upto:
+            while True:
                 if self._error is not None:
                     raise StagingAbandonedError(
-                        f"the staging this file's write followed ended early: {self._error!r}"
+                        f"the save this file's write belongs to failed: {self._error!r}"
                     )
+                if self._upto[index] >= upto:
+                    return
                 self._cond.wait()
 
 

@@ -39,6 +39,7 @@ from reliability import record
 import asyncsave
 import asyncsave._jobs
 from asyncsave._paths import is_temp_name
+from asyncsave._stage import StagedMark
 
 pytestmark = pytest.mark.anyio
 
@@ -152,9 +153,20 @@ async def test_a_fault_at_every_write_site_of_a_save_written_while_staged(
     tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The same, with the data files written while the snapshot is copied
-    (``overlap_writes=True``; the files' writers started before the copy)."""
+    (``overlap_writes=True``: the temporary directory made and the files'
+    writers started before the copy; the state is small, so each file is one
+    step of the copy)."""
     monkeypatch.setattr(asyncsave._jobs, "FOLLOW_MIN_BYTES", 0)
+    followed = [0]
+    real = StagedMark.advance
+
+    def advance(self: StagedMark, index: int, upto: int) -> None:
+        followed[0] += 1
+        real(self, index, upto)
+
+    monkeypatch.setattr(StagedMark, "advance", advance)
     await fault_at_every_site(tmp_path, kind, caplog, overlap_writes=True)
+    assert followed[0] > 0
 
 
 async def fault_at_every_site(

@@ -289,9 +289,10 @@ async def test_a_failed_copy_is_the_saves_error_and_stops_the_writers(
         else:
             with pytest.raises(CopyFails):
                 await ckpt.save(2, state)
+            assert temp_dirs(tmp_path) == []  # eager: gone when save() raises
             await (await ckpt.save(3, state))
-        assert temp_dirs(tmp_path) == []
         assert not [r for r in caplog.records if "early writes" in r.getMessage()]
+    assert temp_dirs(tmp_path) == []
     assert_equal_tree(asyncsave.load(tmp_path / "step_1"), state)
     assert not (tmp_path / "step_2").exists()
     if not lazy:
@@ -304,9 +305,9 @@ async def test_a_failed_copy_is_the_saves_error_and_stops_the_writers(
 async def test_a_failed_write_while_staging_is_the_saves_error(tmp_path: Path, op: str) -> None:
     """A data file's write, fsync or creation fails (disk full) while its save
     is still staged: ``save()`` returns (the snapshot is whole), the handle
-    raises :class:`SaveFailedError` with the ``OSError`` as its cause, no
-    temporary directory is left when it does, the checkpointer refuses further
-    saves with that error (docs/decisions.md), and a new one resumes step 1."""
+    raises :class:`SaveFailedError` with the ``OSError`` as its cause, the
+    checkpointer refuses further saves with that error (docs/decisions.md), no
+    temporary directory is left, and a new one resumes step 1."""
     fs = FaultyFS(
         op,
         raise_errno(errno.ENOSPC),
@@ -322,7 +323,6 @@ async def test_a_failed_write_while_staging_is_the_saves_error(tmp_path: Path, o
                 await handle
             cause = info.value.__cause__
             assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC, info.value
-            assert temp_dirs(tmp_path) == []
             with pytest.raises(asyncsave.SaveFailedError) as again:
                 await ckpt.save(3, state)
             assert again.value is info.value
@@ -344,8 +344,10 @@ async def test_a_save_cancelled_while_staging_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The caller of an eager save is cancelled during the copy: the copy
-    finishes (host copies are never abandoned), the writers are waited for, the
-    temporary directory goes, and the checkpointer saves the same step after."""
+    finishes (host copies are never abandoned), the writers stop at their next
+    chunk instead of writing the cancelled save to its end (each chunk write is
+    slowed here, so that they would still be writing), the temporary directory
+    goes, and the checkpointer saves the same step after."""
     scope = anyio.CancelScope()
     token: list[Any] = []
 
@@ -354,16 +356,38 @@ async def test_a_save_cancelled_while_staging_leaves_nothing(
             anyio.from_thread.run_sync(scope.cancel, token=token.pop())
 
     hook_advance(monkeypatch, after)
+    fs = SlowDataWrites()
     state = state_of(5)
-    async with asyncsave.Checkpointer(tmp_path, overlap_writes=True) as ckpt:
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs, overlap_writes=True) as ckpt:
         token.append(anyio.lowlevel.current_token())
         with scope:
             await ckpt.save(1, state)
         assert scope.cancelled_caught
         assert temp_dirs(tmp_path) == []
+        stopped_after = fs.chunks
+        fs.delay_s = 0.0
         info = await (await ckpt.save(1, state))
+    total = fs.chunks - stopped_after  # the chunks of a whole save
+    assert stopped_after < total / 2, (stopped_after, total)
     assert info is not None
     assert_equal_tree(asyncsave.load(info.path), state)
+
+
+class SlowDataWrites(DataWrites):
+    """Counts the chunk writes of data files (not headers), each delayed."""
+
+    delay_s = 0.02
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunks = 0
+
+    def write(self, fd: int, data: memoryview) -> int:
+        data_chunk = fd in self._direct or self._writes.get(fd, 0) >= 1
+        if data_chunk and len(data) >= 4096:
+            threading.Event().wait(self.delay_s)
+            self.chunks += 1
+        return super().write(fd, data)
 
 
 @pytest.mark.anyio
@@ -471,7 +495,8 @@ def _ranks_follow(rank: int, world: int, root: str, fail_rank: int | None) -> di
                     seen["step2"] = sorted(exc.ranks)
                 except asyncsave.SaveFailedError as exc:
                     seen["step2"] = type(exc.__cause__).__name__
-                seen["followed"] = followed > 0
+                # Step 2, saved as soon as step 1's handle resolved, followed too.
+                seen["followed"] = followed > 0 and len(advanced) > followed
         except asyncsave.SaveFailedError as exc:  # a lazy save's failure: at close too
             seen["close"] = type(exc.__cause__).__name__
         async with asyncsave.Checkpointer(root, dist_timeout_s=60) as ckpt:
@@ -511,3 +536,63 @@ def test_two_ranks_write_while_staging(tmp_path: Path, fail_rank: int | None) ->
     for step in (1, 2) if fail_rank is None else (1,):
         asyncsave.verify(root / f"step_{step}")
     assert (root / "step_2").exists() == (fail_rank is None)
+
+
+def _phase_a_fails(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 0 cannot make step 2's shared temporary directory (phase A) while
+    rank 1 still writes step 2's files into its own (slowed chunk writes)."""
+    asyncsave._jobs.FOLLOW_MIN_BYTES = 0
+    asyncsave._stage.FOLLOW_PIECE_BYTES = STEP
+    asyncsave._write.CHUNK_BYTES = STEP
+    asyncsave._format.MIN_FILE_BYTES = 1 << 20
+    fs: LocalFileSystem
+    if rank == 0:  # step 2's mkdirs: its own directory (staging), then the shared one
+        fs = FaultyFS("mkdir", raise_errno(errno.EIO), n=2, where=lambda p: "-tmp-2-" in p)
+    else:
+        fs = SlowDataWrites()
+        fs.delay_s = 0.0
+    released_while_writing: list[int] = []
+    real_release = asyncsave._jobs.PlainJob.release
+
+    def release(self: asyncsave._jobs.PlainJob) -> None:
+        if self.early is not None and not self.early.done.is_set():
+            released_while_writing.append(rank)
+        real_release(self)
+
+    asyncsave._jobs.PlainJob.release = release  # type: ignore[method-assign]
+    state = state_of(20 + rank)
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        try:
+            async with asyncsave.Checkpointer(root, dist_timeout_s=60, filesystem=fs) as ckpt:
+                await (await ckpt.save(1, state, lazy=True))
+                if isinstance(fs, SlowDataWrites):
+                    fs.delay_s = 0.05
+                try:
+                    await (await ckpt.save(2, state, lazy=True))
+                    seen["step2"] = "committed"
+                except asyncsave.RankFailedError as exc:
+                    seen["step2"] = sorted(exc.ranks)
+        except asyncsave.SaveFailedError:
+            pass  # the same failure, raised again at close
+        seen["released_while_writing"] = released_while_writing
+
+    anyio.run(main)
+    return seen
+
+
+def test_two_ranks_a_rank_failing_before_the_write_waits_for_the_early_writes(
+    tmp_path: Path,
+) -> None:
+    """Step 2 fails in phase A (rank 0's shared temporary directory) while rank 1
+    is still writing its files into its own directory: rank 1 stops them and
+    waits for them before it releases the staging memory and removes its
+    directory; both ranks name rank 0; nothing is left behind."""
+    root = tmp_path / "run"
+    seen = values(run_ranks(_phase_a_fails, 2, tmp_path, str(root)))
+    assert [s["step2"] for s in seen] == [[0], [0]], seen
+    assert [s["released_while_writing"] for s in seen] == [[], []], seen
+    assert temp_dirs(root) == []
+    assert not (root / "step_2").exists()
+    asyncsave.verify(root / "step_1")
