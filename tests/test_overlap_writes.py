@@ -402,18 +402,17 @@ async def test_a_save_behind_a_pending_one_is_staged_then_written(
     fs = FaultyFS("rename", pause(gate), where=lambda p: p.endswith("step_1"))
     advanced = hook_advance(monkeypatch, lambda n: None)
     state = state_of(6)
-    try:
-        async with asyncsave.Checkpointer(tmp_path, filesystem=fs, overlap_writes=True) as ckpt:
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs, overlap_writes=True) as ckpt:
+        try:
             first = await ckpt.save(1, state)
             assert await anyio.to_thread.run_sync(fs.fired.wait, WAIT_S)
             follows_first = len(advanced)
             second = await ckpt.save(2, state)
             assert len(advanced) == follows_first  # step 2 did not follow
-            gate.set()
-            await first
-            await second
-    finally:
-        gate.set()
+        finally:
+            gate.set()  # (before close waits for step 1)
+        await first
+        await second
     assert follows_first > 0
     for step in (1, 2):
         assert_equal_tree(asyncsave.load(tmp_path / f"step_{step}"), state)
