@@ -189,7 +189,6 @@ class PlainJob(Job):
         self.reuse: Reuse | None = None
         self.report: Report | None = None
         self.early: _EarlyWrites | None = None  # files written while staging
-        self.failed_early: Exception | None = None  # raised by write()
         self.mark: StagedMark | None = None  # what the early writes follow
         self.nbytes = plan.nbytes
         self.num_tensors = len(plan.leaves)
@@ -231,7 +230,7 @@ class PlainJob(Job):
             if self.reuse is not None and saver.fs.atomic_rename and self.reuse.knows_files():
                 await self._stage_incremental(saver, step, stage, make_tmp, deadline)
             elif self._follows(saver, step):
-                await self._stage_following(saver, step, make_tmp, stage)
+                await self._stage_following(saver, step, make_tmp)
             else:
                 await stage(self.plan.entries, self.plan.staging_views)
         else:
@@ -285,33 +284,24 @@ class PlainJob(Job):
             and all(s == step or h.done() for s, h in saver.pending.items())
         )
 
-    async def _stage_following(
-        self, saver: Services, step: int, make_tmp: Any, stage: Any
-    ) -> None:
+    async def _stage_following(self, saver: Services, step: int, make_tmp: Any) -> None:
         """Stage the snapshot while its files are written: every file's writer
         (``_write_early``, on the writer threads) starts before the copy and
         follows it (``_stage.StagedMark``), the copy takes a step of each file
         in turn (``_stage.copy_following``), so the write and fsync of the data
         no longer wait for the whole snapshot (time to durable: about the copy
         shorter; issue 11's bound of 1.15 x the raw write+fsync). ``save()``
-        still returns only once the snapshot is whole. One process (and each
-        rank of ``Tier(local_scope="rank")``) writes into the save's temporary
-        directory; a rank of several into its own, moved into the shared one by
-        :meth:`write`. If the temporary directory cannot be made, the snapshot
-        is staged alone and :meth:`write` raises that error: an I/O failure of
-        the save reaches its handle (and fails the checkpointer) as it would
-        without the overlap, not ``save()``."""
+        still returns only once the snapshot is whole. The files go into a
+        temporary directory of this rank's own, made by the writers' task before
+        they start (never on ``save()``'s path: a hung file system does not hold
+        the caller; its failure or timeout is raised by :meth:`write`, through
+        the handle, as without the overlap), and :meth:`write` moves them into
+        the save's temporary directory in its turn."""
         assert self.lease is not None
-        try:
-            tmp = await make_tmp()
-        except Exception as exc:
-            self.failed_early = exc
-            await stage(self.plan.entries, self.plan.staging_views)
-            return
-        saver.check_flushing(step)  # a close that gave up meanwhile: no writes started
         self.mark = mark = StagedMark(self.layouts)
         writer = functools.partial(write_data_file, ready=mark.wait)
-        self._write_early(saver, step, tmp, self.layouts, None, writer)
+        own_tmp = functools.partial(make_tmp, own=True)
+        self._write_early(saver, step, None, self.layouts, None, writer, make_tmp=own_tmp)
         assert self.early is not None
         progress = self.progress
         try:
@@ -534,12 +524,13 @@ class PlainJob(Job):
         self,
         saver: Services,
         step: int,
-        tmp: Path,
+        tmp: Path | None,
         layouts: list[FileLayout],
         threads: anyio.CapacityLimiter | None,
         writer: Any,
         base: Base | None = None,
         what: str = "files",
+        make_tmp: Any = None,
     ) -> None:
         """Start writing ``layouts`` (with ``writer``, as ``write_files`` does;
         staged, or followed by the writer while they are staged; an incremental
@@ -549,7 +540,8 @@ class PlainJob(Job):
         ``finish()`` (until then files are still staged or found, which is not a
         stuck write), cancelled by a close that gives up; the outcome is this
         save's, raised by :meth:`write`. ``what`` names the files in its
-        timeout's message."""
+        timeout's message. With ``tmp`` ``None``, the task first makes it with
+        ``make_tmp()`` (bounded as the writes are)."""
         assert self.lease is not None
         lease, timeout_s = self.lease, saver.options.save_timeout_s
         scope = anyio.CancelScope(shield=True)
@@ -564,15 +556,18 @@ class PlainJob(Job):
 
         async def run() -> None:
             try:
+                errors: list[Exception] = []
+                abandoned = False  # a write cancelled while its threads ran
                 with scope:
-                    errors: list[Exception] = []
-                    abandoned = False  # a write cancelled while its threads ran
+                    if early.tmp is None:
+                        early.tmp = await make_tmp()
+                    dest = early.tmp
 
                     async def write(batch: list[FileLayout]) -> None:
                         nonlocal abandoned
                         try:
                             await write_files(
-                                saver, tmp, self.plan, batch, lease, self.progress, writer, threads
+                                saver, dest, self.plan, batch, lease, self.progress, writer, threads
                             )
                         except Exception as exc:  # raised below as the first failure
                             errors.append(exc)
@@ -595,7 +590,7 @@ class PlainJob(Job):
                         f"staged) did not finish within save_timeout_s={timeout_s} "
                         "after its staging, or a close gave up on it",
                         step=step,
-                        path=tmp,
+                        path=early.tmp or saver.root,
                     )
             except Exception as exc:  # this save's failure, raised by write()
                 early.error = exc
@@ -626,8 +621,6 @@ class PlainJob(Job):
     async def write(self, saver: Services, coord: Any, tmp: Path) -> dict[str, Any]:
         assert self.lease is not None
         self.fs = saver.fs
-        if self.failed_early is not None:
-            raise self.failed_early
         if self.stream is None:
             writer: Any = write_data_file
             layouts = self.layouts
@@ -733,7 +726,7 @@ class _EarlyWrites:
     base: Base | None  # the checkpoint they were compared with
     more: Any  # where further files are handed on (a memory object stream)
     timeout_s: float  # their deadline, from finish()
-    tmp: Path  # where they write (a rank's own directory: moved by write())
+    tmp: Path | None  # where they write (a directory of their own: moved by write())
     done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
     ok: bool = False  # every file written and fsynced
     error: Exception | None = None

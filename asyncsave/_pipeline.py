@@ -18,11 +18,13 @@ C. the leader writes the merged manifest, fsyncs, renames to the final name (or
    committed. Every rank's handle resolves after that broadcast. Retention
    follows on the leader, outside the save's deadline.
 
-A save written while it is staged (``overlap_writes``: ``PlainJob._stage_following``)
-or streamed through a small budget writes its files before its turn: one process
-into the save's temporary directory (made then; phase A takes it as it is), a
-rank of several into a directory of its own, whose files it moves into the
-shared one in phase B.
+A save streamed through a small budget writes its files before its turn: one
+process into the save's temporary directory (made then; phase A takes it as it
+is), a rank of several into a directory of its own, whose files it moves into
+the shared one in phase B. A save written while it is staged (``overlap_writes``:
+``PlainJob._stage_following``) writes into a directory of its own on every rank
+(made by its writers' task, so that a hung file system never holds ``save()``),
+moved in phase B too.
 
 With ``Tier(local_scope="rank")`` (``Saver.per_rank``) every rank has a root of
 its own (a node-local disk): in A and B each rank writes its own temporary
@@ -467,13 +469,14 @@ class Saver:
         self.tg.start_soon(self._pipeline, save, time.perf_counter() - save.t0)
         handle._mark_staged()
 
-    async def _early_tmp(self, save: _Save) -> Path:
+    async def _early_tmp(self, save: _Save, own: bool = False) -> Path:
         """Where streamed rounds go before the save's turn. One process: the save's
-        temporary directory itself. A rank of several: a temporary directory of its
-        own (the shared one is agreed in the turn, phase A), whose files the job
-        moves into the shared one at phase B; removed by this rank on failure, or
-        by the next open after a crash."""
-        if self.coord.world_size == 1 or self.per_rank:
+        temporary directory itself. A rank of several (or ``own``: files written
+        while staged, whose directory is made while the copy runs): a temporary
+        directory of its own (the shared one is agreed in the turn, phase A),
+        whose files the job moves into the shared one at phase B; removed by this
+        rank on failure, or by the next open after a crash."""
+        if not own and (self.coord.world_size == 1 or self.per_rank):
             save.tmp = await self.make_tmp(save.handle.step)
             return save.tmp
         save.private = await self.make_tmp(save.handle.step)

@@ -9,9 +9,11 @@ Timeouts are short (0.3 s); each wait is also wrapped in a generous
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -20,6 +22,7 @@ from fstrace import TracingFS
 from reliability import record
 
 import asyncsave
+import asyncsave._jobs
 from asyncsave._paths import is_temp_name
 
 pytestmark = pytest.mark.anyio
@@ -51,12 +54,12 @@ class StuckFS(TracingFS):
                 raise OSError(5, "released after hanging", path)
 
 
-def save_calls(root: Path) -> tuple[int, int]:
+def save_calls(root: Path, **options: Any) -> tuple[int, int]:
     """(calls before step 2's save, calls of that save) in a clean run."""
     fs = TracingFS(root, record=False)
 
     async def go() -> tuple[int, int]:
-        async with asyncsave.Checkpointer(root, filesystem=fs) as ckpt:
+        async with asyncsave.Checkpointer(root, filesystem=fs, **options) as ckpt:
             await (await ckpt.save(1, state_of(1)))
             before = fs.calls
             await (await ckpt.save(2, state_of(2)))
@@ -121,12 +124,31 @@ async def test_a_worker_that_dies_fails_the_save_instead_of_cancelling_the_pump(
     assert not [p for p in tmp_path.iterdir() if is_temp_name(p.name)]
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize(
+    ("anyio_backend", "overlap"),
+    [("asyncio", False), ("trio", False), ("asyncio", True)],
+    ids=["asyncio", "trio", "asyncio-overlap"],
+)
 async def test_a_call_stuck_forever_anywhere_in_a_save_times_out_everywhere(
-    tmp_path: Path, anyio_backend: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    anyio_backend: str,
+    overlap: bool,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Each I/O call of step 2 in turn hangs: ``save()`` returns, the handle, the
+    next save, ``wait()`` and close raise one ``CheckpointTimeoutError``. With
+    ``overlap``, step 2's files are written while it is staged
+    (``overlap_writes=True``): its temporary directory is made by the writers'
+    task, so a hung ``mkdir`` does not hold ``save()`` either."""
     caplog.set_level(logging.CRITICAL, logger="asyncsave")
-    before, n = await anyio.to_thread.run_sync(save_calls, tmp_path / "clean")
+    options: dict[str, Any] = {}
+    if overlap:
+        monkeypatch.setattr(asyncsave._jobs, "FOLLOW_MIN_BYTES", 0)
+        options["overlap_writes"] = True
+    before, n = await anyio.to_thread.run_sync(
+        functools.partial(save_calls, tmp_path / "clean", **options)
+    )
     for i in range(1, n + 1):
         root = tmp_path / f"case-{i}"
         fs = StuckFS(root, before + i, then_fail=True)
@@ -134,7 +156,7 @@ async def test_a_call_stuck_forever_anywhere_in_a_save_times_out_everywhere(
             with anyio.fail_after(HANG_GUARD_S):
                 with pytest.raises(asyncsave.CheckpointTimeoutError) as at_close:
                     async with asyncsave.Checkpointer(
-                        root, filesystem=fs, save_timeout_s=0.3, close_timeout_s=0.3
+                        root, filesystem=fs, save_timeout_s=0.3, close_timeout_s=0.3, **options
                     ) as ckpt:
                         await (await ckpt.save(1, state_of(1)))
                         handle = await ckpt.save(2, state_of(2))
