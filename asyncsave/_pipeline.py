@@ -84,10 +84,6 @@ from ._write import write_bytes
 
 __all__ = ["Saver", "WorkerDiedError", "as_save_error"]
 
-#: A lazy save of at most this many tensors takes its early copies (module
-#: buffers, tensors of 64 KiB or less) on the event loop, not in a worker thread.
-INLINE_SNAPSHOT_MAX_TENSORS = 256
-
 logger = logging.getLogger(__name__)
 
 
@@ -390,15 +386,9 @@ class Saver:
             return handle
         assert self.tg is not None
         try:
-            if (
-                isinstance(job, PlainJob)
-                and job.num_tensors > INLINE_SNAPSHOT_MAX_TENSORS
-                and all(d.type == "cpu" for d in job.devices())
-            ):
+            if isinstance(job, PlainJob) and all(d.type == "cpu" for d in job.devices()):
                 # Host clones of 1,000s of small tensors: in a worker thread, so the
-                # loop keeps ticking (CUDA clones stay on the caller's stream). A
-                # few are cloned here: a thread hop costs the caller more (4 ranks
-                # on 2 cores, 16 tensors: save() blocked 4-7 ms with the hop).
+                # loop keeps ticking (CUDA clones stay on the caller's stream).
                 await anyio.to_thread.run_sync(job.snapshot_eager, ready)
             else:
                 job.snapshot_eager(ready)
