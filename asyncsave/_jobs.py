@@ -269,9 +269,9 @@ class PlainJob(Job):
         """Whether this save's files are written while it is staged
         (:meth:`_stage_following`; option ``overlap_writes``): a whole (not streamed, not incremental) save
         of host tensors of at least :data:`FOLLOW_MIN_BYTES` into a local root,
-        when no earlier save of the checkpointer is still pending (its writes
-        and commit would compete with these for the writer threads and the
-        disk: it is written after its staging, as before)."""
+        when no save dispatched before it is still unresolved (its writes and
+        commit would compete with these for the writer threads and the disk:
+        it is written after its staging, as before)."""
         overlap = saver.options.overlap_writes
         return (
             (overlap or (overlap is None and self.lazy))
@@ -279,9 +279,7 @@ class PlainJob(Job):
             and saver.fs.atomic_rename
             and self.staging_bytes >= FOLLOW_MIN_BYTES
             and all(d.type == "cpu" for d in self.plan.devices)
-            # Finished ones (their handle resolved) may still be in their
-            # clean-up, which competes with nothing.
-            and all(s == step or h.done() for s, h in saver.pending.items())
+            and _none_unfinished_before(saver.pending, step)
         )
 
     async def _stage_following(self, saver: Services, step: int, make_tmp: Any) -> None:
@@ -714,6 +712,18 @@ class PlainJob(Job):
     def _release_gc(self) -> None:
         if self.plan.gc_hold is not None:
             self.plan.gc_hold.release()
+
+
+def _none_unfinished_before(pending: dict[int, Any], step: int) -> bool:
+    """Whether every save dispatched before ``step``'s (``pending`` is in
+    dispatch order) has resolved its handle: one that resolved and is only
+    cleaning up competes with nothing; later ones do not count."""
+    for s, handle in pending.items():
+        if s == step:
+            return True
+        if not handle.done():
+            return False
+    return True
 
 
 @dataclasses.dataclass

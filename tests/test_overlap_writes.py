@@ -595,3 +595,31 @@ def test_two_ranks_a_rank_failing_before_the_write_waits_for_the_early_writes(
     assert temp_dirs(root) == []
     assert not (root / "step_2").exists()
     asyncsave.verify(root / "step_1")
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("small_steps")
+async def test_a_later_save_does_not_keep_an_earlier_one_from_following(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two lazy saves back to back: step 2 is pending before step 1 stages.
+    Step 1 follows (only saves dispatched before it count); step 2, behind an
+    unfinished step 1, does not."""
+    decided: dict[int, bool] = {}
+    real = asyncsave._jobs.PlainJob._follows
+
+    def follows(self: asyncsave._jobs.PlainJob, saver: Any, step: int) -> bool:
+        decided[step] = real(self, saver, step)
+        return decided[step]
+
+    monkeypatch.setattr(asyncsave._jobs.PlainJob, "_follows", follows)
+    state = state_of(9)
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        first = await ckpt.save(1, state, lazy=True)
+        second = await ckpt.save(2, state, lazy=True)
+        assert 2 in ckpt.pending_steps
+        await first
+        await second
+    assert decided[1] is True
+    for step in (1, 2):
+        assert_equal_tree(asyncsave.load(tmp_path / f"step_{step}"), state)
