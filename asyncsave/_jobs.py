@@ -849,11 +849,16 @@ def check_visible(fs: LocalFileSystem, tmp: Path, parts: list[dict[str, Any]]) -
 
 
 def _move_files(fs: LocalFileSystem, src: Path, dst: Path, names: list[str]) -> None:
-    """Move a rank's streamed files into the save's shared temporary directory
-    (same file system: renames), make the entries durable, drop ``src``."""
+    """Move files written before the save's turn (streamed rounds, files written
+    while staged) into the save's temporary directory (same file system:
+    renames), make the renames durable, drop ``src``. Both directories are
+    fsynced: POSIX makes a rename durable only with both parents (the power-loss
+    suite's model; without ``src``'s, a power cut after the commit could leave a
+    committed checkpoint without the file)."""
     for name in names:
         fs.rename(src / name, dst / name)
     fs.fsync_dir(dst)
+    fs.fsync_dir(src)
     fs.remove_tree(src)
 
 

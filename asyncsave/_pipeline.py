@@ -479,8 +479,13 @@ class Saver:
         if not own and (self.coord.world_size == 1 or self.per_rank):
             save.tmp = await self.make_tmp(save.handle.step)
             return save.tmp
-        save.private = await self.make_tmp(save.handle.step)
-        return save.private
+        save.private = private = await self.make_tmp(save.handle.step)
+        # Its own entry durable before files are renamed out of it: under POSIX a
+        # rename out of a directory whose entry is lost is lost with it, and the
+        # commit's rename could reach the disk without it (the power-loss
+        # suite's model). Off the commit's path: while the copy runs.
+        await self.run(self.fs.fsync_dir, private.parent)
+        return private
 
     def _end_stage_turn(self, seq: int) -> None:
         if seq < self._stage_serving:

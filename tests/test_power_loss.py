@@ -14,9 +14,11 @@ crash point; raise it for a longer local run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,7 @@ from powerloss import MarkLog, crash_states, events_before, materialise, volatil
 from reliability import record
 
 import asyncsave
+import asyncsave._jobs
 
 pytestmark = pytest.mark.slow
 
@@ -69,12 +72,32 @@ POWER_SCENARIOS = {
     "long_run_keep_last_2": Scenario(
         "long_run_keep_last_2", [1], long_run, {"retention": asyncsave.KeepLast(2)}
     ),
+    # Files written while staged (overlap_writes): into a directory of the
+    # save's own, moved into its temporary directory in its turn.
+    "steady_state_overlap": Scenario(
+        "steady_state_overlap", [1, 2], SCENARIOS["steady_state"].body, {"overlap_writes": True}
+    ),
+    "first_save_overlap": Scenario(
+        "first_save_overlap", [], SCENARIOS["first_save"].body, {"overlap_writes": True}
+    ),
 }
+
+
+@contextlib.contextmanager
+def following(options: dict[str, Any]) -> Iterator[None]:
+    """With ``overlap_writes``: every save follows, however small its state."""
+    real = asyncsave._jobs.FOLLOW_MIN_BYTES
+    if options.get("overlap_writes"):
+        asyncsave._jobs.FOLLOW_MIN_BYTES = 0
+    try:
+        yield
+    finally:
+        asyncsave._jobs.FOLLOW_MIN_BYTES = real
 
 
 def record_trace(root: Path, name: str) -> TracingFS:
     scen = POWER_SCENARIOS[name]
-    with small_own_files():  # the crash lab's file layout for its small state
+    with small_own_files(), following(scen.options):  # the crash lab's small state
         make_base(root, scen.base, scen.prepare, scen.options)
         fs = TracingFS(root, max_write=MAX_WRITE)
 
