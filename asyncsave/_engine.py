@@ -330,8 +330,7 @@ class Checkpointer:
                         path=self.root,
                     )
                 )
-                if saver.pool is not None:
-                    saver.pool.give_up()
+                saver.give_up()
                 for scope in [*saver.scopes.values(), *saver.staging_scopes]:
                     scope.cancel()
         # The task group's scope must be exited from outside any scope opened

@@ -250,6 +250,13 @@ class Saver:
             del self.queued[gate]
             gate.set()
 
+    def give_up(self) -> None:
+        """Close gave up (``close_timeout_s``): before its pipelines are
+        cancelled, saves waiting for the staging memory are told so
+        (``StagingPool.give_up``)."""
+        if self.pool is not None:
+            self.pool.give_up()
+
     def set_failure(self, error: SaveFailedError) -> None:
         if self.failure is None:
             self.failure = error
