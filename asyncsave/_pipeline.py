@@ -77,7 +77,7 @@ from ._manifest import encode_manifest
 from ._options import CheckpointOptions
 from ._paths import MANIFEST_NAME, Layout
 from ._retention import apply_retention
-from ._stage import StagingPool
+from ._stage import StagingPool, copies_early
 from ._track import TrackerWriter
 from ._types import CheckpointInfo
 from ._write import write_bytes
@@ -395,8 +395,10 @@ class Saver:
         try:
             if isinstance(job, PlainJob) and all(d.type == "cpu" for d in job.devices()):
                 # Host clones of 1,000s of small tensors: in a worker thread, so the
-                # loop keeps ticking (CUDA clones stay on the caller's stream).
-                await anyio.to_thread.run_sync(job.snapshot_eager, ready)
+                # loop keeps ticking (CUDA clones stay on the caller's stream). With
+                # nothing to clone, no thread: its wake-ups cost ms on busy cores.
+                if copies_early(job.plan):
+                    await anyio.to_thread.run_sync(job.snapshot_eager, ready)
             else:
                 job.snapshot_eager(ready)
         except BaseException as exc:

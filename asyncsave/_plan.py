@@ -157,6 +157,10 @@ class Plan:
     # stager.
     staging_views: ViewCache = dataclasses.field(default_factory=lambda: ViewCache())
     _devices: set[torch.device] | None = dataclasses.field(default=None, repr=False)
+    # Bytes of the smallest entry (None: not known yet): a lazy save whose
+    # entries are all large and that holds no module buffers copies nothing
+    # before save() returns (see _stage.copies_early).
+    smallest_entry: int | None = dataclasses.field(default=None, repr=False)
     # The collector's pause over this plan's per-tensor objects, held until they
     # are freed (a plan of many tensors; see _replan.GC_HOLD_MIN_LEAVES).
     gc_hold: GcHold | None = dataclasses.field(default=None, repr=False)
@@ -186,6 +190,11 @@ class Plan:
             e.parts = ()
         for leaf in self.leaves:
             leaf.tensor = None
+
+
+def smallest_entry(plan: Plan) -> int:
+    """Bytes of ``plan``'s smallest entry (0 for a plan without entries)."""
+    return min((e.nbytes for e in plan.entries), default=0)
 
 
 def key_str(path: tuple[Any, ...]) -> str:

@@ -41,6 +41,7 @@ from ._types import gc_paused
 
 __all__ = [
     "LAZY_EAGER_MAX_BYTES",
+    "copies_early",
     "Lease",
     "StagedMark",
     "StagingAbandonedError",
@@ -519,6 +520,20 @@ def _copy_following(
 # Lazy saves copy entries up to this size before save() returns (module buffers
 # of any size too): BatchNorm running stats and counters change during forward.
 LAZY_EAGER_MAX_BYTES = 64 << 10
+
+
+def copies_early(plan: Plan) -> bool:
+    """Whether :func:`snapshot_eager_entries` may copy anything: ``False`` only
+    when the plan is known to hold no module buffers and no entry of at most
+    :data:`LAZY_EAGER_MAX_BYTES` (then a lazy ``save()`` skips the call, and the
+    worker thread it would take)."""
+    if not plan.entries:
+        return False
+    return (
+        bool(plan.buffer_storages)
+        or plan.smallest_entry is None
+        or plan.smallest_entry <= LAZY_EAGER_MAX_BYTES
+    )
 
 
 def snapshot_eager_entries(plan: Plan, ready: dict[torch.device, Any] | None) -> int:

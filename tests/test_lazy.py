@@ -279,3 +279,87 @@ async def test_a_lazy_save_that_fails_before_it_returns_leaves_the_checkpointer_
     info = asyncsave.latest(tmp_path)
     assert info is not None and info.step == 2
     assert torch.equal(asyncsave.load(tmp_path / "step_2")["w"], state["w"])
+
+
+class _BigModule(torch.nn.Module):
+    """Only entries over the small limit: a large parameter and a large buffer
+    (a buffer forward may change, whatever its size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(1 << 15))  # 128 KiB
+        self.register_buffer("stats", torch.zeros(1 << 15))
+
+
+def _small_stat_state() -> dict[str, Any]:
+    return {"w": torch.randn(1 << 16), "stat": torch.zeros(64)}  # a plain tree
+
+
+def _module_state() -> dict[str, Any]:
+    return {"model": _BigModule()}
+
+
+def _mutate_in_forward(state: dict[str, Any]) -> None:
+    if "model" in state:
+        state["model"].get_buffer("stats").fill_(7.0)
+    else:
+        state["stat"].fill_(3.0)
+
+
+@pytest.mark.parametrize("make", [_small_stat_state, _module_state], ids=["small", "buffer"])
+async def test_a_reused_plan_still_copies_what_forward_changes_before_a_lazy_save_returns(
+    tmp_path: Path, make: Any
+) -> None:
+    """A lazy save of the structure the last save planned (its plan reused, a
+    small plain tree bound on the loop): the small tensor, or the large module
+    buffer, is still copied before ``save()`` returns."""
+    fs, gate = held_budget_fs()
+    state = make()
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+        first = await ckpt.save(1, state)  # the plan; its write holds the budget
+        before = clone_tree(_plain(state))
+        handle = await ckpt.save(2, state, lazy=True)
+        assert not handle.is_staged() and ckpt._planner.reused == 1
+        _mutate_in_forward(state)
+        gate.set()
+        await handle
+        await first
+    assert_tree_equal(before, _plain(asyncsave.load(tmp_path / "step_2")))
+
+
+def _plain(state: Any) -> Any:
+    """``state`` with its module as a plain dict of tensors (as loaded)."""
+    model = state.get("model")
+    if model is None:
+        return state
+    return {"model": dict(model if isinstance(model, dict) else model.state_dict())}
+
+
+async def test_a_lazy_save_of_only_large_tensors_copies_nothing_before_it_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No module buffer and no entry of at most 64 KiB: a lazy ``save()`` makes
+    no early copy (and takes no worker thread for one); with one small tensor
+    more, it does. Both checkpoints hold the values at save time."""
+    from asyncsave._jobs import PlainJob
+
+    calls: list[int] = []
+    real = PlainJob.snapshot_eager
+
+    def counted(self: PlainJob, ready: Any) -> None:
+        calls.append(len(self.plan.entries))
+        real(self, ready)
+
+    monkeypatch.setattr(PlainJob, "snapshot_eager", counted)
+    large = {"a": torch.randn(1 << 15), "b": torch.randn(1 << 16)}
+    mixed = {**large, "small": torch.arange(16)}
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        for step, state in ((1, large), (2, large), (3, mixed), (4, mixed)):
+            expect = clone_tree(state)
+            handle = await ckpt.save(step, state, lazy=True)
+            await ckpt.staged()
+            for t in state.values():
+                t.add_(1)
+            await handle
+            assert_tree_equal(expect, asyncsave.load(tmp_path / f"step_{step}"))
+    assert calls == [3, 3]

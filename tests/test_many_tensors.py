@@ -613,3 +613,280 @@ async def test_the_collector_comes_back_when_a_many_tensor_save_fails(tmp_path: 
         assert gc.isenabled()
     assert info.value.key == "w"
     assert gc.isenabled()
+
+
+# -- small plain trees: bound to the template on the event loop (issue 11) -------
+
+
+@pytest.fixture
+def flatten_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The thread of every ``flatten`` of a state, in call order."""
+    import asyncsave._replan as replan_module
+
+    seen: list[int] = []
+    real = replan_module.flatten
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(replan_module, "flatten", recorded)
+    return seen
+
+
+async def test_a_small_plain_tree_of_the_last_structure_is_bound_on_the_event_loop(
+    tmp_path: Path, groupings: _Counter, flatten_threads: list[int]
+) -> None:
+    """The first save plans in a worker thread; the next saves of the same small
+    plain structure are bound to its template on the loop (no thread hop), each
+    checkpoint with its own values; lazy saves too."""
+    loop_thread = threading.get_ident()
+    state = _base()
+    expected = []
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2, 3):
+            for v in state.values():
+                v.add_(1)
+            expected.append(_snapshot(state))
+            handle = await ckpt.save(step, state, lazy=step == 3)
+            await ckpt.staged()
+            await handle
+    assert groupings.calls == 1 and loop_thread not in groupings.threads
+    assert flatten_threads[0] != loop_thread
+    assert flatten_threads[1:] == [loop_thread, loop_thread]
+    for step, exp in zip((1, 2, 3), expected, strict=True):
+        _assert_loads(tmp_path / f"step_{step}", exp)
+
+
+class _Stat:
+    def __init__(self) -> None:
+        self.n = torch.arange(4)
+        self.calls: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        self.calls.append(threading.get_ident())
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n = sd["n"]
+
+
+def _many_nodes(s: dict[str, Any]) -> None:
+    from asyncsave._replan import INLINE_PLAN_MAX_NODES
+
+    s["many"] = [torch.full((2,), float(i)) for i in range(INLINE_PLAN_MAX_NODES)]
+
+
+def _many_scalars(s: dict[str, Any]) -> None:
+    from asyncsave._replan import INLINE_PLAN_MAX_NODES
+
+    s["counters"] = {f"c{i}": i for i in range(INLINE_PLAN_MAX_NODES)}
+
+
+def _stateful(s: dict[str, Any]) -> None:
+    s["stat"] = _Stat()
+
+
+def _module(s: dict[str, Any]) -> None:
+    s["module"] = torch.nn.Linear(3, 2)
+
+
+def _ndarray(s: dict[str, Any]) -> None:
+    s["array"] = np.arange(5, dtype=np.float32)
+
+
+def _tagged(s: dict[str, Any]) -> None:
+    s["tagged"] = asyncsave.Tagged(torch.arange(3), "rng")
+
+
+_NOT_INLINE: dict[str, Callable[[dict[str, Any]], None]] = {
+    "more nodes than the limit": _many_nodes,
+    "more scalars than the limit": _many_scalars,
+    "a Stateful object": _stateful,
+    "an nn.Module": _module,
+    "a NumPy array": _ndarray,
+    "a Tagged leaf": _tagged,
+}
+
+
+@pytest.mark.parametrize("member", list(_NOT_INLINE))
+async def test_what_is_not_small_and_plain_is_always_planned_in_a_worker(
+    tmp_path: Path, flatten_threads: list[int], member: str
+) -> None:
+    """A tree past the node limit, or holding anything whose flattening may run
+    the caller's code (``state_dict()``) or is not a plain leaf, is flattened
+    in a worker thread at every save, the plan reused all the same; a
+    ``Stateful``'s ``state_dict()`` runs once per save, on the loop's thread."""
+    loop_thread = threading.get_ident()
+    state = _base()
+    _NOT_INLINE[member](state)
+    expected = []
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2, 3):
+            state["step"].add_(1)
+            expected.append(_snapshot(state))
+            await (await ckpt.save(step, state, lazy=step == 2))
+        assert ckpt._planner.reused == 2
+    assert len(flatten_threads) == 3 and loop_thread not in flatten_threads
+    if isinstance(state.get("stat"), _Stat):
+        assert state["stat"].calls == [loop_thread] * 3
+    for step, exp in zip((1, 2, 3), expected, strict=True):
+        out = asyncsave.load(tmp_path / f"step_{step}", allow_pickle=False)
+        assert torch.equal(out["step"], exp["step"])
+        assert set(out) == set(exp)
+
+
+@pytest.mark.parametrize("trigger", list(TRIGGERS))
+async def test_a_small_plain_tree_whose_structure_changed_is_planned_in_a_worker(
+    tmp_path: Path, groupings: _Counter, flatten_threads: list[int], trigger: str
+) -> None:
+    """The loop only binds an unchanged structure: a changed one is grouped
+    again in a worker thread, and both checkpoints are exact."""
+    loop_thread = threading.get_ident()
+    state = _base()
+    first = _snapshot(state)
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, state))
+        TRIGGERS[trigger](state)
+        second = _snapshot(state)
+        await (await ckpt.save(2, state))
+    assert groupings.calls == 2 and loop_thread not in groupings.threads
+    assert flatten_threads[-1] != loop_thread
+    _assert_loads(tmp_path / "step_1", first)
+    _assert_loads(tmp_path / "step_2", second)
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+async def test_a_small_tree_that_contains_itself_is_refused_by_name(
+    tmp_path: Path, container: str
+) -> None:
+    """A recursive tree after a save of a small plain one: the node limit stops
+    the loop's walk, and the worker's plan refuses it, naming the key; the
+    checkpointer goes on."""
+    state = _base()
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, state))
+        loop: Any = [] if container == "list" else {}
+        if container == "list":
+            loop.append(loop)
+        else:
+            loop["again"] = loop
+        with pytest.raises(asyncsave.InvalidStateError, match="recursive") as info:
+            await ckpt.save(2, {**state, "loop": loop})
+        assert info.value.key is not None and info.value.key.startswith("loop")
+        await (await ckpt.save(3, state))
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_1", "step_3"]
+
+
+_plain_leaf = st.one_of(
+    st.integers(-5, 5).map(lambda n: torch.arange(abs(n) + 1, dtype=torch.float32) * n),
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=False),
+    st.text(max_size=3),
+    st.booleans(),
+    st.none(),
+)
+_any_leaf = st.one_of(
+    _plain_leaf,
+    st.builds(_Stat),
+    st.integers(1, 4).map(lambda n: np.arange(n, dtype=np.int64)),
+)
+
+
+def _tree(leaf: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.recursive(
+        leaf,
+        lambda kids: st.one_of(
+            st.lists(kids, max_size=6),
+            st.lists(kids, max_size=6).map(tuple),
+            st.dictionaries(st.text("abc", min_size=1, max_size=3), kids, max_size=6),
+        ),
+        max_leaves=60,
+    )
+
+
+def _nodes_and_plain(tree: Any) -> tuple[int, bool]:
+    if isinstance(tree, dict):
+        counts = [_nodes_and_plain(v) for v in tree.values()]
+    elif isinstance(tree, (list, tuple)):
+        counts = [_nodes_and_plain(v) for v in tree]
+    else:
+        return 1, isinstance(tree, (torch.Tensor, int, float, str, bool, type(None)))
+    return 1 + sum(n for n, _ in counts), all(p for _, p in counts)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(tree=_tree(_any_leaf))
+def test_random_trees_are_bound_on_the_loop_only_when_small_and_plain(
+    tree: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random trees of containers, tensors, scalars, ``Stateful`` objects and
+    arrays, saved twice (values changed in between): the second save is bound
+    on the loop exactly when the tree is plain and within the node limit, every
+    ``state_dict()`` runs once per save, and both checkpoints load back equal."""
+    import asyncsave._replan as replan_module
+    from asyncsave._replan import INLINE_PLAN_MAX_NODES
+
+    threads: list[int] = []
+    real = replan_module.flatten
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(replan_module, "flatten", recorded)
+    state = {"tree": tree, "x": torch.zeros(3)}
+    nodes, plain = _nodes_and_plain(state)
+    stats = [leaf for leaf in _leaves(tree) if isinstance(leaf, _Stat)]
+    with tempfile.TemporaryDirectory() as tmp:
+        with asyncsave.SyncCheckpointer(Path(tmp), allow_pickle=False) as ckpt:
+            ckpt.save(1, state).result()
+            first = copy.deepcopy(asyncsave.load(Path(tmp) / "step_1"))
+            state["x"].add_(1)
+            ckpt.save(2, state).result()
+            loop_thread = ckpt.checkpointer._loop_thread
+        second = asyncsave.load(Path(tmp) / "step_2")
+    assert (threads[-1] == loop_thread) == (plain and nodes <= INLINE_PLAN_MAX_NODES)
+    assert all(s.calls == [loop_thread] * 2 for s in stats)
+    assert torch.equal(first["x"], torch.zeros(3)) and torch.equal(second["x"], torch.ones(3))
+    _assert_same_tree(tree, first["tree"])
+    _assert_same_tree(tree, second["tree"])
+
+
+def _assert_same_tree(saved: Any, loaded: Any) -> None:
+    """``loaded`` is ``saved`` as ``load`` gives it back (a ``Stateful`` as its
+    state dict), with exact types, values and float bits."""
+    if isinstance(saved, _Stat):
+        saved = {"n": saved.n}
+    assert type(loaded) is type(saved), (type(saved), type(loaded))
+    if isinstance(saved, dict):
+        assert list(loaded) == list(saved)
+        for k in saved:
+            _assert_same_tree(saved[k], loaded[k])
+    elif isinstance(saved, (list, tuple)):
+        assert len(loaded) == len(saved)
+        for a, b in zip(saved, loaded, strict=True):
+            _assert_same_tree(a, b)
+    elif isinstance(saved, torch.Tensor):
+        assert saved.dtype == loaded.dtype and torch.equal(saved, loaded)
+    elif isinstance(saved, np.ndarray):
+        assert saved.dtype == loaded.dtype and np.array_equal(saved, loaded)
+    elif isinstance(saved, float):
+        assert saved.hex() == loaded.hex()
+    else:
+        assert saved == loaded
+
+
+def _leaves(tree: Any) -> Iterator[Any]:
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _leaves(v)
+    else:
+        yield tree
