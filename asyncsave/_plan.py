@@ -157,10 +157,9 @@ class Plan:
     # stager.
     staging_views: ViewCache = dataclasses.field(default_factory=lambda: ViewCache())
     _devices: set[torch.device] | None = dataclasses.field(default=None, repr=False)
-    # Bytes of the smallest entry (None: not known yet): a lazy save whose
-    # entries are all large and that holds no module buffers copies nothing
-    # before save() returns (see _stage.copies_early).
-    smallest_entry: int | None = dataclasses.field(default=None, repr=False)
+    # The entries list and the bytes of its smallest entry, once known (see
+    # smallest_entry).
+    _smallest: tuple[list[Entry], int] | None = dataclasses.field(default=None, repr=False)
     # The collector's pause over this plan's per-tensor objects, held until they
     # are freed (a plan of many tensors; see _replan.GC_HOLD_MIN_LEAVES).
     gc_hold: GcHold | None = dataclasses.field(default=None, repr=False)
@@ -181,6 +180,26 @@ class Plan:
             self._devices = found
         return set(self._devices)
 
+    @property
+    def smallest_entry(self) -> int | None:
+        """Bytes of the smallest entry, if known for the current ``entries``
+        (``None`` once that list is replaced, as incremental saves cut entries
+        in chunks): a lazy save whose entries are all large and that holds no
+        module buffers copies nothing before ``save()`` returns
+        (``_stage.copies_early``)."""
+        if self._smallest is None or self._smallest[0] is not self.entries:
+            return None
+        return self._smallest[1]
+
+    def remember_smallest_entry(self, nbytes: int | None = None) -> int:
+        """Keep :attr:`smallest_entry` for the current ``entries``: ``nbytes``
+        (a template's, for the same entry sizes) or computed here (a pass over
+        the entries: call it off the event loop)."""
+        if nbytes is None:
+            nbytes = min((e.nbytes for e in self.entries), default=0)
+        self._smallest = (self.entries, nbytes)
+        return nbytes
+
     def release_sources(self) -> None:
         """Drop every reference to the caller's tensors once they are staged, so
         that their memory (device memory too) is freed when the caller drops them,
@@ -190,11 +209,6 @@ class Plan:
             e.parts = ()
         for leaf in self.leaves:
             leaf.tensor = None
-
-
-def smallest_entry(plan: Plan) -> int:
-    """Bytes of ``plan``'s smallest entry (0 for a plan without entries)."""
-    return min((e.nbytes for e in plan.entries), default=0)
 
 
 def key_str(path: tuple[Any, ...]) -> str:

@@ -58,7 +58,6 @@ from ._plan import (
     flatten,
     gc_paused,
     group_plan,
-    smallest_entry,
     tensor_signature,
 )
 from ._stream import Piece, plan_rounds
@@ -275,7 +274,7 @@ class Planner:
         nbytes = staging_nbytes(layouts)
         self._last = _template(plan, layouts, nbytes, sig, key)
         self._last.devices = plan.devices  # the signature names every leaf's device
-        plan.smallest_entry = self._last.smallest_entry = smallest_entry(plan)
+        self._last.smallest_entry = plan.remember_smallest_entry()
         plan.staging_views = self._last.views
         return plan, layouts, nbytes
 
@@ -314,7 +313,7 @@ class Planner:
                 parts.append((offset, part))
             e.parts = tuple(parts)
             e.source = parts[0][1]
-        return Plan(
+        plan = Plan(
             tree=flat.tree,
             leaves=leaves,
             entries=entries,
@@ -322,8 +321,10 @@ class Planner:
             buffer_storages=flat.buffer_storages,
             staging_views=t.views,
             _devices=set(t.devices),  # equal signatures: the same devices
-            smallest_entry=t.smallest_entry,  # and the same entry sizes
         )
+        if t.smallest_entry is not None:  # equal signatures: the same entry sizes
+            plan.remember_smallest_entry(t.smallest_entry)
+        return plan
 
 
 async def plan_off_loop(
@@ -362,8 +363,9 @@ _PLAIN_CONTAINERS = frozenset({dict, OrderedDict, list, tuple})
 def _small_plain_tree(state: Any) -> bool:
     """Whether ``state`` is a tree of at most :data:`INLINE_PLAN_MAX_NODES`
     nodes, each a dict, list or tuple, a tensor, or a plain scalar: flattening
-    it calls no user code (no ``state_dict()``) and takes microseconds. Stops
-    at the first node past the limit (a recursive tree, too)."""
+    it calls no user code (no ``state_dict()``) and takes microseconds. Looks
+    at no more nodes than the limit, however large one container is (a
+    recursive tree, too): it runs on the event loop."""
     stack, seen = [state], 0
     while stack:
         obj = stack.pop()
@@ -375,10 +377,14 @@ def _small_plain_tree(state: Any) -> bool:
             continue
         if t not in _PLAIN_CONTAINERS:
             return False
+        # Counted before they are pushed: the walk stays within the limit
+        # however large one container is (a list holding itself 100,000 times).
+        meta = getattr(obj, "_metadata", None) if t is OrderedDict else None
+        if seen + len(stack) + len(obj) + (meta is not None) > INLINE_PLAN_MAX_NODES:
+            return False
+        if meta is not None:  # nn.Module.state_dict()'s versions
+            stack.append(meta)
         if isinstance(obj, dict):
-            meta = getattr(obj, "_metadata", None)  # nn.Module.state_dict()'s versions
-            if meta is not None:
-                stack.append(meta)
             stack.extend(obj.values())
         else:
             stack.extend(obj)

@@ -363,3 +363,30 @@ async def test_a_lazy_save_of_only_large_tensors_copies_nothing_before_it_return
             await handle
             assert_tree_equal(expect, asyncsave.load(tmp_path / f"step_{step}"))
     assert calls == [3, 3]
+
+
+@pytest.mark.parametrize("new_rows", [1, 3, 256])
+async def test_a_grown_tensor_of_an_incremental_lazy_save_has_its_new_rows_copied_early(
+    tmp_path: Path, new_rows: int
+) -> None:
+    """Incremental saves cut a grown tensor in chunks after the plan (the
+    old rows, the new ones): a new-rows chunk of at most 64 KiB is copied before
+    a lazy ``save()`` returns, although every entry of the plan was large (from
+    a review: the plan's smallest entry was kept from before the cut)."""
+    fs, gate = held_budget_fs()
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs, incremental=True) as ckpt:
+        buf = torch.zeros(4096, 64)  # 1 MiB: rows are reused, new ones chunked
+        gate.set()
+        await (await ckpt.save(1, {"buf": buf}))
+        gate.clear()
+        buf[0].fill_(1.0)  # a change to write: save 2's write holds the budget
+        held = await ckpt.save(2, {"buf": buf})
+        buf = torch.cat([buf, torch.zeros(new_rows, 64)])
+        expect = buf.clone()
+        handle = await ckpt.save(3, {"buf": buf}, lazy=True)
+        assert not handle.is_staged()
+        buf[4096:].fill_(5.0)  # forward changes the small new rows
+        gate.set()
+        await handle
+        await held
+    assert torch.equal(asyncsave.load(tmp_path / "step_3")["buf"], expect)
