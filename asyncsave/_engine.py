@@ -648,7 +648,6 @@ class Checkpointer:
     def _incremental_layout(self, plan: Any) -> tuple[list[Any], int]:
         # In a worker thread: 100,000 entries take about a second to lay out.
         chunks = self._reuse.split_rows(plan)
-        plan.remember_smallest_entry()  # the chunks of grown tensors are entries now
         layouts = incremental_layout(plan.entries, rank=self._saver.coord.rank, own=chunks)
         return layouts, staging_nbytes(layouts)
 

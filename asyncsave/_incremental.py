@@ -255,6 +255,7 @@ class Reuse:
         if len(entries) == len(plan.entries):
             return set()
         plan.entries = entries
+        plan.remember_smallest_entry()  # a new-rows chunk may be small (lazy saves)
         # New record dicts: a reused plan's records are its template's, shared with
         # every save of the same structure (one still writing its manifest, too).
         plan.records = [
