@@ -402,9 +402,9 @@ class Checkpointer:
         :func:`asyncsave.stage_before_step`) before it mutates the saved tensors.
         Tensors that change during forward are copied before ``save()`` returns:
         buffers of ``nn.Module`` objects in ``state`` (BatchNorm running stats)
-        and every tensor of at most 64 KiB (the same stats passed as a plain
-        ``state_dict()``); a large buffer mutated in forward, passed as a plain
-        tensor, needs ``staged()`` before the forward.
+        and every tensor of at most 64 KiB whose storage no larger saved tensor
+        shares; a large buffer, or a small view of a large saved storage, mutated
+        in forward and passed as a plain tensor needs ``staged()`` first.
 
         :param step: the last trained step (a non-negative int). Step 0 is skipped
             unless ``save_step_zero``; a step already committed or in flight is a

@@ -362,7 +362,8 @@ _PLAIN_CONTAINERS = frozenset({dict, OrderedDict, list, tuple})
 
 def _small_plain_tree(state: Any) -> bool:
     """Whether ``state`` is a tree of at most :data:`INLINE_PLAN_MAX_NODES`
-    nodes, each a dict, list or tuple, a tensor, or a plain scalar: flattening
+    nodes, each a dict, list or tuple, a tensor (not a lazily conjugated or
+    negated view, which flattening copies), or a plain scalar: flattening
     it calls no user code (no ``state_dict()``) and takes microseconds. Looks
     at no more nodes than the limit, however large one container is (a
     recursive tree, too): it runs on the event loop."""
@@ -373,7 +374,11 @@ def _small_plain_tree(state: Any) -> bool:
         if seen > INLINE_PLAN_MAX_NODES:
             return False
         t = type(obj)
-        if t is torch.Tensor or t is torch.nn.Parameter or t in _PLAIN_SCALARS:
+        if t is torch.Tensor or t is torch.nn.Parameter:
+            if obj.is_conj() or obj.is_neg():  # flattening copies it (resolve_conj)
+                return False
+            continue
+        if t in _PLAIN_SCALARS:
             continue
         if t not in _PLAIN_CONTAINERS:
             return False

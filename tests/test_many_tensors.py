@@ -696,6 +696,10 @@ def _ndarray(s: dict[str, Any]) -> None:
     s["array"] = np.arange(5, dtype=np.float32)
 
 
+def _conjugated(s: dict[str, Any]) -> None:
+    s["z"] = torch.randn(8, dtype=torch.complex64).conj()  # resolved (copied) when flattened
+
+
 def _tagged(s: dict[str, Any]) -> None:
     s["tagged"] = asyncsave.Tagged(torch.arange(3), "rng")
 
@@ -707,6 +711,7 @@ _NOT_INLINE: dict[str, Callable[[dict[str, Any]], None]] = {
     "an nn.Module": _module,
     "a NumPy array": _ndarray,
     "a Tagged leaf": _tagged,
+    "a conjugated view (from a fresh user)": _conjugated,
 }
 
 
@@ -716,7 +721,8 @@ async def test_what_is_not_small_and_plain_is_always_planned_in_a_worker(
 ) -> None:
     """A tree past the node limit, or holding anything whose flattening may run
     the caller's code (``state_dict()``) or is not a plain leaf, is flattened
-    in a worker thread at every save, the plan reused all the same; a
+    in a worker thread at every save, the plan reused all the same (but for a
+    conjugated view, which flattening copies into new memory every time); a
     ``Stateful``'s ``state_dict()`` runs once per save, on the loop's thread."""
     loop_thread = threading.get_ident()
     state = _base()
@@ -727,7 +733,8 @@ async def test_what_is_not_small_and_plain_is_always_planned_in_a_worker(
             state["step"].add_(1)
             expected.append(_snapshot(state))
             await (await ckpt.save(step, state, lazy=step == 2))
-        assert ckpt._planner.reused == 2
+        # A conjugated view is resolved into new memory at every flatten: replanned.
+        assert ckpt._planner.reused == (0 if member.startswith("a conjugated") else 2)
     assert len(flatten_threads) == 3 and loop_thread not in flatten_threads
     if isinstance(state.get("stat"), _Stat):
         assert state["stat"].calls == [loop_thread] * 3
