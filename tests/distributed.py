@@ -99,3 +99,24 @@ def values(results: dict[int, tuple[str, Any]]) -> list[Any]:
         text = "\n".join(f"--- rank {r}: {kind}\n{detail}" for r, (kind, detail) in bad.items())
         raise AssertionError(f"ranks failed:\n{text}")
     return [results[r][1] for r in sorted(results)]
+
+
+def stop_dcp_background_process() -> None:
+    """DCP's process executor keeps one spawned process per process for later saves
+    and stops it only at interpreter exit, which a forked rank skips (``os._exit``):
+    stop it here (DCP's own TERMINATE request) so no test leaves it running. The
+    pipe to it was handed over by multiprocessing's resource sharer, whose
+    listener socket lives in a ``pymp-*`` temporary directory removed only at
+    interpreter exit too: stop the sharer and remove the directory."""
+    import shutil
+    from multiprocessing import process, resource_sharer
+
+    from torch.distributed.checkpoint import _async_process_executor as executor
+
+    background, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
+    if background is not None:
+        background.__del__()
+    resource_sharer.stop(timeout=5)
+    tempdir = process.current_process()._config.pop("tempdir", None)
+    if tempdir is not None:
+        shutil.rmtree(tempdir, ignore_errors=True)

@@ -23,7 +23,7 @@ from asyncsave.dcp import StorageReader, StorageWriter
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-from distributed import run_ranks, values
+from distributed import run_ranks, stop_dcp_background_process, values
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -112,11 +112,14 @@ def _async_save_both_executors(rank: int, world: int, root: str) -> bool:
 
     state = {"w": torch.arange(10.0), "b": torch.ones(3, dtype=torch.bfloat16)}
     dcp.async_save(state, storage_writer=StorageWriter(root, 1)).result()
-    dcp.async_save(
-        state,
-        storage_writer=StorageWriter(root, 2),
-        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-    ).result()
+    try:
+        dcp.async_save(
+            state,
+            storage_writer=StorageWriter(root, 2),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+        ).result()
+    finally:
+        stop_dcp_background_process()
     ok = True
     for step in (1, 2):
         target = {"w": torch.zeros(10), "b": torch.zeros(3, dtype=torch.bfloat16)}

@@ -63,7 +63,7 @@ from asyncsave._paths import LAYOUTS
 from asyncsave.dcp import StorageReader, StorageWriter
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed import run_ranks, values
+from distributed import run_ranks, stop_dcp_background_process, values
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -789,22 +789,11 @@ class _NoSpace(LocalFileSystem):
         raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
 
-def _stop_dcp_background_process() -> None:
-    """DCP's process executor keeps one spawned process per process for later saves
-    and stops it only at interpreter exit, which a forked rank skips (``os._exit``):
-    stop it here (DCP's own TERMINATE request) so no test leaves it running."""
-    from torch.distributed.checkpoint import _async_process_executor as executor
-
-    background, executor._CHECKPOINT_PROCESS = executor._CHECKPOINT_PROCESS, None
-    if background is not None:
-        background.__del__()
-
-
 def _process_executor_fails_then_serves(rank: int, world: int, root: str) -> dict[str, Any]:
     try:
         return _fail_then_serve(root)
     finally:
-        _stop_dcp_background_process()
+        stop_dcp_background_process()
 
 
 def _fail_then_serve(root: str) -> dict[str, Any]:
