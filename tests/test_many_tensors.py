@@ -619,20 +619,23 @@ async def test_the_collector_comes_back_when_a_many_tensor_save_fails(tmp_path: 
 # -- small plain trees: bound to the template on the event loop (issue 11) -------
 
 
-@pytest.fixture
-def flatten_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The thread of every ``flatten`` of a state, in call order."""
+def _record_flatten_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The thread of every ``flatten`` of a state from now on, in call order."""
     import asyncsave._replan as replan_module
 
     seen: list[int] = []
-    real = replan_module.flatten
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         seen.append(threading.get_ident())
-        return real(*args, **kwargs)
+        return plan_module.flatten(*args, **kwargs)
 
     monkeypatch.setattr(replan_module, "flatten", recorded)
     return seen
+
+
+@pytest.fixture
+def flatten_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    return _record_flatten_threads(monkeypatch)
 
 
 async def test_a_small_plain_tree_of_the_last_structure_is_bound_on_the_event_loop(
@@ -872,17 +875,9 @@ def test_random_trees_are_bound_on_the_loop_only_when_small_and_plain(
     arrays, saved twice (values changed in between): the second save is bound
     on the loop exactly when the tree is plain and within the node limit, every
     ``state_dict()`` runs once per save, and both checkpoints load back equal."""
-    import asyncsave._replan as replan_module
     from asyncsave._replan import INLINE_PLAN_MAX_NODES
 
-    threads: list[int] = []
-    real = replan_module.flatten
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        threads.append(threading.get_ident())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(replan_module, "flatten", recorded)
+    threads = _record_flatten_threads(monkeypatch)
     state = {"tree": tree, "x": torch.zeros(3)}
     nodes, plain = _nodes_and_plain(state)
     stats = [leaf for leaf in _leaves(tree) if isinstance(leaf, _Stat)]
