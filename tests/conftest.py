@@ -1,4 +1,10 @@
-"""Shared fixtures: every async test runs on asyncio, asyncio+uvloop and trio.
+"""Shared fixtures.
+
+Async tests run on asyncio; the modules whose subject is the event loop itself
+(the engine, close and its flush, cancellation and hangs, ordering of saves, lazy
+staging, writing while staging) run on asyncio, asyncio+uvloop and trio, where a
+backend difference could change the outcome. ``ASYNCSAVE_ALL_BACKENDS=1`` runs
+every async test on all three.
 
 The ``leakcheck`` plugin fails the run when a process the suite started is still
 alive at its end (S23; see ``tests/leakcheck.py``).
@@ -17,15 +23,38 @@ from hypothesis import settings
 pytest_plugins = ["leakcheck"]
 
 
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-        pytest.param(("trio", {}), id="trio"),
-    ]
+_BACKENDS = [
+    pytest.param(("asyncio", {}), id="asyncio"),
+    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    pytest.param(("trio", {}), id="trio"),
+]
+# Test modules about the event loop: the engine, close, cancellation and hangs.
+_ALL_BACKEND_MODULES = frozenset(
+    {
+        "test_engine",
+        "test_close_flush",
+        "test_hangs",
+        "test_ordering",
+        "test_lazy",
+        "test_overlap_writes",
+        "test_policy",
+        "test_sync",
+    }
 )
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
-    return request.param
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict[str, object]]:
+    """Overridden by the parametrization below (anyio's own fixture runs every backend)."""
+    return ("asyncio", {})
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "anyio_backend" not in metafunc.fixturenames:
+        return
+    module = metafunc.module.__name__.rpartition(".")[2]
+    every = module in _ALL_BACKEND_MODULES or os.environ.get("ASYNCSAVE_ALL_BACKENDS") == "1"
+    metafunc.parametrize("anyio_backend", _BACKENDS if every else _BACKENDS[:1])
 
 
 @pytest.fixture(autouse=True)

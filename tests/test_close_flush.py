@@ -47,11 +47,6 @@ HANG_GUARD_S = 60
 SMALL_BUDGET = 64 << 10  # smaller than state_of(): such saves stream in rounds
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 def state_of(step: int, n: int = 1 << 16) -> dict[str, Any]:
     """About ``4 n`` bytes of tensors (256 KiB by default), several dtypes."""
     g = torch.Generator().manual_seed(step)

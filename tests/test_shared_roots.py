@@ -40,13 +40,6 @@ from asyncsave.dcp import StorageWriter
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    # asyncio and trio; not uvloop as well: each test here starts interpreters as
-    # other users, and the event loop has no part in file modes or locks.
-    return (request.param, {})
-
-
 def _state(step: int) -> dict[str, Any]:
     return {
         "model": {"w": torch.arange(2048, dtype=torch.float32) + step},
