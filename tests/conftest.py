@@ -49,8 +49,18 @@ def anyio_backend() -> tuple[str, dict[str, object]]:
     return ("asyncio", {})
 
 
+def _parametrized_by_the_test(metafunc: pytest.Metafunc) -> bool:
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        if isinstance(names, str):
+            names = [n.strip() for n in names.split(",")]
+        if "anyio_backend" in names:
+            return True
+    return False
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "anyio_backend" not in metafunc.fixturenames:
+    if "anyio_backend" not in metafunc.fixturenames or _parametrized_by_the_test(metafunc):
         return
     module = metafunc.module.__name__.rpartition(".")[2]
     every = module in _ALL_BACKEND_MODULES or os.environ.get("ASYNCSAVE_ALL_BACKENDS") == "1"

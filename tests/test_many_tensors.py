@@ -798,11 +798,11 @@ def _self_list(n: int) -> list[Any]:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: list(range(1_000_000)),
-        lambda: dict.fromkeys(range(1_000_000), 0),
-        lambda: {"w": torch.zeros(2), "inner": [list(range(1_000_000))]},
-        lambda: _self_list(200_000),
-        lambda: OrderedDict((f"k{i}", torch.zeros(1)) for i in range(1_000_000)),
+        lambda: list(range(100_000)),
+        lambda: dict.fromkeys(range(100_000), 0),
+        lambda: {"w": torch.zeros(2), "inner": [list(range(100_000))]},
+        lambda: _self_list(100_000),
+        lambda: OrderedDict((f"k{i}", torch.zeros(1)) for i in range(100_000)),
     ],
     ids=["list", "dict", "nested", "list holding itself", "OrderedDict"],
 )
