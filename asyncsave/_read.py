@@ -8,7 +8,14 @@ privately; the file never changes. With ``verify=True`` each entry's bytes are
 hashed (XXH3-64) once, which is what reads them from disk (``MADV_SEQUENTIAL`` /
 ``MADV_WILLNEED`` ask the kernel to read ahead); with ``verify=False`` nothing is
 read until a tensor is touched, so one tensor of a large checkpoint costs only its
-own pages. Committed data files are never rewritten or truncated by asyncsave (a
+own pages. A mapping holds no file descriptor: a file is opened, checked and
+mapped, then closed at once (``torch.UntypedStorage.from_file`` closes its own
+descriptor after ``mmap(2)``; Python's :class:`mmap.mmap` would keep a duplicate
+open for as long as any tensor over it lives), so a checkpoint of any number of
+files loads under the usual ``ulimit -n`` of 1024: at most one descriptor per
+reading thread is open at a time. The open-file limit ran out on one file per
+parameter in t5x (https://github.com/google-research/t5x/issues/447).
+Committed data files are never rewritten or truncated by asyncsave (a
 newer save of the same step swaps in a new directory, retention unlinks), so the
 mappings stay valid; a file truncated by someone else under a live mapping makes
 the process take ``SIGBUS`` on access, as with any mmap loader (safetensors,
@@ -25,10 +32,12 @@ in ``tests/test_cuda.py`` cover it where CUDA exists.
 from __future__ import annotations
 
 import concurrent.futures
-import mmap
-from collections.abc import Callable, Iterable
+import contextlib
+import errno
+import os
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 import xxhash
@@ -44,10 +53,35 @@ _HASH_CHUNK = 8 << 20
 _READ_THREADS = 4
 
 
-def _mapped(fpath: Path) -> mmap.mmap:
-    with open(fpath, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    return mm
+def _mapped(fpath: Path, f: BinaryIO, manifest: Manifest, *, read_ahead: bool) -> memoryview:
+    """The data file ``fpath`` (open as ``f``) mapped whole, copy-on-write
+    (``MAP_PRIVATE``), as a writable byte view that holds no descriptor: the
+    mapping lives as long as the view or any tensor made over it.
+
+    :param read_ahead: ask the kernel to read the whole file ahead (most of it will
+        be read now).
+    :raises CorruptCheckpointError: the file shrank between the size check and the
+        mapping (replaced or truncated by someone else).
+    :raises OSError: the mapping failed (``vm.max_map_count`` reached, no memory).
+    """
+    size = os.fstat(f.fileno()).st_size
+    if size == 0:
+        return memoryview(bytearray())
+    if read_ahead and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+    try:
+        storage = torch.UntypedStorage.from_file(str(fpath), shared=False, nbytes=size)
+    except RuntimeError as exc:
+        if os.stat(fpath).st_size < size:
+            raise CorruptCheckpointError(
+                f"{fpath} shrank while it was read (truncated or replaced by another "
+                "process)",
+                path=fpath,
+                step=manifest.step,
+            ) from exc
+        raise OSError(f"cannot map {fpath}: {exc}") from exc
+    whole = torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage))
+    return memoryview(whole.numpy())  # type: ignore[arg-type]
 
 
 def _check(fpath: Path, e: dict[str, Any], size: int, manifest: Manifest) -> tuple[int, int]:
@@ -168,18 +202,15 @@ def _read_file(
     progress: Callable[[int], None] | None = None,
 ) -> None:
     fpath = path / manifest.files[fi]["name"]
-    if check_header is not None:
-        with open(fpath, "rb", buffering=0) as f:
+    with _opened(fpath) as f:
+        if check_header is not None:
             check_header(fpath, f, manifest, fi)
-    mm = _mapped(fpath)
-    size = len(mm)
-    if verify and len(mine) * 2 > in_file:
         # Most of the file will be read: ask for read-ahead.
-        mm.madvise(mmap.MADV_SEQUENTIAL)
-        mm.madvise(mmap.MADV_WILLNEED)
+        mapped = _mapped(fpath, f, manifest, read_ahead=verify and len(mine) * 2 > in_file)
+    size = len(mapped)
     for ei, e in sorted(mine, key=lambda item: item[1]["offset"]):
         start, n = _check(fpath, e, size, manifest)
-        view = memoryview(mm)[start : start + n]
+        view = mapped[start : start + n]
         if bounce is not None:
             t, digest = bounce.upload(view, verify, progress)
         else:
@@ -187,7 +218,7 @@ def _read_file(
             # share memory at save time do not share it now, and torch.save of
             # one loaded tensor writes only its own bytes.
             t = (
-                torch.frombuffer(mm, dtype=torch.uint8, count=n, offset=start)
+                torch.frombuffer(mapped, dtype=torch.uint8, count=n, offset=start)
                 if n
                 else torch.empty(0, dtype=torch.uint8)
             )
@@ -199,16 +230,26 @@ def _read_file(
             _verify(fpath, e, digest, manifest)
         out[ei] = t
     if bounce is not None:
-        bounce.finish()
-        _close_when_unused(mm)
+        bounce.finish()  # then the mapping goes with ``mapped``: no tensor holds it
 
 
-def _close_when_unused(mm: mmap.mmap) -> None:
-    # Tensors made by frombuffer keep the mapping alive; for CUDA loads none does.
+@contextlib.contextmanager
+def _opened(fpath: Path) -> Iterator[BinaryIO]:
+    """``fpath`` open for reading, unbuffered; running out of descriptors is
+    reported with what asyncsave holds and what to do."""
     try:
-        mm.close()
-    except BufferError:
-        pass
+        f = open(fpath, "rb", buffering=0)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            exc.add_note(
+                f"asyncsave keeps at most {_READ_THREADS} data files open while it reads "
+                "a checkpoint, whatever its number of files: the rest of the process "
+                "holds the other descriptors (raise the limit with `ulimit -n`, or "
+                "close files the process no longer needs)"
+            )
+        raise
+    with f:
+        yield f
 
 
 def _hash(view: memoryview, progress: Callable[[int], None] | None = None) -> str:
