@@ -67,7 +67,7 @@ __version__ = "0.1.0"
 
 # Public name -> the module that defines it. ``import asyncsave`` imports none of
 # them (nor torch): the first use of a name imports its module, so the ``asyncsave``
-# command answers ``--help`` and ``--version`` without loading torch (issue 13).
+# command answers ``--help`` and ``--version`` without loading torch.
 _LAZY = {
     "Checkpointer": "._engine",
     "SaveHandle": "._engine",

@@ -83,8 +83,8 @@ def hold_root(fs: LocalFileSystem, root: Path, *, timeout_s: float) -> Iterator[
     A checkpointer holds this lock for its whole life; a standalone writer holds it
     only around its rename and tracker update, so that "does the final name exist,
     rename, read the tracker, write it if forward" is one step for every thread and
-    process committing into ``root`` (S20: two writers that read the tracker before
-    either wrote it moved it back). Waits for the lock, polling (a ``flock`` has no
+    process committing into ``root`` (two writers that read the tracker before
+    either wrote it moved it back: https://github.com/thinking-machines-lab/tinker-cookbook/pull/687). Waits for the lock, polling (a ``flock`` has no
     timed wait), at most ``timeout_s`` seconds.
 
     :raises RootInUseError: the lock stayed held for ``timeout_s`` (a checkpointer
@@ -233,7 +233,7 @@ def discard(
 ) -> bool:
     """Remove ``path`` if it is there (never following a symlink: ``fs.remove_tree``);
     a failure is logged, never raised (over a failed save's own error, or so that
-    one leftover never blocks the others: S22).
+    one leftover never blocks the others: https://github.com/facebookresearch/PyTorch-BigGraph/pull/24).
 
     :param retry: when it is tried again, for the log line.
     :param by: who removes it, for the log line (``"retention"``).
@@ -304,7 +304,7 @@ def recover(
     ranks move it after the ranks agree on their steps, ``asyncsave._tiers``).
     The caller holds the root's lock (:func:`lock_root`).
 
-    Symlinks are never followed to delete (S22): a symlink under a temporary name is
+    Symlinks are never followed to delete (https://github.com/facebookresearch/PyTorch-BigGraph/pull/24): a symlink under a temporary name is
     unlinked; a symlink under a final name that points to a checkpoint is one (it
     loads through the link); a file, a dangling symlink or a symlink to a file under
     a final name is moved aside like a directory without a manifest. Each entry is
@@ -336,7 +336,7 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout, forward: bool) -> 
         if step is not None and step not in steps and fs.lexists(root / name):
             # A file, a dangling symlink or a symlink to a file under a final name:
             # never a checkpoint, and it would make a save of its step fail. Moved
-            # aside (the link itself, never its target), like S13's directories.
+            # aside (the link itself, never its target), like a partial step directory.
             if move_aside(fs, root, root / name, "incomplete", step, "it is not a directory"):
                 removed.append(root / name)
     committed: dict[int, Path] = {}
@@ -349,7 +349,7 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout, forward: bool) -> 
                 removed.append(path)
             continue
         if not fs.exists(path / MANIFEST_NAME):
-            # Never a checkpoint (S13); maybe another tool's files: moved, not deleted.
+            # Never a checkpoint (a partial step directory); maybe another tool's files: moved, not deleted.
             if move_aside(fs, root, path, "incomplete", step, "it has no manifest"):
                 removed.append(path)
             continue

@@ -118,7 +118,7 @@ class Checkpointer:
     Close flushes every accepted save, whatever phase it is in (waiting for the
     staging buffer, staging, a streamed round, writing, committing, tracking,
     retention), lazy or eager, also one whose ``save()`` call, in another task or
-    thread, has not returned yet; only the save's own failure fails it (S18: a lazy
+    thread, has not returned yet; only the save's own failure fails it (a lazy
     save made just before leaving the block used to be refused by the closing
     checkpointer and lost). A ``save()`` call admitted after close began, including
     an ``overwrite`` still waiting for the earlier save of its step, raises
@@ -357,7 +357,7 @@ class Checkpointer:
             await anyio.to_thread.run_sync(self._fs.unlock, fd)
 
     def __del__(self) -> None:
-        # Never block or raise here (S4): say that saves were abandoned, and let the
+        # Never block or raise here (https://github.com/NVIDIA/Megatron-LM/issues/6970): say that saves were abandoned, and let the
         # root go so that another checkpointer can open it.
         fd = getattr(self, "_lock_fd", None)
         if fd is not None:
@@ -386,9 +386,9 @@ class Checkpointer:
 
         Returns once the snapshot is consistent (eager): every tensor has been
         copied into the staging buffer, so the caller may mutate or free its tensors
-        at once (S11). Waits first while an earlier save still holds the staging
+        at once (https://github.com/pytorch/pytorch/issues/144657). Waits first while an earlier save still holds the staging
         budget (backpressure). A state larger than an explicit ``budget_bytes``
-        streams through it in rounds (stage a budget, write it, reuse it; S15):
+        streams through it in rounds (stage a budget, write it, reuse it; https://github.com/meta-pytorch/torchsnapshot/issues/112):
         an eager ``save()`` then also waits while all but the last round are
         written (not fsynced), since every byte must be copied somewhere before
         the caller may mutate its tensors; a lazy one moves that wait to
@@ -544,7 +544,7 @@ class Checkpointer:
         # One save() at a time from here to its dispatch: planning awaits a worker
         # thread, and saves must still be admitted in the order of their calls (the
         # ranks' tickets) and a step only once. While it plans, the save counts as
-        # admitted: a close begun meanwhile waits for it (S18). Leaving the lock
+        # admitted: a close begun meanwhile waits for it (a close never drops an admitted save). Leaving the lock
         # does not yield, and dispatch() makes the save pending before it first
         # yields: no other save() runs in between.
         assert self._planning is not None
@@ -590,7 +590,7 @@ class Checkpointer:
         ranks goes through DCP's planner (the integration's job); any other state
         is a plain tree, planned in a worker thread (the plan of the previous save
         reused while the structure holds, ``_replan``) and streamed through a
-        smaller explicit budget (S15)."""
+        smaller explicit budget."""
         coord = self._saver.coord
         if coord.world_size > 1 and contains_dtensor(state):
             if not self._saver.strategy.renames:

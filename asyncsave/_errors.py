@@ -159,7 +159,7 @@ class UnsupportedTensorError(InvalidStateError):
     """A tensor whose bytes cannot be captured as-is: sparse, quantized, meta,
     nested, or a tensor subclass other than ``nn.Parameter``; or two tensors that
     overlap in memory at a distance that is not a multiple of an element size (two
-    ``float32`` views one byte apart: no torch storage holds both as views, S19)."""
+    ``float32`` views one byte apart: no torch storage holds both as views; https://github.com/huggingface/safetensors/pull/264)."""
 
 
 class InvalidKeyError(InvalidStateError):
@@ -315,7 +315,7 @@ class CheckpointWarning(UserWarning):
     * ``step`` is 0 and ``save_step_zero`` is off: nothing is saved.
 
     Mistakes of this kind used to be logged (or not reported at all) and went
-    unseen under a default logging setup (issue 10, item 7). ``step`` and ``path``
+    unseen under a default logging setup. ``step`` and ``path``
     are set as on :class:`CheckpointError`.
     """
 

@@ -74,7 +74,7 @@ class LocalFileSystem:
         """Create ``path`` exclusively for writing; returns a raw file descriptor.
 
         The file's mode is ``0o666`` less the process umask (``open(2)``): 0664
-        under ``umask 002``, 0644 under ``umask 022`` (S21)."""
+        under ``umask 002``, 0644 under ``umask 022`` (https://github.com/huggingface/datasets/issues/7900)."""
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
 
     def open_direct(self, path: Path) -> int | None:
@@ -181,7 +181,7 @@ class LocalFileSystem:
         """Delete the entry ``path``, never following a symlink: a directory with
         everything under it (links inside are removed as links), or a symlink or
         file by unlinking it. A symlinked checkpoint is thereby retired without
-        touching the checkpoint it points to (S22).
+        touching the checkpoint it points to (https://github.com/facebookresearch/PyTorch-BigGraph/pull/24).
 
         :raises OSError: the removal failed part-way (what is left stays under
             ``path``; callers retry later).
@@ -207,7 +207,7 @@ class LocalFileSystem:
         """Take an exclusive advisory lock (``flock``) on ``path``, creating it
         (``0o666`` less the umask, like every file here).
 
-        Needs only read permission on an existing lock file (S21: a lock file
+        Needs only read permission on an existing lock file (https://github.com/huggingface/datasets/issues/7900: a lock file
         another member of the group created under ``umask 022``): it is opened
         read-write where allowed (NFS emulates ``flock`` with ``fcntl`` locks,
         whose exclusive kind needs a descriptor open for writing), read-only where

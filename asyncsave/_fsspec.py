@@ -20,7 +20,7 @@ What the POSIX calls become here:
 - ``remove_tree``: deletes the commit marker first, then the rest, so a deletion cut
   short never leaves a committed-looking prefix with missing files. Object stores
   have no symlinks; where the fsspec file system has them (``file://``), a symlink
-  is unlinked and never followed, as by the local layer (S22).
+  is unlinked and never followed, as by the local layer.
 - reads: ``fs.open(path, "rb", cache_type="none")``: each read is one ranged GET.
 
 :func:`open_root` turns what a user passes as ``root`` (a path, a URL, a

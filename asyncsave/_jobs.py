@@ -13,7 +13,7 @@ every rank:
 - ``release()``: give staging memory back (idempotent).
 
 :class:`PlainJob` is a state tree planned by ``_plan``, staged into the pool
-whole or in streamed rounds (S15). Integrations plug in with their own jobs:
+whole or in streamed rounds. Integrations plug in with their own jobs:
 DTensor state through DCP's planner (``asyncsave.dcp.DTensorJob``, which the
 core names by string and imports only when a DTensor is saved, as anyio names
 its backends) and Megatron's async requests (``asyncsave.megatron``). The core
@@ -288,7 +288,7 @@ class PlainJob(Job):
         follows it (``_stage.StagedMark``), the copy takes a step of each file
         in turn (``_stage.copy_following``), so the write and fsync of the data
         no longer wait for the whole snapshot (time to durable: about the copy
-        shorter; issue 11's bound of 1.15 x the raw write+fsync). ``save()``
+        shorter; the bound set for it is 1.15 x the raw write+fsync). ``save()``
         still returns only once the snapshot is whole. The files go into a
         temporary directory of this rank's own, made by the writers' task before
         they start (never on ``save()``'s path: a hung file system does not hold

@@ -29,7 +29,7 @@ def stage_before_step(
 ) -> Any:
     """Make every ``optimizer.step()`` first wait until the lazy saves of
     ``checkpointer`` are staged, so the step never mutates a tensor that is still
-    being copied (S11 in lazy mode).
+    being copied (in lazy mode, the torn checkpoint of https://github.com/pytorch/pytorch/issues/144657).
 
     The wait is a ``threading.Event`` wait, so the hook works from any thread that
     is not the checkpointer's event loop thread: a synchronous training loop with

@@ -108,7 +108,7 @@ class CheckpointOptions:
     :param budget_bytes: bytes of host staging memory, allocated once and reused
         for every save. ``None`` (default): the size of the first state saved,
         grown (once, while idle) if a later state is larger. A state larger than
-        an explicit budget streams through it in rounds (stage, write, reuse; S15),
+        an explicit budget streams through it in rounds (stage, write, reuse; https://github.com/meta-pytorch/torchsnapshot/issues/112),
         so an eager ``save()`` blocks longer but does not fail. Two exceptions raise
         :class:`~asyncsave.StagingBudgetError` before anything is written: a
         non-contiguous CPU tensor (copied whole) larger than its data file's share
@@ -117,7 +117,7 @@ class CheckpointOptions:
         :class:`~asyncsave.megatron.MegatronSaver`'s requests, and any state on an
         object-store root (the other ranks' saves fail with
         :class:`~asyncsave.RankFailedError`). A plain state tree streams on
-        several ranks too (issue 11). While the budget is in use by an
+        several ranks too. While the budget is in use by an
         earlier save that is still writing, ``save()`` waits (backpressure).
     :param writer_threads: worker threads that write data files of one save in
         parallel; the tensors of a save are spread over this many files. An

@@ -220,7 +220,7 @@ class Saver:
         while the persistent tier copies the directory it would swap.
 
         Admitted already (the checkpointer was open when it was called): queued,
-        so close waits for it and flushes it like a pending save (S18), and no
+        so close waits for it and flushes it like a pending save, and no
         check after this asks whether close began or another save failed since.
         The caller registers its own pending handle before it next awaits, so
         close, woken by the gate, then finds it pending.
@@ -317,8 +317,8 @@ class Saver:
             await self.run(self.tracker.advance, step)
 
     async def retain(self, step: int) -> None:
-        """Apply the retention rule after the commit of ``step`` (S2, S8: never
-        before), bounded by ``save_timeout_s``.
+        """Apply the retention rule after the commit of ``step`` (never
+        before: https://github.com/verl-project/verl/issues/4667, https://github.com/NovaSky-AI/SkyRL/pull/2145), bounded by ``save_timeout_s``.
 
         ``step`` itself is never retired by its own pass: its handle resolves to a
         directory that exists (a late, older step is retired by the next pass). A
@@ -417,7 +417,7 @@ class Saver:
         the checkpointer refuse further saves, so it is never lost (invariant 3).
 
         Shielded: the save was accepted when ``save()`` returned its handle, so
-        closing flushes it like any other pending save (S18); only a close that
+        closing flushes it like any other pending save; only a close that
         gives up after ``close_timeout_s`` cancels it."""
         try:
             with anyio.CancelScope(shield=True) as scope, self.abandonable(scope):
@@ -907,7 +907,7 @@ class WorkerDiedError(RuntimeError):
 
 def _in_worker(func: Any, *args: Any) -> Any:
     """Run ``func`` in a worker thread so that however the worker dies, the save
-    fails with an ``Exception`` (S4: a dead writer becomes an error). A
+    fails with an ``Exception`` (a dead writer becomes an error, never a hang: https://github.com/NVIDIA/Megatron-LM/issues/6970). A
     ``BaseException`` raised in a worker thread would otherwise cross into the
     event loop as if raised there, crash the checkpointer's task group and cancel
     the caller's task instead of failing the save."""

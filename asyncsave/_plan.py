@@ -10,7 +10,7 @@ Tensors that share memory are grouped by *region*: tensors on one storage object
 (tied weights, views of one buffer) and tensors whose bytes overlap in memory,
 whatever storage objects hold them (a NumPy slice, ``torch.frombuffer``,
 ``torch.from_dlpack``, a storage that starts at the same address as another but is
-shorter: huggingface/safetensors PR #264, transformers PR #23871, S19). A region's
+shorter: https://github.com/huggingface/safetensors/pull/264, transformers PR #23871). A region's
 covering byte range is stored once as a "blob" entry and each tensor is recorded as
 a view (offset, shape, stride) into it, so they come back as views of one storage,
 at the same distances from each other. A tensor alone in its region is stored as
@@ -690,7 +690,7 @@ def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]
             members = sorted(i for span in region for i in span.members)
         lone = ts[members[0]]
         # A lone CUDA view that is not contiguous is staged as the raw span of its
-        # storage: gathering it would allocate device memory (S12).
+        # storage: gathering it would allocate device memory (https://github.com/Lightning-AI/pytorch-lightning/issues/21630).
         if len(members) < 2 and not (lone.is_cuda and not lone.is_contiguous()):
             continue
         grouped.update(members)

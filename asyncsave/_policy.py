@@ -13,7 +13,7 @@ to save now and whether to stop.
             if policy.stop_requested:
                 break                             # preempted: saved, now stop
 
-``step`` is the last trained step (the number the checkpoint is named after, S16);
+``step`` is the last trained step (the number the checkpoint is named after: never one past it, as in the SkyRL fully-async checkpoint fix);
 call :meth:`SavePolicy.should_save` exactly once per step, after the step trained:
 time-based policies measure the step time between calls.
 """
@@ -311,7 +311,7 @@ class SaveOnSignal(SavePolicy):
 
 
 class AgreedPolicy(SavePolicy):
-    """A policy whose answers every rank agrees on, at every step (issue 11).
+    """A policy whose answers every rank agrees on, at every step.
 
     Made by :meth:`Checkpointer.agree` (``policy = ckpt.agree(SaveEvery(100) |
     SaveOnSignal())``). Each call of :meth:`should_save` asks the wrapped policy

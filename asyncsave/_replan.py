@@ -1,5 +1,5 @@
 """Plan once, reuse: a save whose tree has the structure of the previous save's
-reuses its grouping into entries, its file layout and its header bytes (issue 12).
+reuses its grouping into entries, its file layout and its header bytes.
 
 ``make_plan`` groups tensors by the memory they share and ``layout_files`` lays
 the entries out in files; for a state of 10,000 small tensors the two cost about
@@ -17,7 +17,7 @@ tensor's offset in its storage and its storage's address and length (built by
 every tensor covers the same bytes of the same memory as last time, so tensors
 share memory exactly as they did and the grouping, offsets and layout hold; the
 template's entries are copied and bound to this save's tensors. Any difference
-(a new or removed key, one shape, a storage re-allocated by offloading, S5, a
+(a new or removed key, one shape, a storage re-allocated by offloading, https://github.com/NVIDIA-NeMo/RL/issues/3312, a
 view that now aliases another tensor) makes a new plan and a new template. The
 check is one tuple per tensor, built while flattening: about 10x cheaper than
 planning.
@@ -30,7 +30,7 @@ exception: a small tree of plain containers, tensors and scalars (at most
 save's is bound to the template on the event loop, which takes microseconds,
 where the two thread hops took milliseconds on busy cores (a lazy ``save()`` of
 a Megatron or FSDP rank's few flat buffers blocked 5 ms on 4 ranks sharing 2
-cores, against 2 ms; issue 11).
+cores, against 2 ms).
 """
 
 from __future__ import annotations
@@ -399,8 +399,8 @@ def _small_plain_tree(state: Any) -> bool:
 @contextlib.asynccontextmanager
 async def admitting(queued: dict[anyio.Event, int], step: int) -> AsyncIterator[None]:
     """Count a save of ``step`` as admitted while it plans (before it is pending):
-    a gate in the saver's ``queued``, which a close begun meanwhile waits for
-    (S18), set when the save is pending or failed."""
+    a gate in the saver's ``queued``, which a close begun meanwhile waits for,
+    set when the save is pending or failed."""
     gate = anyio.Event()
     queued[gate] = step
     try:

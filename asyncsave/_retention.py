@@ -4,7 +4,7 @@ A rule looks only at the committed checkpoints found under the root (their steps
 and the ``training_info`` in their manifests), never at a list kept in memory, so a
 restarted process keeps enforcing it (Source: verl-project/verl #7395, where the
 prune list lived in memory and nothing old was deleted after a restart). The engine
-applies it only after a commit and the tracker update (S2, S8), and never deletes
+applies it only after a commit and the tracker update (https://github.com/verl-project/verl/issues/4667, https://github.com/NovaSky-AI/SkyRL/pull/2145), and never deletes
 the tracked checkpoint, the newest committed one, one in flight, or the one this
 run resumed from.
 
@@ -235,7 +235,7 @@ def apply_retention(
     under a final name. On object stores (no atomic rename) its commit marker is
     deleted first instead, with the same effect (``_marker``).
 
-    A checkpoint that is a symlink (to another run's checkpoint, S22) is retired by
+    A checkpoint that is a symlink (to another run's checkpoint, https://github.com/facebookresearch/PyTorch-BigGraph/pull/24) is retired by
     renaming and unlinking the link; its target is never touched, and a symlink
     inside a checkpoint is removed as a link (``fs.remove_tree``).
 

@@ -113,7 +113,7 @@ class StagingPool:
         self._poisoned = False
         self._closed = False
         self._gave_up = False  # see give_up()
-        self.allocations = 0  # how many times an arena was allocated (S10)
+        self.allocations = 0  # how many times an arena was allocated (https://github.com/pytorch/pytorch/issues/183413)
         # Plans' views of the arena (see _views): dropped with the arena.
         self.views: weakref.WeakSet[ViewCache] = weakref.WeakSet()
 
@@ -622,8 +622,9 @@ def _side_stream(device: torch.device) -> Any:
 # CUDA entries of plain dtypes up to GATHER_MAX_ENTRY bytes that lie back to back
 # in the arena are gathered on the device (one cat kernel per batch) into at most
 # GATHER_BYTES of scratch and copied to the host by one copy: 10,000 small tensors
-# cost ~100s of copies instead of 10,000 (each a launch of several us), issue 12.
-# The scratch stays under S12's 1 MiB of device memory.
+# cost ~100s of copies instead of 10,000 (each a launch of several us).
+# The scratch stays under 1 MiB of device memory (staging allocates none beyond it:
+# https://github.com/Lightning-AI/pytorch-lightning/issues/21630).
 GATHER_MAX_ENTRY = 64 << 10
 GATHER_BYTES = 512 << 10
 

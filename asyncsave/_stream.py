@@ -1,4 +1,4 @@
-"""Streaming a save through a staging budget smaller than the state (S15).
+"""Streaming a save through a staging budget smaller than the state (https://github.com/meta-pytorch/torchsnapshot/issues/112).
 
 When the state does not fit in ``budget_bytes``, the save is cut into *rounds*:
 each round stages at most one budget of bytes into the arena, writes them to the
@@ -139,7 +139,7 @@ def piece_entries(entries: list[Entry], pieces: list[Piece]) -> list[Entry]:
         if not _splittable(e):
             out.append(dataclasses.replace(e, staging_offset=p.arena_offset))
             continue
-        # A blob's runs: its parts (several storages, S19) and zero padding.
+        # A blob's runs: its parts (several storages sharing memory) and zero padding.
         runs = e.segments() if e.is_blob else [(0, e.nbytes, _flat_bytes(e.source))]
         for start, end, src in runs:
             a, b = max(start, p.start), min(end, p.end)

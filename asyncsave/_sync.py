@@ -204,7 +204,7 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         # before the call crosses to the portal's thread.
         ready = producer_events()
         # The portal of this call: another thread may begin the exit while this
-        # save is in flight; the save, once accepted, is flushed by that exit (S18)
+        # save is in flight; the save, once accepted, is flushed by that exit
         # and its handle is returned all the same.
         portal = self._running_portal()
         ckpt = self._ckpt

@@ -452,7 +452,7 @@ class Persister:
         slot no other ``save()`` is admitted, so the same step is never saved
         twice and later steps never take their turn first. The save counts as
         admitted meanwhile (the planning lock's gate in ``saver.queued``): a close
-        begun meanwhile waits for it and flushes it (S18).
+        begun meanwhile waits for it and flushes it.
 
         :raises CheckpointerClosedError: close gave up after ``close_timeout_s``
             while this waited.

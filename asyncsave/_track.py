@@ -134,7 +134,7 @@ def advance_tracker(fs: LocalFileSystem, path: Path, step: int) -> bool:
 
     Read, compare and write are one step only if the caller holds the root's saver
     lock (``_commit.hold_root``): then writers finishing in any order, in any
-    threads or processes, leave the tracker at the highest step (S20). A tracker
+    threads or processes, leave the tracker at the highest step (https://github.com/thinking-machines-lab/tinker-cookbook/pull/687). A tracker
     that is not a step is rewritten, with a warning.
 
     :returns: whether the tracker was written.

@@ -102,7 +102,7 @@ def rewrite_item(
     """Replace top-level item ``key`` of the checkpoint at ``final`` by the item
     planned in ``plan`` (a plan of ``{key: value}``, staged into ``buffer``).
 
-    A final name that is a symlink (a checkpoint of another run linked in, S22) is
+    A final name that is a symlink (a checkpoint of another run linked in, https://github.com/facebookresearch/PyTorch-BigGraph/pull/24) is
     refused: the swap would put a new directory under the name and leave the
     link to be deleted, and update() rewrites only what this run wrote in place.
 

@@ -71,9 +71,9 @@ the manifest (and the checksum of ``.metadata`` before unpickling it) and every
 item's checksum while reading, sets ``storage_meta.load_id``, then hands tensors to
 DCP's planner, which reshards: a checkpoint written by N ranks loads on M ranks.
 
-Sources: thinking-machines-lab/tinker-cookbook PR #687 (an older async save that
-finished late was recorded as the latest; asyncsave issue 10, S20), and PyTorch's
-own DCP tests run against this backend (issue 10, item 8).
+Sources: https://github.com/thinking-machines-lab/tinker-cookbook/pull/687 (an older async save that
+finished late was recorded as the latest), and PyTorch's own DCP tests, run
+against this backend (``tests/test_dcp_conformance.py``).
 """
 
 from __future__ import annotations
@@ -471,7 +471,7 @@ class StorageWriter(_DcpStorageWriter):
             # Kept for the saves that follow without a checkpoint_id (as DCP's own
             # writer does); this save's state is built from the parsed values,
             # never read back from these shared attributes, which another thread's
-            # reset may have overwritten in between (S20).
+            # reset may have overwritten in between.
             self.root, self.step = root, step
         self.manifest_doc = None
         self._local.save = self._fresh(root, step)

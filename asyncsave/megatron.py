@@ -9,7 +9,7 @@ on an open, distributed :class:`~asyncsave.Checkpointer` instead::
 
     saver = asyncsave.megatron.MegatronSaver(ckpt)          # ckpt: distributed
     tmp = await saver.prepare(step)                         # every rank
-    with saver.building(step):                              # no Manager (S23)
+    with saver.building(step):                              # no Manager process
         request = dist_checkpointing.save(sharded_state_dict, tmp,
                                           sharded_strategy, async_sharded_save=True)
     handle = await saver.save(step, request)                # returns once staged
@@ -55,7 +55,7 @@ saver does not call them; it does their work itself:
 Finalize functions added by the caller (``request.add_finalize_fn``) run as they
 are, in order, from a worker thread: they must not use the trainer's process group.
 
-Processes (S23). megatron-core 0.16.1 can leave three kinds of process behind:
+Processes. megatron-core 0.16.1 can leave three kinds of process behind:
 
 * ``FileSystemWriterAsync`` collects write results in a ``multiprocessing``
   ``Manager().Queue()`` (``filesystem_async._get_write_results_queue``): a server
@@ -201,8 +201,8 @@ class MegatronSaver:
                 request = dist_checkpointing.save(..., async_sharded_save=True)
 
         While it lasts, megatron-core's ``FileSystemWriterAsync`` gets an in-process
-        results queue in this thread instead of spawning its ``Manager`` process
-        (S23); other threads, and this one after the block, get megatron-core's own
+        results queue in this thread instead of spawning its ``Manager`` process;
+        other threads, and this one after the block, get megatron-core's own
         behaviour. Nothing of megatron-core is left changed on any way out of the
         block, an exception included; a failed build leaves the prepared save as
         it was (build again, then :meth:`save`). A request built outside the block
