@@ -9,7 +9,7 @@ one run, with:
 - ``asyncsave per-rank``: ``Checkpointer.save`` of each rank's local shards as
   plain tensors (pool staging, collective commit);
 - ``asyncsave per-rank lazy``: the same with ``lazy=True`` (``save()`` returns
-  before the snapshot; issue 11: the same pipeline as one process); its files
+  before the snapshot; the same pipeline as one process); its files
   are written while the snapshot is copied (``overlap_writes``' default);
 - ``asyncsave per-rank overlap``: eager, with ``overlap_writes=True`` (the
   files written while ``save()`` still copies);

@@ -4,7 +4,7 @@
 # install); writes results under $OUT (or bench/results/ when OUT is unset). Sized
 # so that the CUDA tests (at most 90 s) and the harness (at most 170 s: the quick
 # sweep of 64 and 256 MiB, the GPT-2-small + AdamW state, the 10,000-tensor replay
-# buffer, a 2 GiB save under a heartbeat (S14), S9 and S15, medians of 2) fit in
+# buffer, a 2 GiB save under a heartbeat, RSS over many saves and the budget sweep, medians of 2) fit in
 # about 4 minutes on one H200 (the many-tensor rows add at most 2.5); the Megatron
 # variant below adds at most 4 minutes.
 set -uo pipefail
@@ -21,7 +21,7 @@ rc=${PIPESTATUS[0]}
 mkdir -p "$out/gpu"
 timeout 170 python3 bench/harness.py --device cuda --quick --repeats 2 --many-tensors none --out "$out/gpu" 2>&1 | tee "$out/gpu_harness.txt"
 rc=$(( rc || PIPESTATUS[0] ))
-# Issue 12: many small CUDA tensors (device gather into <= 512 KiB of scratch, one
+# Many small CUDA tensors (device gather into <= 512 KiB of scratch, one
 # D2H copy per batch): the CUDA test, then the rows of 1,000 and 10,000 tensors
 # (blocked vs a copy_ loop to host, heartbeat, durable, load), at most 90 s.
 timeout 60 python3 -m pytest tests/test_many_tensors.py -q -p no:cacheprovider -k "cuda and not trio" -o addopts="" 2>&1 | tee -a "$out/gpu_pytest.txt"

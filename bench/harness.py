@@ -26,8 +26,9 @@ dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)`` after fsync (per file, so ot
 users of the machine keep their page cache; clean pages are dropped).
 
 Event-loop health: a 1 ms heartbeat task runs during every asyncsave save; the
-largest and p99 gaps are recorded, and a 2 GiB save is measured for S14. Memory:
-RSS after N saves against after the first (S9).
+largest and p99 gaps are recorded, and a 2 GiB save is measured (background saving once stalled training
+for 0.8 s: https://github.com/pytorch/pytorch/issues/94238). Memory: RSS after N saves against after the first (each async
+save leaked host memory: https://github.com/pytorch/pytorch/issues/170163).
 
 Every figure is the median of ``--repeats`` runs (peers interleaved in each
 repeat; the disk here varies up to 2x between identical runs). Results go to
@@ -595,7 +596,7 @@ async def bench_workload(
                         step += 1
                         lazy = peer.endswith("lazy")
                         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-                        if cuda:  # S12: staging must not grow device memory
+                        if cuda:  # staging must not grow device memory
                             torch.cuda.synchronize()
                             torch.cuda.reset_peak_memory_stats()
                             dev_base = torch.cuda.max_memory_allocated()
@@ -686,7 +687,7 @@ async def bench_workload(
 
 
 async def heartbeat_2gib(root: Path, hb: Heartbeat, device: str, saves: int) -> dict[str, Any]:
-    """S14: the largest heartbeat gap while a 2 GiB save stages, writes and commits."""
+    """The largest heartbeat gap while a 2 GiB save stages, writes and commits."""
     state = sized_state(2 * GiB, device)
     rows = []
     async with asyncsave.Checkpointer(root) as ckpt:
@@ -711,7 +712,7 @@ async def heartbeat_2gib(root: Path, hb: Heartbeat, device: str, saves: int) -> 
 
 
 async def budget_sweep(root: Path, nbytes: int, device: str) -> dict[str, Any]:
-    """S15: a state larger than ``budget_bytes`` streams through it. For budgets of
+    """A state larger than ``budget_bytes`` streams through it. For budgets of
     1/8, 1/4 and 1/2 of the state and none: eager and lazy ``save()`` blocking
     time, lazy time to staged, and time to durable."""
     state = sized_state(nbytes, device)
@@ -744,7 +745,7 @@ async def budget_sweep(root: Path, nbytes: int, device: str) -> dict[str, Any]:
                 }
             )
             print(
-                f"S15 budget {'none' if budget is None else fmt_bytes(budget)} "
+                f"budget {'none' if budget is None else fmt_bytes(budget)} "
                 f"{'lazy ' if lazy else 'eager'}: blocked {fmt_s(blocked)}, staged "
                 f"{fmt_s(staged)}, durable {fmt_s(durable)}, arena {fmt_bytes(arena)}",
                 flush=True,
@@ -754,7 +755,7 @@ async def budget_sweep(root: Path, nbytes: int, device: str) -> dict[str, Any]:
 
 
 async def rss_over_saves(root: Path, nbytes: int, saves: int, device: str) -> dict[str, Any]:
-    """S9: RSS after the first save (committed) against after ``saves`` saves."""
+    """RSS after the first save (committed) against after ``saves`` saves."""
     state = sized_state(nbytes, device)
     async with asyncsave.Checkpointer(root) as ckpt:
         after: list[int] = []
@@ -881,11 +882,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             s = result["s14_heartbeat_2gib"]
             print(
-                f"S14 2 GiB: heartbeat max gap {s['hb_max_ms']:.1f} ms, p99 {s['hb_p99_ms']:.2f} ms"
+                f"2 GiB save: heartbeat max gap {s['hb_max_ms']:.1f} ms, p99 {s['hb_p99_ms']:.2f} ms"
             )
         many = args.many_tensors or ("1000,10000" if quick else "1000,10000,100000")
         if many != "none":
-            import many_tensors  # bench/many_tensors.py: issue 12's rows and figure
+            import many_tensors  # bench/many_tensors.py: the many-tensor rows and figure
 
             counts = [int(c) for c in many.split(",")]
             result["many_tensors"] = await many_tensors.bench(
@@ -896,7 +897,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             root / "s9", (16 if quick else 64) * MiB, 50 if quick else 200, device
         )
         s9 = result["s9_rss"]
-        print(f"S9: RSS after {s9['saves']} saves / after the first: {s9['ratio']:.4f}")
+        print(f"RSS after {s9['saves']} saves / after the first: {s9['ratio']:.4f}")
         result["s15_budget"] = await budget_sweep(
             root / "s15", (256 if quick else 1024) * MiB, device
         )
@@ -924,7 +925,7 @@ def _workload(result: dict[str, Any], name: str) -> dict[str, Any] | None:
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every target of issue 3 with its measured value (ratios from this run)."""
+    """Every target of the harness with its measured value (ratios from this run)."""
     rows: list[dict[str, Any]] = []
 
     def add(figure: str, target: str, value: float, limit: float, detail: str) -> None:
@@ -1100,7 +1101,7 @@ def markdown(result: dict[str, Any]) -> str:
     s15 = result.get("s15_budget")
     if s15:
         lines += [
-            f"### S15: a {fmt_bytes(s15['state_bytes'])} state through a smaller budget",
+            f"### Budget sweep: a {fmt_bytes(s15['state_bytes'])} state through a smaller budget",
             "",
             "| budget | mode | save() blocked | staged | durable | arena |",
             "|---|---|---|---|---|---|",

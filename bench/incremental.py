@@ -1,6 +1,6 @@
-"""Incremental saves against full saves (issue 14), in one run on one machine.
+"""Incremental saves against full saves, in one run on one machine.
 
-    python bench/incremental.py                 # 1.5 GB LoRA base (the issue's size)
+    python bench/incremental.py                 # 1.5 GB LoRA base (the size the targets were set for)
     python bench/incremental.py --base-mb 512   # a smaller base on a busy machine
 
 Three workloads, each saved by two checkpointers on two roots of the same file

@@ -1,4 +1,4 @@
-"""Many-tensor states (issue 12): cost against the number of tensors.
+"""Many-tensor states: cost against the number of tensors.
 
 States of 1,000 / 10,000 / 100,000 tensors of 256 B..64 KiB (float32 and
 bfloat16, the same sizes in the same proportions at every count, so the bytes per
@@ -182,7 +182,7 @@ async def bench_count(
 
 
 def targets(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Issue 12's targets for one count: value, limit, met."""
+    """The many-tensor targets for one count: value, limit, met."""
 
     def t(value: float, limit: float) -> dict[str, Any]:
         return {"value": value, "limit": limit, "met": bool(value <= limit)}

@@ -1,4 +1,4 @@
-"""Two tiers (issue 15): what a save costs with a fast local tier in front of a
+"""Two tiers: what a save costs with a fast local tier in front of a
 slow persistent one, and how much training a failure costs with and without it.
 
 The persistent tier is a directory written through :class:`ThrottledFS`, an

@@ -2,7 +2,7 @@
 by an anyio memory stream, a TensorDict replay buffer with sample ids, a prompt
 cursor, saves by policy, and SIGTERM handling.
 
-What this example demonstrates (S7, S16 of the scenarios):
+What this example demonstrates:
 
 * The **producer** walks a prompt cursor and turns each prompt into a rollout
   sample (an id, an observation drawn from the current policy's noise, a reward)
@@ -14,10 +14,12 @@ What this example demonstrates (S7, S16 of the scenarios):
   the replay buffer, the *consumed* prompt cursor (the prompts whose samples made it
   into the buffer — not the producer's own position, which runs ahead: samples in
   flight in the stream at save time are regenerated after resume, never lost,
-  never duplicated), the RNG streams and the step (S7).
+  never duplicated), the RNG streams and the step (a cursor and a buffer captured at
+  different moments skipped or replayed prompts after resume: https://github.com/NVIDIA-NeMo/RL/pull/3599).
 * Saves follow a policy: every ``--save-every`` steps, at the last step, and on
   SIGTERM (preemption: save at the next step boundary, then stop). Checkpoints are
-  named after the last trained step; nothing is saved at step 0 (S16).
+  named after the last trained step; nothing is saved at step 0 (as the SkyRL
+  fully-async checkpoint fix settled).
 * Retention keeps the last ``--keep`` checkpoints; the layout is selectable
   (``--layout verl``, ...).
 
@@ -133,7 +135,7 @@ class Trainer:
         return True
 
     def state(self) -> dict[str, Any]:
-        """One snapshot: model, optimizer, buffer and cursor at the same step (S7)."""
+        """One snapshot: model, optimizer, buffer and cursor at the same step."""
         return {
             "policy": self.policy,
             "optim": self.optim,
