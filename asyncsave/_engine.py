@@ -54,7 +54,7 @@ from ._options import CheckpointOptions
 from ._paths import LAYOUTS
 from ._pipeline import Saver, WorkerDiedError, as_save_error
 from ._plan import Plan, ViewCache
-from ._policy import AgreedPolicy, SavePolicy
+from ._policy import AgreedPolicy, SavePolicy, signal_holds
 from ._replan import Planner, admitting, plan_off_loop
 from ._stage import StagingPool, producer_events
 from ._tiers import Persister, load_nearest
@@ -241,6 +241,7 @@ class Checkpointer:
         saver.tg = tg
         saver.accepting = True
         saver.state = "open"
+        signal_holds.opened(self)  # a policy that caught a signal waits for our close
         if self._tiers is not None:  # what an earlier run left unpersisted
             self._tiers.catch_up()
         return self
@@ -345,10 +346,10 @@ class Checkpointer:
                 await saver.pool.aclose()
                 await self._unlock()
             saver.coord.close()
-            self._planner.release()  # a cancelled save's collector pause (_replan)
             if self._tiers is not None:
                 self._tiers.close()
             self._state = "closed"
+            signal_holds.closed(self)  # flushed: a policy's held handlers may go back
         return saver.failure
 
     async def _unlock(self) -> None:
@@ -610,12 +611,7 @@ class Checkpointer:
             rank=coord.rank,
             max_files=self.options.writer_threads,
         )
-        try:
-            return await self._plain_job(plan, layouts, nbytes)
-        except BaseException:
-            if plan.gc_hold is not None:  # no job will release it
-                plan.gc_hold.release()
-            raise
+        return await self._plain_job(plan, layouts, nbytes)
 
     async def _plain_job(self, plan: Plan, layouts: list[FileLayout], nbytes: int) -> Job:
         coord = self._saver.coord

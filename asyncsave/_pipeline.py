@@ -128,6 +128,7 @@ class Saver:
         self.tracker: TrackerWriter | None = None
         self.tg: anyio.abc.TaskGroup | None = None
         self.accepting = False  # whether the task group takes new pipelines
+        self.gave_up = False  # close gave up after close_timeout_s (give_up)
         self.pending: dict[int, SaveHandle] = {}
         # Overwrites and updates admitted while an earlier save of their step is
         # pending (see queue_behind): each gate is set when it stops waiting.
@@ -254,8 +255,34 @@ class Saver:
         """Close gave up (``close_timeout_s``): before its pipelines are
         cancelled, saves waiting for the staging memory are told so
         (``StagingPool.give_up``)."""
+        self.gave_up = True
         if self.pool is not None:
             self.pool.give_up()
+
+    def abandoned_error(self, step: int, path: Path | None) -> SaveFailedError:
+        """The error of a save whose pipeline was cancelled before it committed:
+        close gave up after ``close_timeout_s``, or the cancellation came from
+        outside asyncsave (the event loop torn down during the close's flush, as a
+        second Ctrl-C does under asyncio)."""
+        if self.gave_up:
+            return CheckpointTimeoutError(
+                f"save of step {step} was abandoned when close_timeout_s="
+                f"{self.options.close_timeout_s} ran out",
+                step=step,
+                path=path,
+            )
+        return SaveFailedError(
+            f"save of step {step} was interrupted before it committed: it was cancelled "
+            "from outside asyncsave (a second Ctrl-C or KeyboardInterrupt during the "
+            "close's flush, or the event loop shut down); the last committed checkpoint is kept "
+            "and this save's temporary directory is removed at the next open. To keep "
+            "such a save, let the flush finish (at most close_timeout_s="
+            f"{self.options.close_timeout_s} s), or stop the loop with "
+            "asyncsave.SaveOnSignal(signal.SIGINT): Ctrl-C then saves at the next step "
+            "and a repeat during the flush is absorbed",
+            step=step,
+            path=path,
+        )
 
     def set_failure(self, error: SaveFailedError) -> None:
         if self.failure is None:
@@ -759,14 +786,7 @@ class Saver:
                 if self.owns_root and not committing and not committed:
                     await self.discard(tmp)
             except anyio.get_cancelled_exc_class():
-                self.fail(
-                    handle,
-                    CheckpointTimeoutError(
-                        f"save of step {step} was abandoned when close_timeout_s ran out",
-                        step=step,
-                        path=tmp,
-                    ),
-                )
+                self.fail(handle, self.abandoned_error(step, tmp))
                 if self.owns_root and not committing and not committed:
                     await self.discard(tmp)
                 raise

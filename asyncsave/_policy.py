@@ -5,7 +5,7 @@ to save now and whether to stop.
 
     policy = asyncsave.SaveEvery(100) | asyncsave.SaveAtStep(total_steps) \\
         | asyncsave.SaveOnSignal(signal.SIGTERM)
-    with policy:                                  # installs the signal handler
+    with policy:          # installs the handler (kept through the close's flush once caught)
         for step in range(start, total_steps + 1):
             train_one_step()
             if policy.should_save(step):
@@ -26,6 +26,7 @@ import math
 import signal
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from types import FrameType, TracebackType
@@ -62,7 +63,19 @@ class SavePolicy:
         """Install what the policy needs (nothing, by default)."""
 
     def close(self) -> None:
-        """Undo :meth:`install`."""
+        """Undo :meth:`install`. Once the policy has caught a signal (or, agreed
+        across ranks, a stop), its signal handlers stay installed until the
+        checkpointers open at this call have closed, so that a repeated signal
+        cannot kill the process while their close flushes the save it asked for
+        (see :class:`SaveOnSignal`)."""
+        self._close(hold=self._preempted())
+
+    def _preempted(self) -> bool:
+        """Whether this policy caught a signal (the process is being stopped)."""
+        return False
+
+    def _close(self, hold: bool) -> None:
+        """Undo :meth:`install`; ``hold``: keep signal handlers until the flush."""
 
     def __enter__(self) -> SavePolicy:
         self.install()
@@ -80,6 +93,13 @@ class SavePolicy:
         if not isinstance(other, SavePolicy):
             return NotImplemented
         return _AnyPolicy((*_parts(self), *_parts(other)))
+
+
+def _close_part(p: SavePolicy, hold: bool) -> None:
+    if type(p).close is SavePolicy.close:
+        p._close(hold)
+    else:
+        p.close()  # a policy of the caller's own that undoes its install in close()
 
 
 def _parts(p: SavePolicy) -> tuple[SavePolicy, ...]:
@@ -116,9 +136,12 @@ class _AnyPolicy(SavePolicy):
                 p.close()
             raise
 
-    def close(self) -> None:
+    def _preempted(self) -> bool:
+        return any(p._preempted() for p in self.policies)
+
+    def _close(self, hold: bool) -> None:
         for p in reversed(self.policies):
-            p.close()
+            _close_part(p, hold)
 
     def __repr__(self) -> str:
         return " | ".join(repr(p) for p in self.policies)
@@ -244,6 +267,76 @@ class SaveBeforeDeadline(SavePolicy):
         return f"SaveBeforeDeadline({self.deadline}, reserve_s={self.reserve_s})"
 
 
+class _HandlerHolds:
+    """The signal handlers of policies that caught a signal, kept installed past
+    their block until every checkpointer open at that moment has closed (its close
+    flushes the save the signal asked for), then restored in the order the blocks
+    ended. Handlers are set and restored on the main thread (Python's rule), so
+    only checkpointers entered there count: a :class:`SyncCheckpointer` counts for
+    the engine it runs on its portal's thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: weakref.WeakSet[object] = weakref.WeakSet()
+        self._held: list[tuple[SaveOnSignal, weakref.WeakSet[object]]] = []
+
+    def opened(self, owner: object) -> None:
+        """``owner`` (a checkpointer) was entered: its close flushes saves."""
+        if threading.current_thread() is threading.main_thread():
+            with self._lock:
+                self._open.add(owner)
+
+    def closed(self, owner: object) -> None:
+        """``owner``'s close has flushed: restore the handlers held for it alone."""
+        with self._lock:
+            self._open.discard(owner)
+            for _, waits in self._held:
+                waits.discard(owner)
+            if threading.current_thread() is not threading.main_thread():
+                return  # an owner never registered; restored at a later close
+            due = self._due()
+        for policy in due:
+            policy._restore()
+
+    def release(self, policy: SaveOnSignal, caught: bool) -> bool:
+        """The block of ``policy`` ended: restore its handlers now, or hold them
+        (``True``) until the checkpointers open now have closed, when it ``caught``
+        a signal. A policy on a signal whose handler an earlier one holds is held
+        behind it, so that the handlers go back in the order they were replaced."""
+        with self._lock:
+            self._held = [(p, w) for p, w in self._held if p is not policy]
+            mine = set(policy.signals)
+            behind = any(mine & set(p.signals) for p, _ in self._held)
+            if behind or (caught and self._open):
+                self._held.append((policy, weakref.WeakSet(self._open)))
+                due = self._due()
+            else:
+                due = [policy]
+        for p in due:
+            p._restore()
+        return policy not in due
+
+    def _due(self) -> list[SaveOnSignal]:
+        """Take the held policies whose checkpointers have all closed and that no
+        earlier held policy on one of their signals still waits for."""
+        due: list[SaveOnSignal] = []
+        kept: list[tuple[SaveOnSignal, weakref.WeakSet[object]]] = []
+        blocked: set[int] = set()
+        for policy, waits in self._held:
+            if waits or blocked & set(policy.signals):
+                kept.append((policy, waits))
+                blocked.update(policy.signals)
+            else:
+                due.append(policy)
+        self._held = kept
+        return due
+
+    def drop(self, policy: SaveOnSignal) -> None:
+        """``policy`` was entered again: its handlers are its own block's again."""
+        with self._lock:
+            self._held = [(p, w) for p, w in self._held if p is not policy]
+
+
 class SaveOnSignal(SavePolicy):
     """Preemption: when one of ``signals`` arrives (SIGTERM from Slurm or
     Kubernetes, say), save at the next step boundary and ask the pump to stop.
@@ -253,6 +346,20 @@ class SaveOnSignal(SavePolicy):
     installed by ``with policy:`` / :meth:`install` (from the main thread, as
     Python requires) and the previous ones restored by :meth:`close`.
 
+    The scope of the handlers: from ``with policy:`` to the end of the block; or,
+    once a signal was caught, to the end of the close of every checkpointer
+    (:class:`Checkpointer` or :class:`SyncCheckpointer` entered on the main thread)
+    that was open when the block ended, so after the flush of the save the signal
+    asked for. Schedulers repeat SIGTERM within their grace period and users press
+    Ctrl-C twice: a repeat during that flush is absorbed (counted in
+    :attr:`repeats`, logged when the handlers are restored) instead of killing the
+    process with the save uncommitted (Source:
+    https://github.com/goodfire-ai/spd/issues/677). Nothing is re-delivered
+    afterwards: the signal already made the pump stop, and the program ends as it
+    does after a stop (the previous handler is back for any later signal). SIGKILL
+    still abandons the flush; a checkpointer closed already, or a policy block
+    around the checkpointer's, needs no hold.
+
     :param signals: signal numbers (default ``SIGTERM``).
     """
 
@@ -260,27 +367,53 @@ class SaveOnSignal(SavePolicy):
         self.signals = tuple(signals) or (signal.SIGTERM,)
         self.received: int | None = None
         self._saved = False
+        self.repeats = 0  # signals caught after the first one (absorbed)
         self._previous: dict[int, Any] = {}
         self._lock = threading.Lock()
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
+        # Only flags: this runs between any two bytecodes of the main thread.
+        if self.received is not None:
+            self.repeats += 1
         self.received = signum
 
     def install(self) -> None:
         if self._previous:
+            signal_holds.drop(self)  # entered again while its handlers were held
             return
         try:
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handler)
         except BaseException:
-            self.close()
+            self._restore()
             raise
 
-    def close(self) -> None:
+    def _preempted(self) -> bool:
+        return self.received is not None
+
+    def _close(self, hold: bool) -> None:
+        if self._previous and signal_holds.release(self, hold) and hold:
+            logger.warning(
+                "%r caught a signal: its handlers stay installed until the open "
+                "checkpointers have closed and flushed their saves (at most "
+                "close_timeout_s); a repeated signal is absorbed until then, "
+                "SIGKILL abandons the saves",
+                self,
+            )
+
+    def _restore(self) -> None:
+        """Put back the handlers :meth:`install` replaced (main thread only)."""
         previous, self._previous = self._previous, {}
         for sig, handler in previous.items():
             # None: a handler not installed from Python; the default is the closest.
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if previous and self.repeats:
+            logger.warning(
+                "%r: the signal came %d more time(s) while the saves were flushed; "
+                "absorbed (the pump had already been asked to stop)",
+                self,
+                self.repeats,
+            )
 
     def trigger(self, signum: int = signal.SIGTERM) -> None:
         """Act as if ``signum`` arrived (for tests and for other notifiers)."""
@@ -366,8 +499,17 @@ class AgreedPolicy(SavePolicy):
     def install(self) -> None:
         self.policy.install()
 
-    def close(self) -> None:
-        self.policy.close()
+    def _preempted(self) -> bool:
+        # Every rank is stopping once any rank caught a signal: every rank keeps
+        # its handlers through the flush (a rank killed then loses the save).
+        return self._stop or self.policy._preempted()
+
+    def _close(self, hold: bool) -> None:
+        _close_part(self.policy, hold)
 
     def __repr__(self) -> str:
         return f"AgreedPolicy({self.policy!r})"
+
+
+signal_holds = _HandlerHolds()
+"""The process's holds; the checkpointers report their open and close here."""

@@ -24,7 +24,7 @@ import torch
 from ._engine import Checkpointer, SaveHandle
 from ._errors import CheckpointerClosedError, CheckpointWarning, WaitTimeoutError
 from ._options import CheckpointOptions
-from ._policy import AgreedPolicy, SavePolicy
+from ._policy import AgreedPolicy, SavePolicy, signal_holds
 from ._stage import producer_events
 from ._types import CheckpointInfo, Restored, SaveProgress
 
@@ -146,6 +146,7 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
             stack.close()
             raise
         self._stack, self._portal = stack, portal
+        signal_holds.opened(self)  # the engine's close runs on the portal's thread
         # The portal's thread is joined at interpreter exit, before atexit handlers:
         # a checkpointer never exited would hang the exit. Close it first, bounded by
         # close_timeout_s (threading's own exit hooks run before that join).
@@ -177,6 +178,7 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
             return stack.__exit__(exc_type, exc, tb)
         finally:
             self._stack = None
+            signal_holds.closed(self)  # flushed: a policy's held handlers may go back
 
     def _running_portal(self) -> anyio.from_thread.BlockingPortal:
         portal = self._portal
