@@ -702,21 +702,14 @@ class PlainJob(Job):
         # loop when the pipeline drops the job (~100 ms of deallocation per
         # 100,000 tensors). The tree lives on in ``doc`` (freed after writing).
         self.plan.entries, self.plan.leaves, self.plan.tree = [], [], {}
-        # The collector's pause (Plan.gc_hold) lasts until release(), at the
-        # pipeline's end: the tree lives on in ``doc`` until it is written.
         return doc
 
     def release(self) -> None:
         self._release_lease()
-        self._release_gc()
 
     def _release_lease(self) -> None:
         if self.lease is not None:
             self.lease.release()
-
-    def _release_gc(self) -> None:
-        if self.plan.gc_hold is not None:
-            self.plan.gc_hold.release()
 
 
 def _none_unfinished_before(pending: dict[int, Any], step: int) -> bool:

@@ -792,8 +792,6 @@ class Saver:
                 raise
             finally:
                 coord.end_turn(save.ticket)
-                # The written parts' trees (100,000s of lists) go before the job's
-                # collector pause ends in release() (see _replan.GC_HOLD_MIN_LEAVES).
                 part, outcomes = None, []
                 parts = own = []
                 if isinstance(job, Job):

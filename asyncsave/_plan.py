@@ -35,7 +35,7 @@ from ._errors import (
     UnsupportedTensorError,
     UnsupportedTypeError,
 )
-from ._types import GcHold, Tagged, gc_paused
+from ._types import Tagged, gc_paused
 
 __all__ = [
     "Entry",
@@ -160,9 +160,6 @@ class Plan:
     # The entries list and the bytes of its smallest entry, once known (see
     # smallest_entry).
     _smallest: tuple[list[Entry], int] | None = dataclasses.field(default=None, repr=False)
-    # The collector's pause over this plan's per-tensor objects, held until they
-    # are freed (a plan of many tensors; see _replan.GC_HOLD_MIN_LEAVES).
-    gc_hold: GcHold | None = dataclasses.field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:

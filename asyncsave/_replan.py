@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -61,7 +60,6 @@ from ._plan import (
     tensor_signature,
 )
 from ._stream import Piece, plan_rounds
-from ._types import GcHold
 
 __all__ = ["INLINE_PLAN_MAX_NODES", "Planner", "admitting", "leaf_signature", "plan_off_loop"]
 
@@ -70,18 +68,6 @@ __all__ = ["INLINE_PLAN_MAX_NODES", "Planner", "admitting", "leaf_signature", "p
 INLINE_PLAN_MAX_NODES = 128
 
 logger = logging.getLogger(__name__)
-
-# Plans of at least this many tensor leaves keep the cyclic GC paused from their
-# planning until the save has freed their per-tensor objects (``GcHold``: released
-# by ``job.release()`` at the end of the save's pipeline, after its manifest (and
-# the tree in it) is written and freed, or on any other end of a save; when the
-# plan is freed, at close, or at the next plan at the latest). Released earlier, the collector's first passes scan the ~5 objects per
-# tensor a plan keeps (TensorLeaf, Entry and its dict, two tree lists) while they
-# are young, holding the GIL: generation 0 then 1, 6-11 ms each per 10,000
-# tensors, 0.3-1.5 s per 100,000 (measured with gc.callbacks, each coinciding
-# with the event loop's largest heartbeat gap of the save). Below it (a large
-# model's few hundred tensors) the save is long and the passes short: no hold.
-GC_HOLD_MIN_LEAVES = 1024
 
 # (offset in the entry, leaf whose storage holds the part, byte offset in that
 # storage, length in bytes)
@@ -194,7 +180,6 @@ class Planner:
 
     def __init__(self) -> None:
         self._last: _Template | None = None
-        self._hold: GcHold | None = None
         self.made = 0
         self.reused = 0
 
@@ -214,18 +199,11 @@ class Planner:
         :raises InvalidStateError: (or a subclass) naming the key, as
             :func:`~asyncsave._plan.make_plan`.
         """
-        # The cyclic GC paused throughout (see make_plan): its passes over the
+        # The cyclic GC paused for this call (see make_plan): its passes over the
         # 100,000s of objects a large plan makes would cost more than the plan.
         with gc_paused():
-            # The previous save's hold ends now at the latest (inside this pause:
-            # a save still in flight stays covered while this one plans).
-            self.release()
             out = self._plan(state, allow_pickle, rank, max_files, call)
-            plan = out[0]
-            if len(plan.leaves) >= GC_HOLD_MIN_LEAVES:
-                # ... and kept paused until the save is done with them.
-                plan.gc_hold = self._hold = hold = GcHold()
-                weakref.finalize(plan, hold.release)
+        plan = out[0]
         plan.devices  # noqa: B018  (computed here, in the worker, and kept)
         return out
 
@@ -245,7 +223,6 @@ class Planner:
         flat = flatten(state, allow_pickle=allow_pickle, signature=sig)
         if last.signature != sig:
             return None
-        self.release()
         self.reused += 1
         return self._bind(last, flat), last.layouts, last.nbytes
 
@@ -277,12 +254,6 @@ class Planner:
         self._last.smallest_entry = plan.remember_smallest_entry()
         plan.staging_views = self._last.views
         return plan, layouts, nbytes
-
-    def release(self) -> None:
-        """End the collector's pause of the last plan, if a save still holds it."""
-        hold, self._hold = self._hold, None
-        if hold is not None:
-            hold.release()
 
     def rounds(self, plan: Plan, layouts: list[FileLayout], budget: int) -> list[list[Piece]]:
         """The streamed rounds of ``plan`` for ``budget`` (made once per template)."""

@@ -10,57 +10,43 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
-__all__ = ["CheckpointInfo", "GcHold", "Restored", "SaveProgress", "Tagged", "gc_paused"]
+__all__ = ["CheckpointInfo", "Restored", "SaveProgress", "Tagged", "gc_paused"]
 
 
-_gc_lock = threading.Lock()
-_gc_pauses = 0  # threads inside gc_paused()
-_gc_was_enabled = False
+# Held by the one call whose pause of the collector is in force (see gc_paused).
+_gc_owner = threading.Lock()
 
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while 100,000s of objects are made at
-    once (a plan, a manifest of 10,000 tensors): its generation-2 passes over
-    everything alive cost more than the work, and hold the GIL throughout (the
-    event loop stalls). Counted across threads: the collector is re-enabled when
-    the last pause ends, if it was enabled when the first began."""
-    global _gc_pauses, _gc_was_enabled
-    with _gc_lock:
-        if _gc_pauses == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_pauses += 1
+    """Pause the cyclic garbage collector for one synchronous call of ours that
+    makes 100,000s of short-lived objects at once (a plan, a manifest of 10,000
+    tensors): its passes over them cost more than the work, and hold the GIL.
+
+    The collector is process-wide state, so a pause never outlives the call
+    that took it: it is never held across an ``await``, a thread hand-off or a
+    save, and ends before the call returns, restoring what the call found (a
+    collector the trainer switched off stays off). Of calls that overlap in
+    several threads, only the first pauses (it owns the pause); the others run
+    with the collector as it is, and the pause ends with its owner's call, not
+    with the last of them: overlapping saves cannot keep the collector off, and
+    the trainer's cyclic garbage is collected between our calls (a trainer's
+    memory grew without bound while overlapping saves kept it off:
+    https://github.com/marin-community/marin/issues/6774). Nested pauses in one
+    thread are one pause."""
+    if not _gc_owner.acquire(blocking=False):
+        yield  # another call's pause is in force, or none is needed
+        return
     try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_pauses -= 1
-            if _gc_pauses == 0 and _gc_was_enabled:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if was_enabled:
                 gc.enable()
-
-
-class GcHold:
-    """A :func:`gc_paused` pause begun now and ended by :meth:`release` (from any
-    thread, once; later calls do nothing): for objects that live from one
-    thread's work to another's (a save's plan, from its planning to its
-    manifest), so that they are freed young without a collector pass over them.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pause: contextlib.AbstractContextManager[None] | None = gc_paused()
-        self._pause.__enter__()
-
-    def release(self) -> None:
-        with self._lock:
-            pause, self._pause = self._pause, None
-        if pause is not None:
-            pause.__exit__(None, None, None)
-
-    @property
-    def held(self) -> bool:
-        return self._pause is not None
+    finally:
+        _gc_owner.release()
 
 
 T = TypeVar("T")

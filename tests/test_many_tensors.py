@@ -437,31 +437,6 @@ def test_manifest_encoding_in_pieces_is_byte_identical(doc: dict[str, Any]) -> N
     assert _canonical(doc) == json.dumps(doc, separators=(",", ":")).encode()
 
 
-def test_gc_pauses_overlapping_in_threads_restore_the_collector() -> None:
-    """Pauses of the cyclic GC that overlap in two threads (a plan and a manifest
-    at once) re-enable it when the last one ends, not before."""
-    import gc
-
-    from asyncsave._types import gc_paused
-
-    inside, release = threading.Event(), threading.Event()
-
-    def other() -> None:
-        with gc_paused():
-            inside.set()
-            release.wait(10)
-
-    assert gc.isenabled()
-    t = threading.Thread(target=other)
-    with gc_paused():
-        t.start()
-        assert inside.wait(10)
-    assert not gc.isenabled()  # the other thread's pause still holds
-    release.set()
-    t.join()
-    assert gc.isenabled()
-
-
 def test_small_device_tensors_are_gathered_in_bounded_back_to_back_batches() -> None:
     """The CUDA coalescing plan (computed on any device): small contiguous entries
     of plain dtypes that lie back to back in the arena form batches of at most
@@ -557,45 +532,6 @@ async def test_lazy_host_snapshot_runs_off_the_event_loop(
         await handle
     assert threads and loop_thread not in threads
     _assert_loads(tmp_path / "step_1", exp)
-
-
-def _young_leaves() -> int:
-    """Tensor leaves of a plan (``_plan.TensorLeaf``) in the collector's youngest
-    generation (where a plan's objects are when a pass first scans them)."""
-    return sum(type(o) is plan_module.TensorLeaf for o in gc.get_objects(generation=0))
-
-
-async def test_no_collector_pass_scans_a_saves_per_tensor_objects(tmp_path: Path) -> None:
-    """A save of 2,048 tensors (a plan reused): the cyclic GC makes no pass over
-    the plan's per-tensor objects while they live (each pass held the GIL, the
-    event loop's largest gaps: 6-11 ms per 10,000 tensors, seconds at 100,000);
-    the collector is on again once the save is done."""
-    state = {f"experts.{i // 4}.w{i % 4}": torch.randn(1 + i % 7) for i in range(2048)}
-    seen: list[int] = []
-
-    def watch(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            seen.append(_young_leaves())
-
-    assert gc.isenabled()
-    async with asyncsave.Checkpointer(tmp_path) as ckpt:
-        await (await ckpt.save(1, state))  # plans
-        gc.collect()
-        gc.callbacks.append(watch)
-        try:
-            for step in (2, 3):
-                for v in state.values():
-                    v.add_(1)
-                expected = _snapshot(state)
-                await (await ckpt.save(step, state, lazy=step == 3))
-                assert gc.isenabled()
-                gc.collect()  # a pass now finds none of them: freed
-        finally:
-            gc.callbacks.remove(watch)
-    assert seen and max(seen) == 0, seen
-    out = asyncsave.load(tmp_path / "step_3")
-    assert out.keys() == expected.keys()
-    assert all(torch.equal(out[k], v) for k, v in expected.items())
 
 
 async def test_the_collector_comes_back_when_a_many_tensor_save_fails(tmp_path: Path) -> None:
