@@ -25,6 +25,8 @@ know asyncsave::
     │                                        goes on (not a failure)
     ├── CheckpointerClosedError(RuntimeError)    "you closed it": used after close
     ├── RootInUseError(RuntimeError)         another checkpointer saves into this root
+    ├── LockUnavailableError(OSError)        the file system refused the root's advisory
+    │                                        lock (no flock: Lustre, FUSE, some NFS)
     ├── ProtectedCheckpointError(PermissionError) overwrite of the resumed checkpoint
     ├── CheckpointNotFoundError(LookupError) nothing at a path, or the tracker names
     │   │                                    a checkpoint that does not exist
@@ -69,6 +71,7 @@ __all__ = [
     "InvalidStateError",
     "InvalidStepError",
     "KindMismatchError",
+    "LockUnavailableError",
     "MissingItemError",
     "ProtectedCheckpointError",
     "RankFailedError",
@@ -244,6 +247,20 @@ class RootInUseError(CheckpointError, RuntimeError):
     the root. Opening one removes the temporary directories of uncommitted saves, so
     two savers on one root would destroy each other's in-flight saves. Readers use
     :func:`asyncsave.latest` and :func:`asyncsave.load`, which take no lock."""
+
+
+class LockUnavailableError(CheckpointError, OSError):
+    """The file system refused the advisory lock (``flock(2)``) asyncsave takes on a
+    root (its saver lock) or on a temporary directory of a save in flight: ``ENOSYS``
+    on Lustre mounted without ``-o flock``, ``ENOLCK`` on NFS without a lock
+    manager, ``EOPNOTSUPP`` or ``EINVAL`` on some FUSE file systems. Nothing was
+    written: what the refused call had created is removed.
+
+    ``path`` is the root; ``errno`` is the refusal's. The way forward is a mount
+    with lock support, or ``lock="none"`` (:class:`~asyncsave.CheckpointOptions`,
+    :class:`asyncsave.dcp.StorageWriter`, ``asyncsave prune --lock none``) where one
+    process at a time saves into the root (see the option for the risk). Source:
+    google/tensorstore#183 (https://github.com/google/tensorstore/issues/183)."""
 
 
 class ProtectedCheckpointError(CheckpointError, PermissionError):

@@ -19,7 +19,10 @@ What this example demonstrates:
 * Saves follow a policy: every ``--save-every`` steps, at the last step, and on
   SIGTERM (preemption: save at the next step boundary, then stop). Checkpoints are
   named after the last trained step; nothing is saved at step 0 (as the SkyRL
-  fully-async checkpoint fix settled).
+  fully-async checkpoint fix settled). Once the policy has caught a SIGTERM, its
+  handler stays installed past its ``with`` block until the checkpointer's close
+  has flushed that save: a SIGTERM the scheduler repeats meanwhile is absorbed
+  instead of killing the process with the save uncommitted.
 * Retention keeps the last ``--keep`` checkpoints; the layout is selectable
   (``--layout verl``, ...).
 

@@ -172,6 +172,7 @@ PUBLIC = [
     "KeepLast",
     "KindMismatchError",
     "LocalFileSystem",
+    "LockUnavailableError",
     "MissingItemError",
     "ProtectedCheckpointError",
     "RNGState",
