@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 # modules that read checkpoints (``_load`` and what needs it) are imported by the
 # commands that use them.
 from ._errors import CheckpointError
-from ._fs import LocalFileSystem
+from ._fs import LOCK_MODES, LocalFileSystem
 from ._fsspec import open_root
 from ._paths import LAYOUTS, MANIFEST_NAME, is_temp_name, temp_dir_step
 
@@ -460,7 +460,7 @@ def _prune(fs: LocalFileSystem, root: Path, args: argparse.Namespace, out: TextI
         print(f"{len(doomed)} would be deleted (dry run: nothing changed)", file=out)
         return 0
     try:
-        with hold_root(fs, root, timeout_s=args.lock_timeout):
+        with hold_root(fs, root, timeout_s=args.lock_timeout, lock=args.lock):
             planned = retention_plan(fs, root, layout, rule, protected)
             retired = apply_retention(fs, root, layout, rule, protected)
     except RootInUseError as exc:
@@ -569,6 +569,13 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         default=10.0,
         metavar="S",
         help="seconds to wait for the root's lock (default 10)",
+    )
+    p_pr.add_argument(
+        "--lock",
+        choices=LOCK_MODES,
+        default="flock",
+        help="'none': take no lock, for file systems without flock (Lustre without "
+        "-o flock); only while no Checkpointer or writer uses ROOT (default flock)",
     )
     for p in (p_ls, p_ver, p_pr):
         p.add_argument("--layout", default="asyncsave", choices=sorted(LAYOUTS))

@@ -29,7 +29,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import _marker
-from ._errors import CheckpointError, CorruptCheckpointError, RootInUseError
+from ._errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    LockUnavailableError,
+    RootInUseError,
+)
 from ._fs import LocalFileSystem
 from ._load import check_not_one_checkpoint, read_checkpoint, scan_steps
 from ._paths import LOCK_NAME, MANIFEST_NAME, Layout, aside_dir_name, is_temp_name, temp_dir_name
@@ -49,11 +54,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def lock_root(fs: LocalFileSystem, root: Path) -> int:
+def lock_root(fs: LocalFileSystem, root: Path, lock: str = "flock") -> int | None:
     """Create ``root`` (and parents, durably) and take its saver lock.
 
-    :returns: the lock's descriptor; release with ``fs.unlock``.
-    :raises RootInUseError: another checkpointer holds the root.
+    :param lock: ``"flock"`` (the saver lock), or ``"none"``: the root is created
+        and checked, no lock is taken (see ``CheckpointOptions.lock``).
+    :returns: the lock's descriptor (release with ``fs.unlock``); ``None`` with
+        ``lock="none"``.
+    :raises RootInUseError: another checkpointer holds the root (named, as its
+        holder recorded itself: ``fs.lock_holder``).
+    :raises LockUnavailableError: the file system refused the lock (no ``flock``);
+        a lock file this call created is removed.
     :raises CheckpointNotFoundError: ``root`` is itself one checkpoint.
     """
     if fs.exists(root) and not fs.is_dir(root):
@@ -63,20 +74,32 @@ def lock_root(fs: LocalFileSystem, root: Path) -> int:
         if not fs.exists(root):
             fs.makedirs(root)
             fs.fsync_dir(root.parent)
+        if lock == "none":
+            return None
         fd = fs.lock(root / LOCK_NAME)
+    except LockUnavailableError:
+        raise
     except OSError as exc:
         raise CheckpointError(f"cannot use {root} as a checkpoint root: {exc}", path=root) from exc
     if fd is None:
         raise RootInUseError(
-            f"{root} is in use by another Checkpointer (it holds {LOCK_NAME}); one saver "
-            "per root. To read while it saves, use asyncsave.latest() and asyncsave.load()",
+            f"{root} is in use by another Checkpointer ({_holder(fs, root)} holds "
+            f"{LOCK_NAME}); one saver per root. To read while it saves, use "
+            "asyncsave.latest() and asyncsave.load()",
             path=root,
         )
     return fd
 
 
+def _holder(fs: LocalFileSystem, root: Path) -> str:
+    """Who holds ``root``'s saver lock, for a message."""
+    return fs.lock_holder(root / LOCK_NAME) or "a process that did not record itself"
+
+
 @contextlib.contextmanager
-def hold_root(fs: LocalFileSystem, root: Path, *, timeout_s: float) -> Iterator[None]:
+def hold_root(
+    fs: LocalFileSystem, root: Path, *, timeout_s: float, lock: str = "flock"
+) -> Iterator[None]:
     """Hold the root's saver lock (:func:`lock_root`) for one commit made outside a
     :class:`~asyncsave.Checkpointer` (the standalone DCP writer's ``finish``).
 
@@ -85,24 +108,27 @@ def hold_root(fs: LocalFileSystem, root: Path, *, timeout_s: float) -> Iterator[
     rename, read the tracker, write it if forward" is one step for every thread and
     process committing into ``root`` (two writers that read the tracker before
     either wrote it moved it back: https://github.com/thinking-machines-lab/tinker-cookbook/pull/687). Waits for the lock, polling (a ``flock`` has no
-    timed wait), at most ``timeout_s`` seconds.
+    timed wait), at most ``timeout_s`` seconds. With ``lock="none"`` nothing is
+    held (see ``CheckpointOptions.lock``).
 
     :raises RootInUseError: the lock stayed held for ``timeout_s`` (a checkpointer
-        has the root open, or another writer's commit is stuck).
+        has the root open, or another writer's commit is stuck); names the holder.
+    :raises LockUnavailableError: the file system refused the lock (no ``flock``).
     :raises CheckpointError: ``root`` cannot be created or locked.
     """
     deadline = time.monotonic() + timeout_s
     delay_s = 0.001
     while True:
         try:
-            fd = lock_root(fs, root)
+            fd = lock_root(fs, root, lock=lock)
             break
         except RootInUseError as exc:
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 raise RootInUseError(
-                    f"{root} stayed locked ({LOCK_NAME}) for {timeout_s} s: a Checkpointer "
-                    "has it open (one saver per root), or another commit into it is stuck",
+                    f"{root} stayed locked ({LOCK_NAME}, held by {_holder(fs, root)}) for "
+                    f"{timeout_s} s: a Checkpointer has it open (one saver per root), or "
+                    "another commit into it is stuck",
                     path=root,
                 ) from exc
             time.sleep(min(delay_s, left_s))
@@ -110,7 +136,8 @@ def hold_root(fs: LocalFileSystem, root: Path, *, timeout_s: float) -> Iterator[
     try:
         yield
     finally:
-        fs.unlock(fd)
+        if fd is not None:
+            fs.unlock(fd)
 
 
 def make_temp_dir(fs: LocalFileSystem, root: Path, step: int) -> Path:
@@ -122,7 +149,9 @@ def make_temp_dir(fs: LocalFileSystem, root: Path, step: int) -> Path:
     return path
 
 
-def make_held_temp_dir(fs: LocalFileSystem, root: Path, step: int) -> tuple[Path, int]:
+def make_held_temp_dir(
+    fs: LocalFileSystem, root: Path, step: int, *, lock: str = "flock"
+) -> tuple[Path, int | None]:
     """:func:`make_temp_dir`, locked (``fs.lock_dir``) so that :func:`recover` in
     another thread or process leaves it alone until the writer releases it
     (``fs.unlock``) after its commit or removal. Used by writers that do not hold
@@ -131,16 +160,26 @@ def make_held_temp_dir(fs: LocalFileSystem, root: Path, step: int) -> tuple[Path
     A directory that recovery removed between its creation and the lock is made
     afresh.
 
-    :returns: the directory and the descriptor holding its lock.
+    :param lock: ``"none"``: the directory is not locked (a recovery in another
+        process may remove it: see ``CheckpointOptions.lock``).
+    :returns: the directory and the descriptor holding its lock (``None`` with
+        ``lock="none"``).
+    :raises LockUnavailableError: the file system refused the lock (no ``flock``);
+        the directory is removed again.
     :raises CheckpointError: no directory could be created and locked (recovery
         removed every one, 100 times).
     """
     for _ in range(100):
         path = make_temp_dir(fs, root, step)
+        if lock == "none":
+            return path, None
         try:
             fd = fs.lock_dir(path)
         except FileNotFoundError:
             continue  # removed before the lock: a fresh one
+        except LockUnavailableError:
+            discard(fs, path)
+            raise
         if fd is not None:
             return path, fd
         # Recovery holds it and is removing it: a fresh one.

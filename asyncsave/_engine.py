@@ -248,7 +248,8 @@ class Checkpointer:
 
     async def _open_root(self) -> tuple[list[int], int | None]:
         """Take the saver lock and recover the root: (committed steps, tracked step)."""
-        self._lock_fd = await anyio.to_thread.run_sync(lock_root, self._fs, self.root)
+        lock = self.options.lock
+        self._lock_fd = await anyio.to_thread.run_sync(lock_root, self._fs, self.root, lock)
         try:
             recovered = await anyio.to_thread.run_sync(self._recover)
         except BaseException:

@@ -24,11 +24,24 @@ import ctypes.util
 import errno
 import fcntl
 import io
+import json
 import os
 import shutil
+import socket
+import stat
 from pathlib import Path
 
-__all__ = ["LocalFileSystem"]
+from ._errors import LockUnavailableError
+
+__all__ = ["LOCK_MODES", "LocalFileSystem", "check_lock_mode"]
+
+#: The values of the ``lock`` option: ``"flock"`` (an exclusive ``flock(2)`` on the
+#: root's lock file and on each temporary directory of a save in flight) or
+#: ``"none"`` (no advisory lock; see ``CheckpointOptions.lock`` for the risk).
+LOCK_MODES = ("flock", "none")
+# Bytes of a holder record read back (a record is ~80 bytes; anything longer is
+# not one of ours).
+_HOLDER_MAX_BYTES = 4096
 
 _RENAME_EXCHANGE = 2
 
@@ -205,32 +218,55 @@ class LocalFileSystem:
     # -- locking -----------------------------------------------------------------
     def lock(self, path: Path) -> int | None:
         """Take an exclusive advisory lock (``flock``) on ``path``, creating it
-        (``0o666`` less the umask, like every file here).
+        (``0o666`` less the umask, like every file here), and record the holder
+        (pid, host) in it for :meth:`lock_holder`.
 
         Needs only read permission on an existing lock file (https://github.com/huggingface/datasets/issues/7900: a lock file
         another member of the group created under ``umask 022``): it is opened
         read-write where allowed (NFS emulates ``flock`` with ``fcntl`` locks,
         whose exclusive kind needs a descriptor open for writing), read-only where
-        not (a local ``flock`` works on any descriptor).
+        not (a local ``flock`` works on any descriptor; the holder is then not
+        recorded).
 
         :returns: the descriptor holding the lock, or ``None`` if another open
             file description holds it (this process or another).
+        :raises LockUnavailableError: the file system refused the lock (no
+            ``flock``: ``ENOSYS``, ``ENOLCK``, ``EOPNOTSUPP``...); a lock file this
+            call created is removed again.
         :raises PermissionError: the lock file cannot even be read (a umask of
             ``077`` when it was created), or the root is not writable and has none.
         """
+        fd, created = _open_lock_file(path)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        except OSError as exc:
-            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-                raise
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                raise exc from None  # could not create it: the first error says why
-        if not _flock_or_close(fd):
+            held = _flock_or_close(fd, path)
+        except LockUnavailableError:
+            if created:
+                _unlink_quietly(path)
+            raise
+        if not held:
             return None
+        _record_holder(fd)
         _LOCK_FDS.add(fd)
         return fd
+
+    def lock_holder(self, path: Path) -> str | None:
+        """Who holds the lock file ``path``, as its holder recorded it when it took
+        the lock: ``"pid 4242 on host node7"`` (``"this process"`` for our own pid),
+        or ``None`` when nothing readable is recorded (a holder that could open the
+        file only for reading records nothing) or the recorded process is gone
+        (same host)."""
+        try:
+            with open(path, "rb") as f:
+                record = json.loads(f.read(_HOLDER_MAX_BYTES))
+            pid, host = int(record["pid"]), str(record["host"])
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        if host == socket.gethostname():
+            if pid == os.getpid():
+                return f"pid {pid} on host {host} (this process)"
+            if not _alive(pid):
+                return None
+        return f"pid {pid} on host {host}"
 
     def lock_dir(self, path: Path) -> int | None:
         """Take an exclusive advisory lock (``flock``) on the directory ``path``
@@ -245,11 +281,13 @@ class LocalFileSystem:
             ``None`` if another open file description holds it.
         :raises FileNotFoundError: ``path`` is gone, or was replaced by another
             entry between the open and the lock.
+        :raises LockUnavailableError: the file system refused the lock (no
+            ``flock``); ``path`` is left to the caller.
         :raises OSError: ``path`` is a symlink or no directory (``ELOOP``,
             ``ENOTDIR``), or cannot be opened.
         """
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        if not _flock_or_close(fd):
+        if not _flock_or_close(fd, path):
             return None
         try:
             now = os.stat(path, follow_symlinks=False)
@@ -271,20 +309,132 @@ class LocalFileSystem:
         plain close would leave the lock held by that copy."""
         _LOCK_FDS.discard(fd)
         try:
+            _clear_holder(fd)  # a later holder that cannot write leaves no stale record
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
 
 
-def _flock_or_close(fd: int) -> bool:
-    """Take an exclusive ``flock`` on ``fd`` without waiting; when it is held
-    elsewhere (``False``) or fails (raised), ``fd`` is closed."""
+def _flock_or_close(fd: int, path: Path) -> bool:
+    """Take an exclusive ``flock`` on ``fd`` (opened on ``path``) without waiting;
+    when it is held elsewhere (``False``) or refused (raised), ``fd`` is closed.
+
+    The one place a lock refusal is translated: any ``OSError`` but "held
+    elsewhere" (``EWOULDBLOCK``) means the file system has no working ``flock``.
+
+    :raises LockUnavailableError: the file system refused the lock.
+    """
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return False
+    except OSError as exc:
+        writable = _writable(fd)
+        os.close(fd)
+        raise _lock_refused(path, exc, writable) from exc
     except BaseException:
         os.close(fd)
         raise
     return True
+
+
+def _lock_refused(path: Path, exc: OSError, writable: bool) -> LockUnavailableError:
+    """The typed error of a refused ``flock`` on ``path`` (a root's lock file or a
+    temporary directory in it): names the root and the way forward."""
+    root = path.parent
+    code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    why = f"flock({path.name}) failed with {code} ({exc.strerror})"
+    if exc.errno == errno.EBADF and not writable:
+        hint = (
+            "this file system (NFS) locks only files opened for writing, and the lock "
+            f"file is not writable by this user: make {path} group-writable"
+        )
+    else:
+        hint = (
+            "its file system has no working advisory locks (Lustre mounted without "
+            "-o flock, some NFS and FUSE mounts): mount it with lock support (Lustre: "
+            "-o flock), or, if only one process at a time saves into this root, run "
+            'without the lock: lock="none" (CheckpointOptions, '
+            "asyncsave.dcp.StorageWriter; `asyncsave prune --lock none`); nothing was "
+            "committed"
+        )
+    error = LockUnavailableError(f"cannot lock checkpoint root {root}: {why}; {hint}", path=root)
+    error.errno, error.strerror, error.filename = exc.errno, exc.strerror, os.fspath(path)
+    return error
+
+
+def _open_lock_file(path: Path) -> tuple[int, bool]:
+    """Open (or create) the lock file ``path``: read-write where allowed,
+    read-only where not (see :meth:`lock`). :returns: the descriptor and whether this call
+    created the file."""
+    flags = os.O_RDWR | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o666), True
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        if not os.path.lexists(path):
+            raise  # could not create it: this error says why
+    try:
+        return os.open(path, flags), False
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC), False
+
+
+def _writable(fd: int) -> bool:
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+    except OSError:
+        return False
+
+
+def _record_holder(fd: int) -> None:
+    """Write who holds the lock into the lock file (best effort: a descriptor open
+    only for reading, or a full disk, records nothing)."""
+    if not _writable(fd):
+        return
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode() + b"\n"
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record, 0)
+    except OSError:
+        pass
+
+
+def _clear_holder(fd: int) -> None:
+    if _writable(fd) and stat.S_ISREG(os.fstat(fd).st_mode):
+        try:
+            os.ftruncate(fd, 0)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def check_lock_mode(lock: object, field: str = "lock") -> None:
+    """Refuse a ``lock`` option that is not one of :data:`LOCK_MODES`.
+
+    :raises ValueError: naming ``field`` and the values allowed.
+    """
+    if not isinstance(lock, str) or lock not in LOCK_MODES:
+        raise ValueError(f"{field}={lock!r} must be one of {', '.join(map(repr, LOCK_MODES))}")

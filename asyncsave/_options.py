@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ._fs import LocalFileSystem
+from ._fs import LocalFileSystem, check_lock_mode
 from ._fsspec import check_root
 from ._paths import LAYOUTS
 from ._policy import SavePolicy
@@ -194,6 +194,21 @@ class CheckpointOptions:
         ``UnsupportedFormatError`` on it). One process, whole (not streamed)
         plain saves; other saves write in full (logged once). Off by default.
         See ``asyncsave._incremental`` and docs/decisions.md.
+    :param lock: how a saver keeps others out of the root (and of a persistent
+        tier's root). ``"flock"`` (default): an exclusive advisory ``flock(2)`` on
+        ``<root>/.asyncsave.lock`` for the checkpointer's life (a second saver gets
+        :class:`~asyncsave.RootInUseError` naming the holder; a crashed holder's
+        lock is gone with its process); a file system that refuses it raises
+        :class:`~asyncsave.LockUnavailableError` at open. ``"none"``: no lock, for
+        file systems without ``flock`` (Lustre mounted without ``-o flock``, some
+        NFS and FUSE mounts; google/tensorstore#183). **Risk:** nothing then keeps
+        a second saver out: two checkpointers on one root (two jobs, a restarted
+        job whose old processes still run) remove each other's in-flight saves at
+        open and may both move the tracker, and a ``Checkpointer`` opened while a
+        standalone ``asyncsave.dcp.StorageWriter`` writes into the root may remove
+        that save's temporary files. Use it only where one process at a time saves
+        into the root (your launcher guarantees it); commits stay atomic and the
+        tracker still moves only forward within one saver.
     """
 
     layout: str = "asyncsave"
@@ -213,8 +228,10 @@ class CheckpointOptions:
     dist_timeout_s: float = 1800.0
     persistent: Tier | None = None
     incremental: bool = False
+    lock: str = "flock"
 
     def __post_init__(self) -> None:
+        check_lock_mode(self.lock)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}")
         object.__setattr__(self, "retention", as_retention(self.retention))

@@ -411,7 +411,7 @@ class Persister:
 
     async def _open_root(self) -> tuple[list[int], int | None]:
         def run() -> tuple[list[int], int | None]:
-            fd = lock_root(self.fs, self.root)
+            fd = lock_root(self.fs, self.root, lock=self.saver.options.lock)
             try:
                 # A copy abandoned by an earlier checkpointer of this process (past
                 # close_timeout_s) may still be writing: recovery would remove its
@@ -428,7 +428,8 @@ class Persister:
                 finally:
                     self.final_lock.release()
             except BaseException:
-                self.fs.unlock(fd)
+                if fd is not None:
+                    self.fs.unlock(fd)
                 raise
             self._lock_fd = fd
             return list(recovered.committed), recovered.tracked

@@ -10,6 +10,14 @@ what changes is where the bytes go and when they become a checkpoint::
     # runs/exp1/step_40/ committed (rename + tracker) inside finish()
     dcp.load(state, storage_reader=StorageReader("runs/exp1"))   # latest committed
 
+Saving while training goes on (FSDP2 on several ranks): use :func:`async_save`
+(``asyncsave.dcp.async_save(state, storage_writer=StorageWriter(...))``), or pass
+``process_group=asyncsave.dcp.side_group()`` to ``dcp.async_save``. DCP's
+``async_save`` on the default group runs the save's collectives in a background
+thread on the group the next training step's all-gathers use, and the ranks hang
+or abort with gloo's "collective mismatch" (DCP's own ``FileSystemWriter`` does the
+same); a side group of gloo keeps them apart. See ``examples/fsdp2_train.py``.
+
 The call sequence (DCP's, see ``torch.distributed.checkpoint.storage``) and who does
 what. DCP runs every call of one save in one thread (the caller's, or the
 background thread of ``dcp.async_save``); the writer keeps each save's state per
@@ -115,12 +123,13 @@ from ._commit import commit_dir, discard, hold_root, make_held_temp_dir
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     ChecksumMismatchError,
     CorruptCheckpointError,
     SaveFailedError,
 )
 from ._format import SAFETENSORS_DTYPES, layout_files, staging_nbytes
-from ._fs import _LOCK_FDS, LocalFileSystem
+from ._fs import _LOCK_FDS, LocalFileSystem, check_lock_mode
 from ._fsspec import check_root
 from ._jobs import Job, Services
 from ._load import latest, read_checkpoint
@@ -131,7 +140,15 @@ from ._stage import Lease, _copy_cpu, _destination
 from ._track import advance_tracker
 from ._write import write_bytes, write_data_file
 
-__all__ = ["DCP_METADATA_NAME", "DTensorJob", "ItemLocation", "StorageReader", "StorageWriter"]
+__all__ = [
+    "DCP_METADATA_NAME",
+    "DTensorJob",
+    "ItemLocation",
+    "StorageReader",
+    "StorageWriter",
+    "async_save",
+    "side_group",
+]
 
 DCP_METADATA_NAME = ".metadata"
 _BLOB_ALIGN = 16
@@ -327,6 +344,10 @@ class StorageWriter(_DcpStorageWriter):
     before a blocking ``dcp.save``, or (overlapping saves: the step travels with the
     call) by ``checkpoint_id=<root>/<final name>``, e.g. ``runs/exp1/step_40``.
 
+    On several ranks, a save that runs while training goes on must not share the
+    training's process group: use :func:`async_save` (or ``dcp.async_save(...,
+    process_group=side_group())``), never ``dcp.async_save`` on the default group.
+
     :param root: the checkpoint root (local or shared file system path).
     :param step: the training step this checkpoint is named after.
     :param layout: asyncsave layout preset of the final name and tracker.
@@ -334,6 +355,15 @@ class StorageWriter(_DcpStorageWriter):
     :param lock_timeout_s: how long :meth:`finish` waits for the root's saver lock
         (held for the rename and tracker update by each committing writer, and for
         its whole life by an open :class:`~asyncsave.Checkpointer`), in seconds.
+    :param lock: ``"flock"`` (default): the root's saver lock around each commit
+        and a lock on each temporary directory while it is written; a file system
+        that refuses them raises :class:`~asyncsave.LockUnavailableError` (inside
+        DCP's ``CheckpointException``), leaving nothing behind. ``"none"``: no
+        lock, for file systems without ``flock`` (Lustre without ``-o flock``);
+        the risk is that of ``CheckpointOptions.lock``: writers that commit into
+        the root at the same moment may leave the tracker behind the newest step,
+        and a :class:`~asyncsave.Checkpointer` opened meanwhile may remove this
+        save's temporary directory. Use it where one process saves at a time.
     :raises CheckpointError: (from ``prepare_local_plan``, before anything is
         written, or from :meth:`finish`) ``step_<step>`` exists already: a DCP save
         never replaces a checkpoint. Nothing is left in ``root`` then.
@@ -349,6 +379,7 @@ class StorageWriter(_DcpStorageWriter):
     layout: str = "asyncsave"
     filesystem: LocalFileSystem = dataclasses.field(default_factory=LocalFileSystem)
     lock_timeout_s: float = 60.0
+    lock: str = "flock"
     # Set by asyncsave's own collective commit (Checkpointer.save of DTensor state):
     # write into this existing temporary directory and do not commit in finish().
     _tmp: str | None = None
@@ -378,6 +409,7 @@ class StorageWriter(_DcpStorageWriter):
             raise ValueError(f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}")
         if not self.lock_timeout_s > 0:
             raise ValueError(f"lock_timeout_s={self.lock_timeout_s!r} must be > 0")
+        check_lock_mode(self.lock)
         weakref.finalize(self, _release_all, self.filesystem, self._handed)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -538,8 +570,9 @@ class StorageWriter(_DcpStorageWriter):
                 locs = write_part(fs, save.root / self._tmp, save.rank, items)
             elif items:
                 fs.makedirs(save.root)
-                tmp, fd = make_held_temp_dir(fs, save.root, save.step)
-                save.held.append(fd)
+                tmp, fd = make_held_temp_dir(fs, save.root, save.step, lock=self.lock)
+                if fd is not None:
+                    save.held.append(fd)
                 save.tmp = tmp.name
                 try:
                     locs = write_part(fs, tmp, save.rank, items)
@@ -637,8 +670,9 @@ class StorageWriter(_DcpStorageWriter):
             raise _exists(final, step)
         if save.tmp is None:  # this rank wrote nothing
             fs.makedirs(root)
-            made, fd = make_held_temp_dir(fs, root, step)
-            save.held.append(fd)
+            made, fd = make_held_temp_dir(fs, root, step, lock=self.lock)
+            if fd is not None:
+                save.held.append(fd)
             temps.append(made)
         tmp = root / save.tmp if save.tmp is not None else temps[-1]
         for other in temps:
@@ -647,7 +681,7 @@ class StorageWriter(_DcpStorageWriter):
                     fs.rename(other / name, tmp / name)
         write_bytes(fs, tmp / DCP_METADATA_NAME, blob)
         write_bytes(fs, tmp / MANIFEST_NAME, encode_manifest(doc))
-        with hold_root(fs, root, timeout_s=self.lock_timeout_s):
+        with hold_root(fs, root, timeout_s=self.lock_timeout_s, lock=self.lock):
             if fs.exists(final):
                 raise _exists(final, step)
             try:
@@ -1032,3 +1066,117 @@ class DTensorJob(Job):
     def release(self) -> None:
         if self.lease is not None:
             self.lease.release()
+
+
+# -- async saves beside training ------------------------------------------------
+# DCP's ``async_save`` runs the save's collectives (plans, write results) in a
+# background thread on the group it is given, the default group when none is: the
+# group whose collectives the training thread issues meanwhile (FSDP2's
+# all-gathers, a loss all-reduce). Two threads issuing collectives on one group
+# in an order that differs between ranks hang or abort gloo with "collective
+# mismatch". The fix is a group of its own for the save's collectives.
+
+_side_lock = threading.Lock()
+_side: tuple[Any, Any] | None = None  # (the default group it was made under, the side group)
+_previous: Any = None  # the upload future of the last async_save through this module
+
+
+def side_group() -> Any:
+    """The gloo group that :func:`async_save` gives DCP for a save's collectives:
+    all ranks of the default group, made on the first call and cached (made again
+    after the default group is destroyed and initialised anew).
+
+    The first call is a collective on the default group (``dist.new_group``):
+    every rank makes it at the same point of training, from the thread that runs
+    training's collectives, with no save running. Pass it yourself to
+    ``dcp.async_save(..., process_group=asyncsave.dcp.side_group())`` where you
+    call DCP directly; use it for nothing else (one save at a time on it: see
+    :func:`async_save`).
+
+    :returns: the group, or ``None`` when ``torch.distributed`` is not initialised
+        (one process: DCP then runs no collective).
+    """
+    global _side
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.distributed_c10d._get_default_group()
+    with _side_lock:
+        if _side is None or _side[0] is not world:
+            group = dist.new_group(backend="gloo", group_desc="asyncsave-dcp")
+            _side = (world, group)
+        return _side[1]
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    *,
+    storage_writer: _DcpStorageWriter,
+    process_group: Any = None,
+    wait_previous_s: float = 3600.0,
+    **dcp_kwargs: Any,
+) -> Any:
+    """``torch.distributed.checkpoint.async_save`` that never shares a group with
+    training: the save's collectives run on :func:`side_group`, so the next
+    training step (FSDP2's all-gathers on the default group) runs while the save
+    is written, on any number of ranks::
+
+        fut = asyncsave.dcp.async_save(
+            {"model": msd, "optim": osd},
+            storage_writer=asyncsave.dcp.StorageWriter("runs/exp1", step=step),
+        )
+        ...                      # train on; the save runs in DCP's background thread
+        fut.result()             # committed (renamed, tracker moved) or raises
+
+    Every rank calls it with the same steps in the same order. A save begins only
+    once the previous one made through this function is done on this rank (waited
+    here, up to ``wait_previous_s``): overlapping saves would issue their
+    collectives on the side group from two threads, the same hazard again. Its
+    outcome is not raised here; ``result()`` of its own future raises it.
+
+    :param state_dict: as for ``dcp.async_save`` (``Stateful`` objects are called
+        now, tensors are staged before this returns).
+    :param storage_writer: the writer, normally :class:`StorageWriter`.
+    :param process_group: ``None`` (default): :func:`side_group`. A group of your
+        own is used as given: it must serve no other collective while the save runs.
+    :param wait_previous_s: seconds to wait for the previous save (see above).
+    :param dcp_kwargs: passed on to ``dcp.async_save`` (``checkpoint_id``,
+        ``planner``, ``async_checkpointer_type``, ``async_stager``...).
+    :returns: what ``dcp.async_save`` returns (a future, or DCP's
+        ``AsyncSaveResponse`` with a custom stager).
+    :raises CheckpointError: ``process_group`` is the default group (the one
+        training uses), before any collective.
+    :raises CheckpointTimeoutError: the previous save ran past ``wait_previous_s``.
+    """
+    import concurrent.futures
+
+    import torch.distributed.checkpoint as dcp
+
+    global _previous
+    if process_group is not None and _is_default_group(process_group):
+        raise CheckpointError(
+            "asyncsave.dcp.async_save: process_group is the default process group, which "
+            "the training step uses too: DCP's background collectives on it interleave "
+            "with training's and hang or abort (gloo 'collective mismatch'). Leave "
+            "process_group=None (a side group, asyncsave.dcp.side_group()) or pass a "
+            "group used by nothing else"
+        )
+    group = process_group if process_group is not None else side_group()
+    previous = _previous
+    if previous is not None:
+        done, _ = concurrent.futures.wait([previous], timeout=wait_previous_s)
+        if not done:
+            raise CheckpointTimeoutError(
+                f"asyncsave.dcp.async_save: the previous save is still running after "
+                f"wait_previous_s={wait_previous_s}; nothing of this one began"
+            )
+    result = dcp.async_save(
+        state_dict, storage_writer=storage_writer, process_group=group, **dcp_kwargs
+    )
+    _previous = getattr(result, "upload_completion", result)
+    return result
+
+
+def _is_default_group(group: Any) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return group is dist.group.WORLD or group is dist.distributed_c10d._get_default_group()
