@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ._bits import flat_bytes
 from ._errors import CheckpointError
 from ._format import FileLayout, layout_buckets
 from ._fs import LocalFileSystem
@@ -664,5 +665,5 @@ def _hash_source(e: Entry) -> str:
     """XXH3-64 of a host tensor's bytes, read in place (the GIL is released)."""
     src = e.source
     assert src is not None
-    raw = src.detach().reshape(-1).view(torch.uint8)
+    raw = flat_bytes(src.detach())
     return xxhash.xxh3_64_hexdigest(memoryview(raw.numpy()))  # type: ignore[arg-type]

@@ -30,6 +30,7 @@ import anyio
 import anyio.to_thread
 import torch
 
+from ._bits import as_bits, clone_bits, flat_bytes
 from ._errors import (
     CheckpointerClosedError,
     CheckpointTimeoutError,
@@ -46,7 +47,6 @@ __all__ = [
     "StagedMark",
     "StagingAbandonedError",
     "StagingPool",
-    "as_bits",
     "copy_following",
     "producer_events",
     "snapshot_eager_entries",
@@ -56,16 +56,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _PAGE = 4096
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """A view of ``t`` as integers of the same width (complex: as its real and
-    imaginary parts), so a copy moves bits, never converts values."""
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.view(_INT_OF_SIZE[t.element_size()])
 
 
 class Lease:
@@ -274,7 +264,8 @@ def _copy_blob(dst: torch.Tensor, e: Entry, *, non_blocking: bool) -> None:
 
 # Dtypes whose same-dtype copy_ moves bits unchanged (plain loads and stores, no
 # arithmetic): their entries are copied as themselves, by one _foreach_copy_ for
-# all of them. Others go through their integer view (as_bits), one by one.
+# all of them. Others go through their integer view (as_bits), one by one: bool
+# among them, whose copy_ normalises every non-zero byte to 1.
 _PLAIN_DTYPES = frozenset(
     {
         torch.float64,
@@ -286,9 +277,11 @@ _PLAIN_DTYPES = frozenset(
         torch.int16,
         torch.int8,
         torch.uint8,
-        torch.bool,
     }
 )
+# Dtypes of the small CUDA entries gathered on the device (as bytes: any dtype
+# whose elements are plain bytes would do).
+_GATHER_DTYPES = _PLAIN_DTYPES | {torch.bool}
 
 
 def _views(
@@ -467,7 +460,7 @@ def _copy_following(
             elif e.nbytes > piece and src.is_contiguous():
                 # In byte pieces: the writer of its file starts after the first.
                 flat_dst = buffer[e.staging_offset : pos]
-                flat_src = src.reshape(-1).view(torch.uint8)
+                flat_src = flat_bytes(src)
                 for lo in range(0, e.nbytes, piece):
                     hi = min(lo + piece, e.nbytes)
                     step = steps[-1]
@@ -555,13 +548,13 @@ def _snapshot_eager(plan: Plan, ready: dict[torch.device, Any] | None) -> int:
 
     def clone(src: torch.Tensor) -> torch.Tensor:
         if not src.is_cuda:
-            return src.clone()
+            return clone_bits(src)
         device = src.device
         if device not in cloned_on and ready and device in ready:
             torch.cuda.current_stream(device).wait_event(ready[device])
         cloned_on.add(device)
         with torch.cuda.device(device):
-            return src.clone()
+            return clone_bits(src)
 
     for e in plan.entries:
         if e.source is None:
@@ -629,11 +622,6 @@ GATHER_MAX_ENTRY = 64 << 10
 GATHER_BYTES = 512 << 10
 
 
-def _flat_bytes(src: torch.Tensor | None) -> torch.Tensor:
-    assert src is not None
-    return src.reshape(-1).view(torch.uint8)
-
-
 def gather_batches(entries: list[Entry]) -> tuple[list[list[Entry]], list[Entry]]:
     """Split ``entries`` into batches to gather (each of at least two entries of
     a plain dtype, contiguous, 1..``GATHER_MAX_ENTRY`` bytes, lying back to back in
@@ -644,7 +632,7 @@ def gather_batches(entries: list[Entry]) -> tuple[list[list[Entry]], list[Entry]
             e
             for e in entries
             if not e.is_blob
-            and e.dtype in _PLAIN_DTYPES
+            and e.dtype in _GATHER_DTYPES
             and 0 < e.nbytes <= GATHER_MAX_ENTRY
             and e.source is not None
             and e.source.is_contiguous()
@@ -665,6 +653,18 @@ def gather_batches(entries: list[Entry]) -> tuple[list[list[Entry]], list[Entry]
     batches = [b for b in batches if len(b) > 1]
     gathered = {id(e) for b in batches for e in b}
     return batches, [e for e in entries if id(e) not in gathered]
+
+
+def gather_into(out: torch.Tensor, batch: list[Entry]) -> None:
+    """Copy the bytes of a batch's sources (see :func:`gather_batches`), one after
+    the other, into ``out`` (``uint8``, their total size, on their device): one
+    ``cat`` kernel on the current stream, moving bits (see :mod:`asyncsave._bits`)."""
+    torch.cat([flat_bytes(_source(e)) for e in batch], out=out)
+
+
+def _source(e: Entry) -> torch.Tensor:
+    assert e.source is not None
+    return e.source
 
 
 def _enqueue_cuda(
@@ -701,7 +701,7 @@ def _enqueue_cuda_now(
                     start = batch[0].staging_offset
                     total = batch[-1].staging_offset + batch[-1].nbytes - start
                     scratch = torch.empty(total, dtype=torch.uint8, device=device)
-                    torch.cat([_flat_bytes(e.source) for e in batch], out=scratch)
+                    gather_into(scratch, batch)
                     buffer[start : start + total].copy_(scratch, non_blocking=True)
                     # Freed to the caching allocator in stream order: the next
                     # batch reuses the block after this copy (never two alive).

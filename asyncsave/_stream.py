@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ._bits import flat_bytes
 from ._errors import StagingBudgetError
 from ._format import HEADER_ALIGN, FileLayout
 from ._fs import LocalFileSystem
@@ -117,16 +118,6 @@ def plan_rounds(entries: list[Entry], layouts: list[FileLayout], budget: int) ->
     return rounds or [[]]
 
 
-def _flat_bytes(src: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a 1-D ``uint8`` view (no copy), made from its
-    storage: a contiguous tensor may still have odd strides on dimensions of size 1
-    (``t[::2]`` of two elements), which ``view(torch.uint8)`` refuses."""
-    size = src.element_size()
-    return torch.empty(0, dtype=torch.uint8, device=src.device).set_(
-        src.untyped_storage(), src.storage_offset() * size, (src.numel() * size,), (1,)
-    )
-
-
 def piece_entries(entries: list[Entry], pieces: list[Piece]) -> list[Entry]:
     """The pieces of one round as entries the stager copies (``stage_entries``):
     a byte range of a contiguous source is a ``uint8`` blob; a non-contiguous
@@ -140,7 +131,7 @@ def piece_entries(entries: list[Entry], pieces: list[Piece]) -> list[Entry]:
             out.append(dataclasses.replace(e, staging_offset=p.arena_offset))
             continue
         # A blob's runs: its parts (several storages sharing memory) and zero padding.
-        runs = e.segments() if e.is_blob else [(0, e.nbytes, _flat_bytes(e.source))]
+        runs = e.segments() if e.is_blob else [(0, e.nbytes, flat_bytes(e.source))]
         for start, end, src in runs:
             a, b = max(start, p.start), min(end, p.end)
             if a >= b:
@@ -150,7 +141,7 @@ def piece_entries(entries: list[Entry], pieces: list[Piece]) -> list[Entry]:
                 Entry(
                     name=e.name,
                     # copied as bytes; an empty source is n zero bytes
-                    source=_NO_BYTES if src is None else _flat_bytes(src)[a - start : b - start],
+                    source=_NO_BYTES if src is None else flat_bytes(src)[a - start : b - start],
                     nbytes=n,
                     align=1,
                     is_blob=True,

@@ -119,6 +119,7 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ._bits import clone_bits, flat_bytes
 from ._commit import commit_dir, discard, hold_root, make_held_temp_dir
 from ._errors import (
     CheckpointError,
@@ -190,7 +191,7 @@ def _entry_of(name: str, t: torch.Tensor) -> tuple[Entry, int]:
             Entry(name, t, nbytes, t.element_size(), False, t.dtype, tuple(t.shape)),
             nbytes,
         )
-    raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    raw = flat_bytes(t)
     n = raw.numel()
     padded = -(-n // _BLOB_ALIGN) * _BLOB_ALIGN
     return Entry(name, raw, padded, _BLOB_ALIGN, True, torch.uint8, (padded,)), n
@@ -982,7 +983,7 @@ class DTensorJob(Job):
             if e.source is not None and e.nbytes <= LAZY_EAGER_MAX_BYTES:
                 if e.source.is_cuda and ready and e.source.device in ready:
                     torch.cuda.current_stream(e.source.device).wait_event(ready[e.source.device])
-                e.source = e.source.clone()
+                e.source = clone_bits(e.source)
 
     async def stage(
         self, saver: Services, step: int, ready: dict[torch.device, Any] | None, make_tmp: Any
