@@ -15,8 +15,12 @@ What happens:
    the hook may wait there); it is written through DCP's planner and
    ``asyncsave.dcp.StorageWriter``, committed once both ranks' files are durable
    (collective on asyncsave's own gloo group); the same state also goes through
-   ``dcp.async_save`` with asyncsave's writer;
-3. training goes on to ``TOTAL_STEPS``, recording the losses;
+   ``asyncsave.dcp.async_save`` with asyncsave's writer, whose collectives run on
+   a gloo side group (``asyncsave.dcp.side_group()``), never on the default group
+   that FSDP2's all-gathers use: ``dcp.async_save`` on the default group hangs the
+   next step or aborts with gloo's "collective mismatch";
+3. training goes on to ``TOTAL_STEPS`` while both saves run, recording the
+   losses; the DCP save's future is awaited at the end;
 4. 2 fresh processes load the checkpoint (``dcp.load`` + ``asyncsave.dcp.
    StorageReader``), and so does 1 process with an unsharded model: DCP
    reshards. Both continue and must see the same losses as step 3.
@@ -24,6 +28,7 @@ What happens:
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,6 +42,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import asyncsave
+import asyncsave.dcp
 from asyncsave.dcp import StorageReader, StorageWriter
 
 SAVE_STEP = 3
@@ -112,16 +118,21 @@ def train_and_save(rank: int, world_size: int, root: str) -> list[float]:
                     losses.append(loss)
                 if step == SAVE_STEP:
                     msd, osd = get_state_dict(model, opt)
-                    # The same state through DCP's own async_save and our writer
-                    # (DCP stages it before returning).
-                    fut = dcp.async_save(
-                        {"model": msd, "optim": osd},
-                        storage_writer=StorageWriter(root + "-dcp", step),
+                    # The same state through DCP's async_save and our writer, on a
+                    # side group (never the default group that training's
+                    # all-gathers use). It stages a copy before returning; a worker
+                    # thread keeps the event loop free meanwhile.
+                    fut = await anyio.to_thread.run_sync(
+                        functools.partial(
+                            asyncsave.dcp.async_save,
+                            {"model": msd, "optim": osd},
+                            storage_writer=StorageWriter(root + "-dcp", step),
+                        )
                     )
-                    fut.result()
                     handle = await ckpt.save(step, {"model": msd, "optim": osd}, lazy=True)
             hook.remove()
             await handle  # committed by both ranks, tracker moved
+            await anyio.to_thread.run_sync(fut.result)  # the DCP copy: committed
         return losses
 
     return anyio.run(main)
