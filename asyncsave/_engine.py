@@ -54,7 +54,7 @@ from ._options import CheckpointOptions
 from ._paths import LAYOUTS
 from ._pipeline import Saver, WorkerDiedError, as_save_error
 from ._plan import Plan, ViewCache
-from ._policy import AgreedPolicy, SavePolicy, signal_holds
+from ._policy import AgreedPolicy, SavePolicy
 from ._replan import Planner, admitting, plan_off_loop
 from ._stage import StagingPool, producer_events
 from ._tiers import Persister, load_nearest
@@ -241,7 +241,6 @@ class Checkpointer:
         saver.tg = tg
         saver.accepting = True
         saver.state = "open"
-        signal_holds.opened(self)  # a policy that caught a signal waits for our close
         if self._tiers is not None:  # what an earlier run left unpersisted
             self._tiers.catch_up()
         return self
@@ -350,7 +349,6 @@ class Checkpointer:
             if self._tiers is not None:
                 self._tiers.close()
             self._state = "closed"
-            signal_holds.closed(self)  # flushed: a policy's held handlers may go back
         return saver.failure
 
     async def _unlock(self) -> None:

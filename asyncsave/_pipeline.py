@@ -76,6 +76,7 @@ from ._jobs import Job, PlainJob
 from ._manifest import encode_manifest
 from ._options import CheckpointOptions
 from ._paths import MANIFEST_NAME, Layout
+from ._policy import signal_holds
 from ._retention import apply_retention
 from ._stage import StagingPool, copies_early
 from ._track import TrackerWriter
@@ -172,6 +173,21 @@ class Saver:
         # How a save commits on this root (rename, or a marker on object
         # stores): chosen once here; the pipeline asks it, never the storage.
         self.strategy = strategy_for(fs)
+
+    @property
+    def state(self) -> str:
+        """The checkpointer's lifecycle: ``new``, ``open``, ``closing``, ``closed``."""
+        return self._state
+
+    @state.setter
+    def state(self, state: str) -> None:
+        self._state = state
+        # A signal policy that caught its signal keeps its handlers until every
+        # checkpointer open at the end of its block is closed, so flushed.
+        if state == "open":
+            signal_holds.opened(self)
+        elif state == "closed":
+            signal_holds.closed(self)
 
     # -- bookkeeping ----------------------------------------------------------------
     def check_usable(self) -> None:
