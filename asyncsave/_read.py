@@ -8,12 +8,12 @@ privately; the file never changes. With ``verify=True`` each entry's bytes are
 hashed (XXH3-64) once, which is what reads them from disk (``MADV_SEQUENTIAL`` /
 ``MADV_WILLNEED`` ask the kernel to read ahead); with ``verify=False`` nothing is
 read until a tensor is touched, so one tensor of a large checkpoint costs only its
-own pages. A mapping holds no file descriptor: a file is opened, checked and
-mapped, then closed at once (``torch.UntypedStorage.from_file`` closes its own
-descriptor after ``mmap(2)``; Python's :class:`mmap.mmap` would keep a duplicate
-open for as long as any tensor over it lives), so a checkpoint of any number of
-files loads under the usual ``ulimit -n`` of 1024: at most one descriptor per
-reading thread is open at a time. The open-file limit ran out on one file per
+own pages. A mapping holds no file descriptor: a file is opened, its header
+checked, closed, and then mapped (``torch.UntypedStorage.from_file`` closes its
+own descriptor right after ``mmap(2)``; Python's :class:`mmap.mmap` would keep a
+duplicate open for as long as any tensor over it lives), so a checkpoint of any
+number of files loads under the usual ``ulimit -n`` of 1024: at most one
+descriptor per reading thread is open at a time. The open-file limit ran out on one file per
 parameter in t5x (https://github.com/google-research/t5x/issues/447).
 Committed data files are never rewritten or truncated by asyncsave (a
 newer save of the same step swaps in a new directory, retention unlinks), so the
@@ -53,29 +53,29 @@ _HASH_CHUNK = 8 << 20
 _READ_THREADS = 4
 
 
-def _mapped(fpath: Path, f: BinaryIO, manifest: Manifest, *, read_ahead: bool) -> memoryview:
-    """The data file ``fpath`` (open as ``f``) mapped whole, copy-on-write
+def _mapped(fpath: Path, size: int, manifest: Manifest) -> memoryview:
+    """The first ``size`` bytes of the data file ``fpath`` mapped copy-on-write
     (``MAP_PRIVATE``), as a writable byte view that holds no descriptor: the
     mapping lives as long as the view or any tensor made over it.
 
-    :param read_ahead: ask the kernel to read the whole file ahead (most of it will
-        be read now).
-    :raises CorruptCheckpointError: the file shrank between the size check and the
-        mapping (replaced or truncated by someone else).
-    :raises OSError: the mapping failed (``vm.max_map_count`` reached, no memory).
+    :raises CorruptCheckpointError: the file changed since its size was read
+        (truncated, removed or replaced by another process).
+    :raises OSError: the mapping failed (``vm.max_map_count`` reached, no memory,
+        no descriptor left).
     """
-    size = os.fstat(f.fileno()).st_size
     if size == 0:
         return memoryview(bytearray())
-    if read_ahead and hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
     try:
         storage = torch.UntypedStorage.from_file(str(fpath), shared=False, nbytes=size)
     except RuntimeError as exc:
-        if os.stat(fpath).st_size < size:
+        try:
+            now = os.stat(fpath).st_size
+        except OSError:
+            now = -1
+        if now != size:
             raise CorruptCheckpointError(
-                f"{fpath} shrank while it was read (truncated or replaced by another "
-                "process)",
+                f"{fpath} changed while it was read (truncated, removed or replaced by "
+                "another process)",
                 path=fpath,
                 step=manifest.step,
             ) from exc
@@ -205,9 +205,12 @@ def _read_file(
     with _opened(fpath) as f:
         if check_header is not None:
             check_header(fpath, f, manifest, fi)
-        # Most of the file will be read: ask for read-ahead.
-        mapped = _mapped(fpath, f, manifest, read_ahead=verify and len(mine) * 2 > in_file)
-    size = len(mapped)
+        size = os.fstat(f.fileno()).st_size
+        if verify and len(mine) * 2 > in_file and hasattr(os, "posix_fadvise"):
+            # Most of the file will be read: ask for read-ahead.
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+    # Mapped once closed: one descriptor per reading thread at any time.
+    mapped = _mapped(fpath, size, manifest)
     for ei, e in sorted(mine, key=lambda item: item[1]["offset"]):
         start, n = _check(fpath, e, size, manifest)
         view = mapped[start : start + n]

@@ -11,6 +11,7 @@ child that lowers its own limit, so the test process keeps its own.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import multiprocessing as mp
 import os
@@ -31,6 +32,7 @@ import torch
 import asyncsave
 import asyncsave._format
 from asyncsave._cli import main as cli_main
+from asyncsave._fs import LocalFileSystem
 
 sys.path.insert(0, str(Path(__file__).parent))
 from crashlab import small_own_files
@@ -336,3 +338,58 @@ def test_descriptors_open_after_a_load_do_not_grow_with_its_files(
     w0 = held[0]["layers"]["r0w0"]
     w0.add_(1)
     assert torch.equal(asyncsave.load(path)["layers"]["r0w0"], state["layers"]["r0w0"])
+
+
+# -- the reader's own bound -------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def descriptors_left(n: int) -> Iterator[None]:
+    """Every descriptor the process may still open taken (``/dev/null``), but
+    ``n``; given back after."""
+    taken: list[int] = []
+    try:
+        while True:
+            try:
+                taken.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                break
+        for _ in range(n):
+            os.close(taken.pop())
+        yield
+    finally:
+        for fd in taken:
+            os.close(fd)
+
+
+def _reads_with_few_descriptors(rank: int, world: int, root: str) -> dict[str, Any]:
+    from asyncsave._load import read_checkpoint
+    from asyncsave._read import read_entries
+
+    limit_descriptors(FD_LIMIT)
+    state = state_of(0, 300, 0)
+    with small_own_files():
+        path = _saved(Path(root), state, asyncsave.CheckpointOptions(incremental=True))
+    out: dict[str, Any] = {"files": len(list(path.glob("*.safetensors")))}
+    with descriptors_left(4):  # one per reading thread
+        out["verify"] = asyncsave.verify(path).step
+        out["load"] = same(asyncsave.load(path), state)
+        out["load_tensors"] = len(asyncsave.load_tensors(path, ["layers"])) == 300
+    manifest = read_checkpoint(LocalFileSystem(), path)
+    with descriptors_left(0):
+        try:
+            read_entries(path, manifest, verify=True, device=torch.device("cpu"))
+        except OSError as exc:
+            out["none left"] = (exc.errno, "ulimit -n" in "".join(exc.__notes__))
+    return out
+
+
+def test_reads_of_300_files_need_one_descriptor_per_reading_thread(tmp_path: Path) -> None:
+    seen = run_alone(_reads_with_few_descriptors, str(tmp_path / "root"))
+    assert seen == {
+        "files": 300,
+        "verify": 1,
+        "load": True,
+        "load_tensors": True,
+        "none left": (errno.EMFILE, True),
+    }
