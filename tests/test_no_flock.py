@@ -146,7 +146,7 @@ def test_dcp_save_refused_lock_is_typed_and_leaves_no_temporary_directory(
     before = _tree(populated)
     _refuse_flock(monkeypatch, code)
     with pytest.raises(CheckpointException) as info:
-        dcp.save({"w": torch.ones(8)}, storage_writer=StorageWriter(populated, step=3))
+        dcp.save({"w": torch.ones(8)}, storage_writer=StorageWriter(str(populated), step=3))
     _assert_refusal(_only_failure(info.value), populated, code)
     assert _tree(populated) == before
 
@@ -160,7 +160,7 @@ def test_dcp_commit_refused_root_lock_is_typed_and_leaves_nothing(
     before = _tree(populated)
     _refuse_flock(monkeypatch, code, under=populated / ".asyncsave.lock")
     with pytest.raises(CheckpointException) as info:
-        dcp.save({"w": torch.ones(8)}, storage_writer=StorageWriter(populated, step=3))
+        dcp.save({"w": torch.ones(8)}, storage_writer=StorageWriter(str(populated), step=3))
     _assert_refusal(_only_failure(info.value), populated, code)
     assert _tree(populated) == before
 
@@ -215,7 +215,7 @@ async def test_checkpointer_without_lock_saves_resumes_and_prunes(
     populated: Path, monkeypatch: pytest.MonkeyPatch, code: int
 ) -> None:
     _refuse_flock(monkeypatch, code)
-    opts = {"lock": "none", "retention": asyncsave.KeepLast(2)}
+    opts: dict[str, Any] = {"lock": "none", "retention": asyncsave.KeepLast(2)}
     async with asyncsave.Checkpointer(populated, **opts) as ckpt:
         restored = await ckpt.load_latest()
         assert restored is not None and restored.info.step == 2
@@ -262,9 +262,9 @@ def test_dcp_save_without_lock_commits_and_loads(
     root = tmp_path / "run"
     for step in (1, 2):
         state = {"w": torch.arange(16.0) * step}
-        dcp.save(state, storage_writer=StorageWriter(root, step=step, lock="none"))
+        dcp.save(state, storage_writer=StorageWriter(str(root), step=step, lock="none"))
     out = {"w": torch.zeros(16)}
-    dcp.load(out, storage_reader=StorageReader(root))
+    dcp.load(out, storage_reader=StorageReader(str(root)))
     assert torch.equal(out["w"], torch.arange(16.0) * 2)
     assert sorted(p.name for p in root.iterdir()) == sorted(["step_1", "step_2", TRACKER])
 
@@ -334,7 +334,7 @@ def test_dcp_commit_waiting_on_a_held_root_names_the_holder(
     holder: tuple[Path, subprocess.Popen[str]],
 ) -> None:
     root, proc = holder
-    writer = StorageWriter(root, step=1, lock_timeout_s=0.2)
+    writer = StorageWriter(str(root), step=1, lock_timeout_s=0.2)
     with pytest.raises(CheckpointException) as info:
         dcp.save({"w": torch.ones(4)}, storage_writer=writer)
     failure = _only_failure(info.value)
