@@ -398,7 +398,7 @@ def _prune(fs: LocalFileSystem, root: Path, args: argparse.Namespace, out: TextI
     """Apply a retention rule to ``root`` once, as a ``Checkpointer`` does after
     each commit (``_retention.apply_retention``), under the root's saver lock."""
     from ._commit import hold_root
-    from ._errors import RootInUseError
+    from ._errors import LockUnavailableError, RootInUseError
     from ._retention import apply_retention, retention_plan
     from ._track import read_tracker
 
@@ -469,6 +469,9 @@ def _prune(fs: LocalFileSystem, root: Path, args: argparse.Namespace, out: TextI
             "instead (it prunes after each commit), or prune once it is closed",
             file=sys.stderr,
         )
+        return 1
+    except LockUnavailableError as exc:
+        print(f"asyncsave: {exc}; nothing deleted", file=sys.stderr)
         return 1
     for step in retired:
         print(f"  deleted {layout.dir_name(step)}", file=out)
