@@ -57,6 +57,7 @@ from ._plan import Plan, ViewCache
 from ._policy import AgreedPolicy, SavePolicy
 from ._replan import Planner, admitting, plan_off_loop
 from ._stage import StagingPool, producer_events
+from ._template import warned
 from ._tiers import Persister, load_nearest
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
@@ -69,6 +70,26 @@ _MAX_STEP = 2**63 - 1
 # Names other modules used before the pipeline had a module of its own.
 _as_save_error = as_save_error
 _manifest_doc = manifest_doc
+
+
+async def _resume_from(
+    saver: Saver,
+    tiers: Persister | None,
+    template: Any,
+    device: str | torch.device,
+    fallback: bool,
+    required: Iterable[str | Sequence[Any]],
+    strict: bool,
+) -> tuple[Restored | None, CheckpointWarning | None]:
+    """The body of :meth:`Checkpointer.load_latest`: from the nearest tier, or
+    the tracked checkpoint."""
+    if tiers is not None:
+        return await load_nearest(
+            saver, tiers, template, device=device, required=required, strict=strict
+        )
+    return await _resume.load_latest(
+        saver, template, device=device, fallback=fallback, required=required, strict=strict
+    )
 
 
 def _not_saved_again(step: int, state: str, path: Any) -> CheckpointWarning:
@@ -721,20 +742,24 @@ class Checkpointer:
         device: str | torch.device = "cpu",
         fallback: bool = False,
         required: Iterable[str | Sequence[Any]] = (),
+        strict: bool = True,
     ) -> Restored | None:
         """Load the checkpoint the tracker names; ``None`` when nothing is committed.
 
         Reading runs in a worker thread; ``Stateful`` objects of ``template`` are
         restored on the caller's thread. The step loaded is protected: this run never
-        rewrites it. See :func:`asyncsave.load` for ``template``, ``device``,
-        ``required``; pickled leaves load only if the options allow pickle.
+        rewrites it. See :func:`asyncsave.load` for ``template``, ``strict``,
+        ``device``, ``required``; pickled leaves load only if the options allow
+        pickle.
 
         :raises CheckpointNotFoundError: the tracker names a missing or damaged
             checkpoint and ``fallback`` is false (a missing or garbage tracker falls
             back to scanning, with a warning). With ``fallback``, a checkpoint whose
             bytes fail their checksums is skipped for the next older one.
         :raises CorruptCheckpointError: the checkpoint's bytes are damaged and
-            ``fallback`` is false.
+            ``fallback`` is false (the message says how to fall back).
+        :raises TemplateMismatchError: the checkpoint does not fit ``template``
+            (see :func:`asyncsave.load`); nothing was changed in place.
 
         Several ranks: every rank calls it (in the same order as its saves), each
         reads only its own part, and the ranks agree: all resume the same step; a
@@ -744,13 +769,12 @@ class Checkpointer:
         :raises CheckpointError: (several ranks) another rank could not resume, or
             the ranks found different checkpoints (storage they do not share).
         """
-        if self._tiers is not None:
-            return await load_nearest(
-                self._saver, self._tiers, template, device=device, required=required
-            )
-        return await _resume.load_latest(
-            self._saver, template, device=device, fallback=fallback, required=required
-        )
+        return warned(await self._load_latest(template, device, fallback, required, strict), 3)
+
+    async def _load_latest(self, *args: Any) -> tuple[Restored | None, CheckpointWarning | None]:
+        """:meth:`load_latest` and the warning of a ``strict=False`` load that
+        left something out, for the facades to issue on the caller's thread."""
+        return await _resume_from(self._saver, self._tiers, *args)
 
     @property
     def resumed_step(self) -> int | None:

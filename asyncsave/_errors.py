@@ -10,7 +10,10 @@ know asyncsave::
     │   ├── UnsupportedTypeError(TypeError)  a leaf type asyncsave cannot store
     │   ├── UnsupportedTensorError           sparse, quantized, meta, subclass tensors,
     │   │                                    overlapping views no storage can hold
-    │   └── InvalidKeyError                  a dict key that is not str or int
+    │   ├── InvalidKeyError                  a dict key that is not str or int
+    │   └── TemplateMismatchError            a checkpoint that does not fit the template
+    │                                        given to load (unexpected items, a tensor
+    │                                        of another shape or dtype)
     ├── InvalidStepError(ValueError)         negative, bool or non-int step
     ├── StagingBudgetError(ValueError)       a tensor that cannot be cut is larger
     │                                        than its share of an explicit budget
@@ -79,6 +82,7 @@ __all__ = [
     "SaveFailedError",
     "StagingBudgetError",
     "StagingPendingError",
+    "TemplateMismatchError",
     "UnsafeLoadError",
     "UnsupportedFormatError",
     "UnsupportedTensorError",
@@ -168,6 +172,43 @@ class UnsupportedTensorError(InvalidStateError):
 class InvalidKeyError(InvalidStateError):
     """A dict key that is not ``str`` or ``int`` (``bool`` keys are refused too,
     since JSON cannot tell ``True`` from ``1`` apart once stored)."""
+
+
+class TemplateMismatchError(InvalidStateError):
+    """The checkpoint does not fit the template passed to ``load()`` or
+    ``load_latest()``: items the template lacks (``unexpected``), items the checkpoint
+    lacks (``missing``), tensors of another shape or dtype than the template's, or
+    optimizer state of another shape than its parameter (``mismatched``); each a
+    tuple of key paths (``"model/fc.weight"``). Raised before anything is changed in
+    place. When every problem is a missing item, :class:`MissingItemError` is raised
+    instead. ``strict=False`` loads what matches and warns about missing and
+    unexpected items; a mismatched tensor is always an error. Source:
+    pytorch/pytorch#148252 (https://github.com/pytorch/pytorch/issues/148252)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: tuple[str, ...] | list[str] = (),
+        unexpected: tuple[str, ...] | list[str] = (),
+        mismatched: tuple[str, ...] | list[str] = (),
+        **where: Any,
+    ) -> None:
+        super().__init__(message, **where)
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+        self.mismatched = tuple(mismatched)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        where = {"step": self.step, "path": self.path, "rank": self.rank, "key": self.key}
+        keys = {"missing": self.missing, "unexpected": self.unexpected}
+        return (_rebuild_mismatch, (self.message, where, keys, self.mismatched))
+
+
+def _rebuild_mismatch(
+    message: str, where: dict[str, Any], keys: dict[str, Any], mismatched: tuple[str, ...]
+) -> TemplateMismatchError:
+    return TemplateMismatchError(message, mismatched=mismatched, **keys, **where)
 
 
 class InvalidStepError(CheckpointError, ValueError):

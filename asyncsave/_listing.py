@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import operator
 import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from ._load import (
     scan_steps,
 )
 from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout
+from ._template import apply_template
 from ._types import CheckpointInfo
 
 __all__ = ["checkpoints", "layout_of", "load_step"]
@@ -137,6 +139,7 @@ def load_step(
     allow_pickle: bool = False,
     verify: bool = True,
     required: Iterable[str | Sequence[Any]] = (),
+    strict: bool = True,
     filesystem: LocalFileSystem | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
@@ -175,12 +178,15 @@ def load_step(
             path=target,
             step=step,
         )
-    return load(
+    state = load(
         target,
-        template,
         device=device,
         allow_pickle=allow_pickle,
         verify=verify,
         required=required,
         filesystem=fs,
     )
+    state, note = apply_template(state, template, target, strict=strict)
+    if note is not None:
+        warnings.warn(note, stacklevel=2)
+    return state

@@ -14,6 +14,7 @@ import math
 import os
 import pickle
 import struct
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -27,8 +28,6 @@ from ._errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     InvalidKeyError,
-    InvalidStateError,
-    KindMismatchError,
     MissingItemError,
     UnsafeLoadError,
     UnsupportedFormatError,
@@ -38,8 +37,9 @@ from ._fs import LocalFileSystem
 from ._fsspec import FsspecFileSystem, open_root
 from ._manifest import CHECKSUM, FORMAT, Manifest, parse_manifest, record_entries, torch_dtype
 from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout
-from ._plan import is_stateful, key_str
+from ._plan import key_str
 from ._read import read_entries
+from ._template import apply_template
 from ._track import read_tracker
 from ._types import CheckpointInfo, Tagged, gc_paused
 
@@ -504,92 +504,6 @@ class _Decoder:
         return td
 
 
-def _apply_template(value: Any, template: Any, where: tuple[Any, ...], path: Path) -> Any:
-    """Restore ``Stateful`` objects in place, check kind tags, and require every key
-    the template has."""
-    if template is None:
-        return value
-    if isinstance(template, Tagged):
-        if not isinstance(value, Tagged):
-            raise KindMismatchError(
-                f"{key_str(where)!r} in {path} was saved without a kind tag; the loader "
-                f"expects kind {template.kind!r}",
-                path=path,
-                key=key_str(where),
-            )
-        if value.kind != template.kind:
-            raise KindMismatchError(
-                f"{key_str(where)!r} in {path} was saved as kind {value.kind!r}; the "
-                f"loader expects kind {template.kind!r}",
-                path=path,
-                key=key_str(where),
-            )
-        return Tagged(_apply_template(value.value, template.value, where, path), value.kind)
-    if isinstance(value, Tagged):
-        value = value.value
-    if is_stateful(template):
-        try:
-            template.load_state_dict(value)
-        except Exception as exc:  # the object's own loader: translate at this boundary
-            raise InvalidStateError(
-                f"{key_str(where)!r}: {type(template).__name__}.load_state_dict() refused "
-                f"what {path} holds there: {exc}",
-                path=path,
-                key=key_str(where),
-            ) from exc
-        return template
-    if isinstance(template, torch.Tensor):
-        if (
-            not isinstance(value, torch.Tensor)
-            or value.shape != template.shape
-            or value.dtype != template.dtype
-        ):
-            raise InvalidStateError(
-                f"{key_str(where)!r}: the template tensor is {template.dtype} "
-                f"{tuple(template.shape)}, the checkpoint holds "
-                f"{getattr(value, 'dtype', type(value).__name__)} "
-                f"{tuple(getattr(value, 'shape', ()))}",
-                path=path,
-                key=key_str(where),
-            )
-        with torch.no_grad():
-            template.copy_(value)
-        return template
-    if isinstance(template, dict):
-        if not isinstance(value, dict):
-            raise MissingItemError(
-                f"{key_str(where)!r} in {path} is not a dict, the template expects one",
-                path=path,
-                key=key_str(where),
-            )
-        missing = [k for k in template if k not in value]
-        if missing:
-            keys = [key_str((*where, k)) for k in missing]
-            raise MissingItemError(
-                f"checkpoint {path} has no item {', '.join(map(repr, keys))} that the "
-                "template asks for",
-                path=path,
-                key=keys[0],
-            )
-        for k, sub in template.items():
-            value[k] = _apply_template(value[k], sub, (*where, k), path)
-        return value
-    if isinstance(template, (list, tuple)) and isinstance(value, (list, tuple)):
-        if len(template) != len(value):
-            raise MissingItemError(
-                f"{key_str(where)!r} in {path} has {len(value)} items, the template "
-                f"{len(template)}",
-                path=path,
-                key=key_str(where),
-            )
-        applied = [
-            _apply_template(v, t, (*where, i), path)
-            for i, (v, t) in enumerate(zip(value, template, strict=True))
-        ]
-        return applied if isinstance(value, list) else tuple(applied)
-    return value
-
-
 def _check_required(state: Any, required: Iterable[str | Sequence[Any]], path: Path) -> None:
     missing = []
     for req in required:
@@ -625,6 +539,7 @@ def load(
     allow_pickle: bool = False,
     verify: bool = True,
     required: Iterable[str | Sequence[Any]] = (),
+    strict: bool = True,
     filesystem: LocalFileSystem | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
@@ -642,8 +557,18 @@ def load(
     :param template: optional tree mirroring the saved one. Where it holds an
         object with ``load_state_dict()`` (model, optimizer, dataloader), that
         object is restored in place and returned in the result; a tensor is
-        filled in place (same shape and dtype); a :class:`Tagged` checks the kind.
-        Every key of a template dict must exist in the checkpoint.
+        filled in place; a :class:`Tagged` checks the kind. One rule for every
+        form (module, optimizer, ``state_dict()``, nested dicts and lists):
+        every key the template holds must be in the checkpoint, every saved
+        tensor must have a place in the template, a tensor must have the
+        template's shape and dtype (an optimizer's per-parameter state: its
+        parameter's shape); plain values (numbers, strings, lists without
+        tensors, whatever their length) take the saved value; ``None`` takes
+        anything. The whole tree is checked before anything changes in place.
+    :param strict: ``True`` (the default): a missing or unexpected item is an
+        error. ``False``: load what matches, leave the rest of the template as it
+        is, and issue one :class:`CheckpointWarning` naming what was not loaded.
+        A tensor of another shape or dtype is an error either way.
     :param device: where tensors land (``"cpu"`` default; NumPy leaves stay host).
     :param allow_pickle: unpickle leaves saved with ``allow_pickle=True``. Only for
         checkpoints you trust: unpickling runs code.
@@ -665,7 +590,11 @@ def load(
     :raises CorruptCheckpointError: damaged manifest, missing/truncated file,
         header disagreeing with the manifest; :class:`ChecksumMismatchError` for
         altered bytes.
-    :raises MissingItemError: a required or templated item is absent.
+    :raises MissingItemError: a required item is absent, or (``strict``) the
+        template holds items the checkpoint lacks, and nothing else differs.
+    :raises TemplateMismatchError: the checkpoint does not fit the template
+        (unexpected items, a tensor of another shape or dtype); raised before
+        anything is changed in place, naming every offending key.
     :raises KindMismatchError: a :class:`Tagged` kind differs from the template's.
     :raises UnsafeLoadError: a pickled leaf without ``allow_pickle``.
     """
@@ -691,7 +620,10 @@ def load(
             manifest.tree
         )
     _check_required(state, required, p)
-    return _apply_template(state, template, (), p)
+    state, note = apply_template(state, template, p, strict=strict)
+    if note is not None:
+        warnings.warn(note, stacklevel=2)
+    return state
 
 
 def load_tensors(

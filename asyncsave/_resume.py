@@ -17,10 +17,12 @@ from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointWarning,
     CorruptCheckpointError,
 )
-from ._load import _apply_template, _check_required, load, older_committed, resolve
+from ._load import _check_required, load, older_committed, resolve
 from ._pipeline import Saver
+from ._template import apply_template
 from ._types import CheckpointInfo, Restored
 
 __all__ = ["load_latest"]
@@ -35,8 +37,11 @@ async def load_latest(
     device: str | torch.device,
     fallback: bool,
     required: Iterable[str | Sequence[Any]],
-) -> Restored | None:
-    """The body of :meth:`asyncsave.Checkpointer.load_latest` (see there).
+    strict: bool = True,
+) -> tuple[Restored | None, CheckpointWarning | None]:
+    """The body of :meth:`asyncsave.Checkpointer.load_latest` (see there), and
+    the warning of a ``strict=False`` load into ``template`` (for the caller's
+    thread to issue), if anything was not loaded.
 
     Several ranks agree on the step, in the collective order of their saves
     (every rank calls it, as it calls ``save()``): after each attempt every
@@ -59,13 +64,13 @@ async def load_latest(
             saver.root,
             saver.layout.name,
         )
-        return None
+        return None, None
     state, info = found
     _check_required(state, required, info.path)
-    state = _apply_template(state, template, (), info.path)
+    state, note = apply_template(state, template, info.path, strict=strict)
     saver.resumed_step = info.step
     saver.committed.setdefault(info.step, info)
-    return Restored(state, info)
+    return Restored(state, info), note
 
 
 async def _agreed_load(
@@ -143,7 +148,7 @@ async def _agreed_load(
             rank=min(damaged),
         )
         if not fallback:
-            raise cause
+            raise _with_fallback_hint(cause, saver.root)
         path, step = info.path, info.step
         logger.warning("cannot load %s (%s); falling back to an older checkpoint", path, cause)
         # Not a checkpoint any more: a later save() of this step must write
@@ -172,6 +177,20 @@ async def _agreed_load(
             error = CheckpointError(f"could not move {path} aside: {moving!r}", path=path)
             error.__cause__ = moving
         info = older
+
+
+def _with_fallback_hint(cause: CorruptCheckpointError, root: Any) -> CorruptCheckpointError:
+    """``cause`` (same type and attributes) saying how to resume anyway, as the
+    error of a tracker naming a missing checkpoint does."""
+    hint = (
+        f"; pass fallback=True to load_latest() to resume from the newest older "
+        f"committed checkpoint in {root} instead (this one is then moved aside)"
+    )
+    error = type(cause)(
+        f"{cause}{hint}", step=cause.step, path=cause.path, rank=cause.rank, key=cause.key
+    )
+    error.__cause__ = cause
+    return error
 
 
 def _move_damaged_aside(saver: Saver, path: Any, step: int, reason: str) -> None:

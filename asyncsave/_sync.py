@@ -26,6 +26,7 @@ from ._errors import CheckpointerClosedError, CheckpointWarning, WaitTimeoutErro
 from ._options import CheckpointOptions
 from ._policy import AgreedPolicy, SavePolicy, signal_holds
 from ._stage import producer_events
+from ._template import warned
 from ._types import CheckpointInfo, Restored, SaveProgress
 
 __all__ = ["SyncCheckpointer", "SyncSaveHandle"]
@@ -257,10 +258,9 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         device: str | torch.device = "cpu",
         fallback: bool = False,
         required: Iterable[str | Sequence[Any]] = (),
+        strict: bool = True,
     ) -> Restored | None:
-        """See :meth:`Checkpointer.load_latest`."""
-        return self._call(
-            lambda: self._ckpt.load_latest(
-                template, device=device, fallback=fallback, required=required
-            )
-        )
+        """See :meth:`Checkpointer.load_latest`. A ``strict=False`` warning is
+        issued on the calling thread, naming the caller's line."""
+        found = self._call(self._ckpt._load_latest, template, device, fallback, required, strict)
+        return warned(found, 3)

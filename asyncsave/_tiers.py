@@ -82,6 +82,7 @@ from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
+    CheckpointWarning,
     CorruptCheckpointError,
     RootInUseError,
     SaveFailedError,
@@ -91,7 +92,6 @@ from ._fsspec import open_root
 from ._handle import SaveHandle
 from ._jobs import check_visible, merge_parts
 from ._load import (
-    _apply_template,
     _check_required,
     info_of,
     load,
@@ -105,6 +105,7 @@ from ._options import Tier
 from ._paths import COMMIT_MARKER_NAME, MANIFEST_NAME, Layout, is_temp_name
 from ._pipeline import Saver, _final_lock_for
 from ._retention import apply_retention
+from ._template import apply_template
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
 from ._write import write_bytes
@@ -847,12 +848,14 @@ async def load_nearest(
     *,
     device: str | torch.device,
     required: Iterable[str | Sequence[Any]],
-) -> Restored | None:
+    strict: bool = True,
+) -> tuple[Restored | None, CheckpointWarning | None]:
     """Resume from the nearest valid tier (see the module docstring): the body of
     :meth:`asyncsave.Checkpointer.load_latest` with a persistent tier.
 
     :returns: the restored state, or ``None`` when neither tier holds a
-        committed checkpoint.
+        committed checkpoint; and the warning of a ``strict=False`` load into
+        ``template`` that left something out (for the caller to issue), or ``None``.
     :raises CheckpointNotFoundError: committed checkpoints exist but none loads
         (the last failure is ``__cause__``).
     """
@@ -865,7 +868,9 @@ async def load_nearest(
     ticket = coord.take_ticket()
     try:
         await coord.wait_turn(ticket)
-        return await _load_nearest(saver, persister, coord, template, device, required)
+        return await _load_nearest(
+            saver, persister, coord, template, device, required, strict=strict
+        )
     finally:
         coord.end_turn(ticket)
 
@@ -877,7 +882,9 @@ async def _load_nearest(
     template: Any,
     device: str | torch.device,
     required: Iterable[str | Sequence[Any]],
-) -> Restored | None:
+    *,
+    strict: bool,
+) -> tuple[Restored | None, CheckpointWarning | None]:
     mine = await anyio.to_thread.run_sync(committed_steps, saver.fs, saver.root, saver.layout)
     remote: dict[int, Path] = {}
     if coord.leader:
@@ -914,13 +921,13 @@ async def _load_nearest(
         failures = [f for f in await coord.all_gather("resume-load", failure, step) if f]
         if not failures:
             _check_required(state, required, path)
-            state = _apply_template(state, template, (), path)
+            state, note = apply_template(state, template, path, strict=strict)
             saver.resumed_step = step
             info = await anyio.to_thread.run_sync(_info, fs, path)
             if where == "local":
                 saver.committed.setdefault(step, None)
             logger.info("resumed step %d from the %s tier (%s)", step, where, path)
-            return Restored(state, info)
+            return Restored(state, info), note
         logger.warning(
             "cannot resume step %d from the %s tier (%s): %s; trying the next candidate",
             step,
@@ -935,7 +942,7 @@ async def _load_nearest(
                 saver.under_final_lock, _aside, saver, path, step, failure
             )
     if last_error is None and not any(views) and not remote_steps:
-        return None
+        return None, None
     raise CheckpointNotFoundError(
         f"no checkpoint on the local tier {saver.root} or the persistent tier "
         f"{persister.root} loads",

@@ -193,6 +193,7 @@ PUBLIC = [
     "SyncCheckpointer",
     "SyncSaveHandle",
     "Tagged",
+    "TemplateMismatchError",
     "Tier",
     "UnsafeLoadError",
     "UnsupportedFormatError",
