@@ -46,7 +46,8 @@ call whose intent is probably wrong (never raised unless a filter makes it an
 error)::
 
     CheckpointWarning(UserWarning)           save() below the tracked step, of a step
-                                             already committed or in flight, of step 0
+                                             already committed or in flight, of step 0;
+                                             a load(strict=False) that left items out
 
 The difference between :class:`CheckpointerClosedError` and
 :class:`SaveFailedError` is the one trio teaches: the first means *you* closed the
@@ -371,6 +372,10 @@ class CheckpointWarning(UserWarning):
       resumed from is the exception: logged at INFO, since trainers commonly save
       right after resuming;
     * ``step`` is 0 and ``save_step_zero`` is off: nothing is saved.
+
+    And by ``load()``, ``load_step()`` and ``load_latest()`` with ``strict=False``
+    when the checkpoint did not fit the template: the message names the items that
+    were not loaded (missing and unexpected key paths).
 
     Mistakes of this kind used to be logged (or not reported at all) and went
     unseen under a default logging setup. ``step`` and ``path``
