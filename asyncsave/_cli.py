@@ -158,7 +158,8 @@ def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
             m = read_checkpoint(fs, path, expect_step=step)
             size = m.nbytes
             print(
-                f" {mark} {path.name:<20} step {step:>10}  {_size(size):>10}  {len(m.tensors):>6} tensors",
+                f" {mark} {path.name:<20} step {step:>10}  {_size(size):>10}  "
+                f"{_num_tensors(fs, path, m):>6} tensors{_format_note(m)}",
                 file=out,
             )
         except CheckpointError as exc:
@@ -260,12 +261,13 @@ def _verify(
         for target in targets:
             try:
                 info = verify(target, filesystem=fs, progress=bar.update)
+                count = _num_tensors(fs, target, read_checkpoint(fs, target))
             except CheckpointError as exc:
                 rc = 1
                 bar.write(f"FAIL {target}: {exc}", out)
                 continue
             bar.write(
-                f"ok   {target}: step {info.step}, {info.num_tensors} tensors, "
+                f"ok   {target}: step {info.step}, {count} tensors, "
                 f"{_size(info.nbytes)} verified",
                 out,
             )
@@ -314,12 +316,6 @@ def _describe(node: Any, m: Manifest, indent: int, label: str, out: TextIO) -> N
     elif kind == "stateful":
         print(f"{pad}{label}: state_dict of {node['class']}", file=out)
         _describe(node["state"], m, indent + 1, "state", out)
-    elif kind == "dcp":
-        print(
-            f"{pad}{label}: written through torch.distributed.checkpoint: read it with "
-            "dcp.load and asyncsave.dcp.StorageReader",
-            file=out,
-        )
     elif kind == "foreign":
         print(f"{pad}{label}: files of {node.get('format')!r}, committed by asyncsave", file=out)
     elif kind == "tagged":
@@ -330,6 +326,36 @@ def _describe(node: Any, m: Manifest, indent: int, label: str, out: TextIO) -> N
         if kind == "float" and isinstance(value, str):
             value = float.fromhex(value)
         print(f"{pad}{label}: {kind} {value!r}"[:200], file=out)
+
+
+def _num_tensors(fs: LocalFileSystem, path: Path, m: Manifest) -> int:
+    """Tensors in the checkpoint at ``path``: the manifest's records, or for one
+    written through DCP (DTensor state), the tensors of DCP's metadata (each
+    counted once, however many ranks hold shards of it)."""
+    if m.tree.get("type") != "dcp":
+        return len(m.tensors)
+    from ._dcp_read import dcp_items
+
+    return sum(1 for _, dtype, _ in dcp_items(fs, path) if dtype is not None)
+
+
+def _format_note(m: Manifest) -> str:
+    return " (torch.distributed.checkpoint)" if m.tree.get("type") == "dcp" else ""
+
+
+def _describe_dcp(fs: LocalFileSystem, path: Path, out: TextIO) -> None:
+    """Every key of a DCP checkpoint with its dtype and global shape."""
+    from ._dcp_read import dcp_items
+
+    print(
+        "state: written through torch.distributed.checkpoint (DTensor state): "
+        "Checkpointer.load_latest(template) resumes it, as does dcp.load with "
+        "asyncsave.dcp.StorageReader",
+        file=out,
+    )
+    for key, dtype, shape in dcp_items(fs, path):
+        what = "plain value" if dtype is None else f"{dtype} {list(shape)}"
+        print(f"  {key}: {what}", file=out)
 
 
 def _inspect(fs: LocalFileSystem, path: Path, out: TextIO, progress: bool | None) -> int:
@@ -363,15 +389,20 @@ def _inspect(fs: LocalFileSystem, path: Path, out: TextIO, progress: bool | None
                 expect_step=LAYOUTS["asyncsave"].parse_dir_name(path.name),
                 progress=bar.set,
             )
+        count = _num_tensors(fs, path, m)
     except CheckpointError as exc:
         print(f"asyncsave: {exc}", file=sys.stderr)
         return 1
     print(
-        f"{path}: step {m.step}, world size {m.world_size}, {len(m.tensors)} tensors, {_size(m.nbytes)}",
+        f"{path}: step {m.step}, world size {m.world_size}, "
+        f"{count} tensors, {_size(m.nbytes)}{_format_note(m)}",
         file=out,
     )
     try:
-        _describe(m.tree, m, 0, "state", out)
+        if m.tree.get("type") == "dcp":
+            _describe_dcp(fs, path, out)
+        else:
+            _describe(m.tree, m, 0, "state", out)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         # The manifest passed its own checksum but its tree is malformed.
         print(f"asyncsave: damaged state tree in {path}: {exc!r}", file=sys.stderr)

@@ -59,10 +59,17 @@ from typing import Any
 import torch
 
 from ._coord import GlooGroup, wants_distributed
-from ._errors import CheckpointError, CorruptCheckpointError, UnsupportedFormatError
+from ._errors import CheckpointError, CorruptCheckpointError
 from ._fs import LocalFileSystem
 from ._jobs import Job, contains_dtensor, merge_parts
-from ._load import _build_tensors, _Decoder, _read_entries, _step_of_name, read_checkpoint
+from ._load import (
+    _build_tensors,
+    _Decoder,
+    _read_entries,
+    _step_of_name,
+    read_checkpoint,
+    refuse_other_format,
+)
 from ._manifest import renumbered
 from ._paths import MANIFEST_NAME
 
@@ -97,19 +104,14 @@ def load_rank(
     :raises CheckpointError: saved by another number of ranks (per-rank state does
         not reshard: save DTensor state for that, or ``asyncsave.load`` the whole
         dict by rank).
-    :raises UnsupportedFormatError: a DCP checkpoint: load it with ``dcp.load`` and
-        :class:`asyncsave.dcp.StorageReader`.
+    :raises UnsupportedFormatError: a DCP (DTensor) checkpoint (``load_latest``
+        reads it through :mod:`asyncsave._dcp_read`) or another library's.
     """
     from ._load import _device, load
 
     fs = filesystem or LocalFileSystem()
     manifest = read_checkpoint(fs, path, expect_step=_step_of_name(path))
-    if manifest.tree.get("type") == "dcp":
-        raise UnsupportedFormatError(
-            f"{path} was saved through torch.distributed.checkpoint (DTensor state): "
-            "load it with dcp.load(state, storage_reader=asyncsave.dcp.StorageReader(path))",
-            path=path,
-        )
+    refuse_other_format(manifest, path)
     if manifest.world_size == 1:
         return load(path, device=device, allow_pickle=allow_pickle, filesystem=fs)
     if manifest.world_size != world_size:

@@ -607,13 +607,22 @@ class Checkpointer:
         )
 
     async def _job_of(self, state: Any) -> Job:
-        """The job that snapshots ``state`` on this rank: DTensor state of several
-        ranks goes through DCP's planner (the integration's job); any other state
-        is a plain tree, planned in a worker thread (the plan of the previous save
-        reused while the structure holds, ``_replan``) and streamed through a
-        smaller explicit budget."""
+        """The job that snapshots ``state`` on this rank: DTensor state goes through
+        DCP's planner (the integration's job), on one rank or several, so that
+        ``load_latest`` reshards it to any world size; any other state is a plain
+        tree, planned in a worker thread (the plan of the previous save reused
+        while the structure holds, ``_replan``) and streamed through a smaller
+        explicit budget."""
         coord = self._saver.coord
-        if coord.world_size > 1 and contains_dtensor(state):
+        if contains_dtensor(state):
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+            if coord.world_size == 1 and world > 1:
+                raise CheckpointError(
+                    f"DTensor state of {world} ranks is saved by a "
+                    "Checkpointer that spans them: open it with distributed=None (the "
+                    "default) or True on every rank",
+                    path=self.root,
+                )
             if not self._saver.strategy.renames:
                 raise CheckpointError(
                     f"DTensor state goes through DCP's planner and asyncsave.dcp's writer, "

@@ -531,6 +531,31 @@ def _check_required(state: Any, required: Iterable[str | Sequence[Any]], path: P
         )
 
 
+def refuse_other_format(manifest: Manifest, path: Path) -> None:
+    """The readers of asyncsave's own tree (:func:`load`, :func:`load_tensors`, a
+    rank's part) refuse a checkpoint whose files another library wrote, saying
+    what reads it.
+
+    :raises UnsupportedFormatError: a DCP (DTensor) or foreign checkpoint.
+    """
+    if manifest.tree.get("type") == "dcp":
+        raise UnsupportedFormatError(
+            f"{path} was saved through torch.distributed.checkpoint (DTensor state, or "
+            "dcp.save with asyncsave's writer): resume it with "
+            "Checkpointer.load_latest(template) where the template holds the model and "
+            "optimizer (or their state dicts), or load it with "
+            "dcp.load(state, storage_reader=asyncsave.dcp.StorageReader(path)); "
+            "`asyncsave inspect` lists its keys",
+            path=path,
+        )
+    if manifest.tree.get("type") == "foreign":
+        raise UnsupportedFormatError(
+            f"{path} holds files written by {manifest.tree.get('format')!r}, committed by "
+            "asyncsave: load it with that library (e.g. megatron.core.dist_checkpointing.load)",
+            path=path,
+        )
+
+
 def load(
     path: str | os.PathLike[str],
     template: Any = None,
@@ -601,18 +626,7 @@ def load(
     fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
     target = _device(device)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
-    if manifest.tree.get("type") == "dcp":
-        raise UnsupportedFormatError(
-            f"{p} was saved through torch.distributed.checkpoint (DTensor state): load "
-            "it with dcp.load(state, storage_reader=asyncsave.dcp.StorageReader(path))",
-            path=p,
-        )
-    if manifest.tree.get("type") == "foreign":
-        raise UnsupportedFormatError(
-            f"{p} holds files written by {manifest.tree.get('format')!r}, committed by "
-            "asyncsave: load it with that library (e.g. megatron.core.dist_checkpointing.load)",
-            path=p,
-        )
+    refuse_other_format(manifest, p)
     raw = _read(fs, p, manifest, verify=verify, device=target)
     with gc_paused():  # 10,000s of tensors and tree nodes made at once
         tensors = _build_tensors(manifest, raw, target)
@@ -656,6 +670,7 @@ def load_tensors(
     fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
     target = _device(device)
     manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
+    refuse_other_format(manifest, p)
     if isinstance(keys, str):
         raise TypeError("keys must be an iterable of key paths, not one str")
     wanted = list(dict.fromkeys(keys))

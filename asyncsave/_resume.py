@@ -20,7 +20,7 @@ from ._errors import (
     CheckpointWarning,
     CorruptCheckpointError,
 )
-from ._load import _check_required, load, older_committed, resolve
+from ._load import _check_required, load, older_committed, read_checkpoint, resolve
 from ._pipeline import Saver
 from ._template import apply_template
 from ._types import CheckpointInfo, Restored
@@ -54,7 +54,9 @@ async def load_latest(
     ticket = coord.take_ticket()
     try:
         await coord.wait_turn(ticket)
-        found = await _agreed_load(saver, device=device, fallback=fallback)
+        found = await _agreed_load(
+            saver, template, device=device, fallback=fallback, required=required
+        )
     finally:
         coord.end_turn(ticket)
     if found is None:
@@ -66,7 +68,6 @@ async def load_latest(
         )
         return None, None
     state, info = found
-    _check_required(state, required, info.path)
     state, note = apply_template(state, template, info.path, strict=strict)
     saver.resumed_step = info.step
     saver.committed.setdefault(info.step, info)
@@ -74,8 +75,18 @@ async def load_latest(
 
 
 async def _agreed_load(
-    saver: Saver, *, device: str | torch.device, fallback: bool
+    saver: Saver,
+    template: Any,
+    *,
+    device: str | torch.device,
+    fallback: bool,
+    required: Iterable[str | Sequence[Any]],
 ) -> tuple[Any, CheckpointInfo] | None:
+    """Resolve, read and agree, falling back on damage (see :func:`load_latest`).
+
+    Each attempt: this rank reads its part (a DCP checkpoint: its metadata, and
+    the template checked against it); every rank's view is gathered; then, for a
+    DCP checkpoint only once every rank is ready, the collective read."""
     coord = saver.coord
     error: CheckpointError | None = None  # this rank cannot resume at all
     info: CheckpointInfo | None = None
@@ -89,20 +100,11 @@ async def _agreed_load(
         error = exc
     while True:
         state: Any = None
+        job: Any = None  # a DCP checkpoint's collective read, once every rank is ready
         damaged_here: CorruptCheckpointError | None = None
         if error is None and info is not None:
-            reader: Any = functools.partial(load, info.path)
-            if coord.world_size > 1:  # this rank's part only
-                reader = functools.partial(load_rank, info.path, coord.rank, coord.world_size)
             try:
-                state = await anyio.to_thread.run_sync(
-                    functools.partial(
-                        reader,
-                        device=device,
-                        allow_pickle=saver.options.allow_pickle,
-                        filesystem=saver.fs,
-                    )
-                )
+                state, job = await _read_part(saver, info, template, device, required)
             except CorruptCheckpointError as exc:
                 damaged_here = exc
                 if coord.world_size > 1 and exc.rank is None:
@@ -111,72 +113,159 @@ async def _agreed_load(
                 if coord.world_size == 1:
                     raise
                 error = exc
-        view = (
-            None if info is None else info.step,
-            None if error is None else repr(error),
-            None if damaged_here is None else str(damaged_here),
-        )
-        views = await coord.all_gather("resume", view)
-        failed = {r: v[1] for r, v in enumerate(views) if v[1] is not None}
-        if failed:
-            if error is not None:
-                raise error
-            raise CheckpointError(
-                f"rank(s) {sorted(failed)} could not resume from {saver.root}: "
-                + "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())),
-                path=saver.root,
-                rank=min(failed),
-            )
-        steps = sorted({v[0] for v in views}, key=lambda x: -1 if x is None else x)
-        if len(steps) > 1:
-            raise CheckpointError(
-                f"the ranks found different checkpoints to resume from in {saver.root} "
-                f"({steps}): every rank must resume from storage all ranks share",
-                path=saver.root,
-            )
+        damaged = await _agree(saver, info, error, damaged_here)
         if info is None:
             return None
-        damaged = {r: v[2] for r, v in enumerate(views) if v[2] is not None}
+        if not damaged and job is not None:
+            try:  # every rank is ready: the collective read (DCP's planner reshards)
+                state = await _read_collective(saver, job)
+            except CorruptCheckpointError as exc:  # raised on every rank
+                damaged_here = exc
+                damaged = {exc.rank or 0: str(exc)}
         if not damaged:
             return state, info
-        cause: CorruptCheckpointError = damaged_here or CorruptCheckpointError(
-            f"step {info.step} in {saver.root} is damaged in the part of rank(s) "
-            f"{sorted(damaged)}: "
-            + "; ".join(f"rank {r}: {w}" for r, w in sorted(damaged.items())),
-            path=info.path,
-            step=info.step,
-            rank=min(damaged),
+        info, error = await _fall_back(saver, info, damaged, damaged_here, fallback)
+
+
+async def _read_part(
+    saver: Saver,
+    info: CheckpointInfo,
+    template: Any,
+    device: str | torch.device,
+    required: Iterable[str | Sequence[Any]],
+) -> tuple[Any, Any]:
+    """This rank's part of ``info``: ``(tree, None)``, the tree read in a worker
+    thread (this rank's part only on several ranks), or, for DTensor state saved
+    through DCP, ``(None, job)``: a :class:`~asyncsave._dcp_read.TemplateLoad`
+    ready for the collective read (its ``state_dict()`` calls on the caller's
+    thread). ``required`` is checked here,
+    so that a rank that lacks an item fails with every rank."""
+    coord = saver.coord
+    manifest = await anyio.to_thread.run_sync(read_checkpoint, saver.fs, info.path)
+    if manifest.tree.get("type") == "dcp":
+        from ._dcp_read import TemplateLoad, read_dcp_metadata
+
+        metadata = await anyio.to_thread.run_sync(read_dcp_metadata, saver.fs, info.path)
+        return None, TemplateLoad(info.path, metadata, template, required)
+    reader: Any = functools.partial(load, info.path)
+    if coord.world_size > 1:  # this rank's part only
+        reader = functools.partial(load_rank, info.path, coord.rank, coord.world_size)
+    state = await anyio.to_thread.run_sync(
+        functools.partial(
+            reader,
+            device=device,
+            allow_pickle=saver.options.allow_pickle,
+            filesystem=saver.fs,
         )
-        if not fallback:
-            raise _with_fallback_hint(cause, saver.root)
-        path, step = info.path, info.step
-        logger.warning("cannot load %s (%s); falling back to an older checkpoint", path, cause)
-        # Not a checkpoint any more: a later save() of this step must write
-        # it again, not find it "committed" (and never over damaged bytes).
-        saver.committed.pop(step, None)
-        moving: OSError | None = None
-        if coord.leader and saver.strategy.renames:
-            try:
-                await anyio.to_thread.run_sync(
-                    saver.under_final_lock, _move_damaged_aside, saver, path, step, str(cause)
-                )
-            except OSError as exc:
-                if coord.world_size == 1:
-                    raise
-                moving = exc
-        older = await anyio.to_thread.run_sync(
-            older_committed, saver.fs, saver.root, saver.layout, step
+    )
+    _check_required(state, required, info.path)
+    return state, None
+
+
+async def _read_collective(saver: Saver, job: Any) -> Any:
+    """The collective read of a DCP checkpoint into the template's shadow, on
+    asyncsave's group (watched: a rank that dies meanwhile is named); the tree."""
+    coord = saver.coord
+    group = coord.group if coord.world_size > 1 else None
+    await coord.watched(
+        "DCP load",
+        functools.partial(
+            job.run,
+            saver.fs,
+            group=group,
+            rank=coord.rank,
+            allow_pickle=saver.options.allow_pickle,
+        ),
+        None,
+    )
+    return job.state()
+
+
+async def _agree(
+    saver: Saver,
+    info: CheckpointInfo | None,
+    error: CheckpointError | None,
+    damaged_here: CorruptCheckpointError | None,
+) -> dict[int, str]:
+    """Every rank's view of this attempt (the step it resolved, its error, whether
+    its part is damaged), gathered: raises on every rank when any rank failed or
+    the ranks resolved different steps; else the damaged parts by rank."""
+    coord = saver.coord
+    view = (
+        None if info is None else info.step,
+        None if error is None else repr(error),
+        None if damaged_here is None else str(damaged_here),
+    )
+    views = await coord.all_gather("resume", view)
+    failed = {r: v[1] for r, v in enumerate(views) if v[1] is not None}
+    if failed:
+        if error is not None:
+            raise error
+        raise CheckpointError(
+            f"rank(s) {sorted(failed)} could not resume from {saver.root}: "
+            + "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())),
+            path=saver.root,
+            rank=min(failed),
         )
-        if older is None:
-            raise CheckpointNotFoundError(
-                f"no loadable checkpoint in {saver.root} at or below step {step}",
-                path=saver.root,
-            ) from cause
-        if moving is not None:
-            # Heard by every rank at the next gather: all raise it.
-            error = CheckpointError(f"could not move {path} aside: {moving!r}", path=path)
-            error.__cause__ = moving
-        info = older
+    steps = sorted({v[0] for v in views}, key=lambda x: -1 if x is None else x)
+    if len(steps) > 1:
+        raise CheckpointError(
+            f"the ranks found different checkpoints to resume from in {saver.root} "
+            f"({steps}): every rank must resume from storage all ranks share",
+            path=saver.root,
+        )
+    return {r: v[2] for r, v in enumerate(views) if v[2] is not None}
+
+
+async def _fall_back(
+    saver: Saver,
+    info: CheckpointInfo,
+    damaged: dict[int, str],
+    damaged_here: CorruptCheckpointError | None,
+    fallback: bool,
+) -> tuple[CheckpointInfo, CheckpointError | None]:
+    """``info`` is damaged in the parts of ``damaged``: raise (no ``fallback``), or
+    move it aside (rank 0) and return the next older committed checkpoint, with
+    the error every rank raises at the next gather if moving it failed."""
+    coord = saver.coord
+    cause: CorruptCheckpointError = damaged_here or CorruptCheckpointError(
+        f"step {info.step} in {saver.root} is damaged in the part of rank(s) "
+        f"{sorted(damaged)}: " + "; ".join(f"rank {r}: {w}" for r, w in sorted(damaged.items())),
+        path=info.path,
+        step=info.step,
+        rank=min(damaged),
+    )
+    if not fallback:
+        raise _with_fallback_hint(cause, saver.root)
+    path, step = info.path, info.step
+    logger.warning("cannot load %s (%s); falling back to an older checkpoint", path, cause)
+    # Not a checkpoint any more: a later save() of this step must write
+    # it again, not find it "committed" (and never over damaged bytes).
+    saver.committed.pop(step, None)
+    moving: OSError | None = None
+    if coord.leader and saver.strategy.renames:
+        try:
+            await anyio.to_thread.run_sync(
+                saver.under_final_lock, _move_damaged_aside, saver, path, step, str(cause)
+            )
+        except OSError as exc:
+            if coord.world_size == 1:
+                raise
+            moving = exc
+    older = await anyio.to_thread.run_sync(
+        older_committed, saver.fs, saver.root, saver.layout, step
+    )
+    if older is None:
+        raise CheckpointNotFoundError(
+            f"no loadable checkpoint in {saver.root} at or below step {step}",
+            path=saver.root,
+        ) from cause
+    error: CheckpointError | None = None
+    if moving is not None:
+        # Heard by every rank at the next gather: all raise it.
+        error = CheckpointError(f"could not move {path} aside: {moving!r}", path=path)
+        error.__cause__ = moving
+    return older, error
 
 
 def _with_fallback_hint(cause: CorruptCheckpointError, root: Any) -> CorruptCheckpointError:

@@ -91,7 +91,6 @@ import copy
 import dataclasses
 import functools
 import io
-import json
 import os
 import pickle
 import threading
@@ -121,6 +120,7 @@ from torch.futures import Future
 
 from ._bits import clone_bits, flat_bytes
 from ._commit import commit_dir, discard, hold_root, make_held_temp_dir
+from ._dcp_read import DCP_METADATA_NAME, read_dcp_metadata
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -133,7 +133,7 @@ from ._format import SAFETENSORS_DTYPES, layout_files, staging_nbytes
 from ._fs import _LOCK_FDS, LocalFileSystem, check_lock_mode
 from ._fsspec import check_root
 from ._jobs import Job, Services
-from ._load import latest, read_checkpoint
+from ._load import latest
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest, torch_dtype
 from ._paths import LAYOUTS, MANIFEST_NAME
 from ._plan import Entry
@@ -151,7 +151,6 @@ __all__ = [
     "side_group",
 ]
 
-DCP_METADATA_NAME = ".metadata"
 _BLOB_ALIGN = 16
 
 
@@ -743,9 +742,13 @@ class StorageReader(_DcpStorageReader):
     """DCP storage reader of checkpoints written through :class:`StorageWriter` (or
     by :meth:`Checkpointer.save` of DTensor state).
 
-    DCP's ``.metadata`` is a pickle (DCP's own format); it is unpickled only after
-    its size and XXH3-64 match the manifest, which guards against damage, not
-    against a forged checkpoint: read only checkpoints you trust, as with DCP.
+    DCP's ``.metadata`` is a pickle (DCP's own format); it is read only after its
+    size and XXH3-64 match the manifest, by an unpickler that builds DCP's metadata
+    classes and nothing else (``asyncsave._dcp_read``). Plain values (non-tensor
+    items) are unpickled by DCP's planner as ``dcp.load`` does, with
+    ``torch.load(weights_only=False)``: read only checkpoints you trust, as with
+    DCP, or resume through :meth:`Checkpointer.load_latest`, which unpickles them
+    as ``weights_only=True`` unless the options allow pickle.
 
     :param path: a checkpoint directory (``runs/exp1/step_40``), or a root, which
         resolves to the checkpoint its tracker names (:func:`asyncsave.latest`) each
@@ -812,33 +815,8 @@ class StorageReader(_DcpStorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self._dir = None  # a load begins: a root resolves to its latest now
-        fs, path = self.filesystem, self.checkpoint_dir()
-        read_checkpoint(fs, path)  # validates the manifest and every file's size
-        doc = json.loads(fs.read_bytes(path / MANIFEST_NAME))
-        meta = doc.get("dcp_metadata")
-        if not isinstance(meta, dict) or meta.get("name") != DCP_METADATA_NAME:
-            raise CorruptCheckpointError(
-                f"{path} was not written through torch.distributed.checkpoint; load it "
-                "with asyncsave.load()",
-                path=path,
-            )
-        mpath = path / DCP_METADATA_NAME
-        try:
-            blob = fs.read_bytes(mpath)
-        except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{mpath} is missing", path=mpath) from exc
-        if len(blob) != meta.get("nbytes") or xxhash.xxh3_64_hexdigest(blob) != meta.get(CHECKSUM):
-            raise ChecksumMismatchError(
-                f"{mpath} does not match the size and checksum in the manifest", path=mpath
-            )
-        # DCP's Metadata is a pickle (as with DCP's FileSystemReader); its bytes
-        # are the ones the manifest's checksum names, so it is the one we wrote.
-        metadata = pickle.loads(blob)
-        if not isinstance(metadata, Metadata):
-            raise CorruptCheckpointError(f"{mpath} holds no DCP Metadata", path=mpath)
-        if metadata.storage_meta is None:  # written before asyncsave recorded it
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        metadata = read_dcp_metadata(self.filesystem, self.checkpoint_dir())
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
         return metadata
 
     def set_up_storage_reader(
