@@ -197,3 +197,24 @@ async def test_bool_bytes_round_trip_bit_for_bit(tmp_path: Path, mode: str) -> N
         for k, v in state.items():
             assert out[k].dtype == v.dtype and out[k].shape == v.shape, k
             assert torch.equal(flat_bytes(out[k]), expected[k]), (step, k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_one_element_tensors_of_any_stride_and_odd_bools_round_trip(
+    tmp_path: Path,
+) -> None:
+    """On the device: one-element tensors of strides 2 and 4, gathered into one
+    batch, and a ``bool`` tensor of bytes other than 0/1 are saved bit for bit."""
+    flags = _odd_bools(64, 8).cuda()
+    state = {
+        "a": torch.arange(2.0, device="cuda")[::2],
+        "b": torch.arange(4.0, device="cuda")[::4],
+        "flags": flags,
+        "flags_strided": _odd_bools(256, 9).cuda()[::4],
+    }
+    expected = {k: flat_bytes(v).cpu() for k, v in state.items()}
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, state))
+    out = asyncsave.load(tmp_path / "step_1")
+    for k in state:
+        assert torch.equal(flat_bytes(out[k]), expected[k]), k
