@@ -55,7 +55,7 @@ def _allocate(rounds: int) -> None:
     """Objects the collector counts, alive at once (its count drops as they are
     freed): more than its first threshold, so that it runs, if it is on."""
     for _ in range(rounds):
-        alive = [[] for _ in range(2 * gc.get_threshold()[0])]
+        alive: list[list[int]] = [[] for _ in range(2 * gc.get_threshold()[0])]
         del alive
 
 
