@@ -24,9 +24,10 @@ The call sequence of :class:`TemplateLoad` (every rank, in this order):
    (missing, shape, dtype, ``required``) before anything is read; a shadow of
    every template tensor (``torch.empty_like``: same sharding) to read into;
 3. (every rank agrees that every rank got here) :meth:`TemplateLoad.run` in a
-   worker thread: ``dcp.load`` of the shadow on asyncsave's group, each item's
-   checksum checked while reading; DCP's error on any rank comes back on every
-   rank and is translated here;
+   worker thread: ``dcp.load`` of the shadow on asyncsave's group through the
+   integration's storage reader (named in ``asyncsave._jobs``: the core imports
+   no integration), each item's checksum checked while reading; DCP's error on
+   any rank comes back on every rank and is translated here;
 4. :meth:`TemplateLoad.state`: the template's tree with the values read, which
    ``load_latest`` applies to the template in place (the same step as for any
    other checkpoint), so a damaged checkpoint changes nothing.
@@ -35,7 +36,6 @@ The call sequence of :class:`TemplateLoad` (every rank, in this order):
 from __future__ import annotations
 
 import copy
-import importlib
 import io
 import json
 import pickle
@@ -97,7 +97,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _METADATA_CLASSES.get(module, ()):
-            return getattr(importlib.import_module(module), name)
+            return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
@@ -342,12 +342,11 @@ class TemplateLoad:
             )
         return torch.empty_like(leaf)  # a DTensor keeps its mesh and placements
 
-    def run(
-        self, fs: LocalFileSystem, *, group: Any, rank: int, allow_pickle: bool = False
-    ) -> None:
-        """Read this rank's part into the shadow (blocking: call it from a worker
-        thread, on every rank together). ``group=None``: this process alone, no
-        collectives.
+    def run(self, reader: Any, *, group: Any, rank: int, allow_pickle: bool = False) -> None:
+        """Read this rank's part into the shadow through ``reader`` (an
+        :class:`asyncsave.dcp.StorageReader` of :attr:`path`), blocking: call it
+        from a worker thread, on every rank together. ``group=None``: this process
+        alone, no collectives.
 
         :raises CorruptCheckpointError: the bytes some rank read are damaged, on
             every rank (the rank's own error where the damage is its own).
@@ -356,9 +355,6 @@ class TemplateLoad:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from .dcp import StorageReader
-
-        reader = StorageReader(str(self.path), filesystem=fs)
         planner = _Planner(allow_pickle, self.path, self.where)
         try:
             dcp.load(

@@ -67,6 +67,7 @@ __all__ = [
     "PlainJob",
     "Services",
     "contains_dtensor",
+    "dcp_reader_class",
     "dtensor_job_class",
     "manifest_doc",
     "merge_parts",
@@ -91,6 +92,9 @@ FOLLOW_MIN_BYTES = 16 << 20
 # The integration that saves DTensor state (named, imported lazily: the core
 # does not depend on it, it depends on the core).
 DTENSOR_JOB = "asyncsave.dcp:DTensorJob"
+# The integration's reader of such state, through which ``load_latest`` reads it
+# back (``asyncsave._dcp_read.TemplateLoad``).
+DCP_READER = "asyncsave.dcp:StorageReader"
 
 
 class Services(Protocol):
@@ -957,5 +961,14 @@ def contains_dtensor(state: Any, _depth: int = 0) -> bool:
 
 def dtensor_job_class() -> Any:
     """The job class of DTensor state (``DTENSOR_JOB``), imported on first use."""
-    module, _, name = DTENSOR_JOB.partition(":")
+    return _named(DTENSOR_JOB)
+
+
+def dcp_reader_class() -> Any:
+    """The DCP storage reader class (``DCP_READER``), imported on first use."""
+    return _named(DCP_READER)
+
+
+def _named(spec: str) -> Any:
+    module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)

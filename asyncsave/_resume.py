@@ -20,6 +20,7 @@ from ._errors import (
     CheckpointWarning,
     CorruptCheckpointError,
 )
+from ._jobs import dcp_reader_class
 from ._load import _check_required, load, older_committed, read_checkpoint, resolve
 from ._pipeline import Saver
 from ._template import apply_template
@@ -167,11 +168,12 @@ async def _read_collective(saver: Saver, job: Any) -> Any:
     asyncsave's group (watched: a rank that dies meanwhile is named); the tree."""
     coord = saver.coord
     group = coord.group if coord.world_size > 1 else None
+    reader = dcp_reader_class()(str(job.path), filesystem=saver.fs)
     await coord.watched(
         "DCP load",
         functools.partial(
             job.run,
-            saver.fs,
+            reader,
             group=group,
             rank=coord.rank,
             allow_pickle=saver.options.allow_pickle,
