@@ -18,6 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
+    from ._commit import adopt
     from ._engine import Checkpointer, SaveHandle
     from ._errors import (
         CheckpointerClosedError,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
         StagingBudgetError,
         StagingPendingError,
         TemplateMismatchError,
+        UncommittedCheckpointError,
         UnsafeLoadError,
         UnsupportedFormatError,
         UnsupportedTensorError,
@@ -93,12 +95,14 @@ _LAZY = {
     "StagingBudgetError": "._errors",
     "StagingPendingError": "._errors",
     "TemplateMismatchError": "._errors",
+    "UncommittedCheckpointError": "._errors",
     "UnsafeLoadError": "._errors",
     "UnsupportedFormatError": "._errors",
     "UnsupportedTensorError": "._errors",
     "UnsupportedTypeError": "._errors",
     "WaitTimeoutError": "._errors",
     "LocalFileSystem": "._fs",
+    "adopt": "._commit",
     "FsspecFileSystem": "._fsspec",
     "stage_before_step": "._lazy",
     "checkpoints": "._listing",
@@ -194,12 +198,14 @@ __all__ = [
     "Tagged",
     "TemplateMismatchError",
     "Tier",
+    "UncommittedCheckpointError",
     "UnsafeLoadError",
     "UnsupportedFormatError",
     "UnsupportedTensorError",
     "UnsupportedTypeError",
     "WaitTimeoutError",
     "__version__",
+    "adopt",
     "checkpoints",
     "latest",
     "load",

@@ -6,6 +6,7 @@
     asyncsave verify PATH      every checksum of one checkpoint (or of every one in ROOT)
     asyncsave inspect PATH     the state tree with dtype, shape and bytes per tensor
     asyncsave prune ROOT --keep-last N [--keep-every K] [--keep-best METRIC N] [--dry-run]
+    asyncsave adopt PATH       commit a checkpoint copied without its commit marker
 
 ROOT and PATH may be URLs (``s3://bucket/prefix``, any fsspec URL). Credentials
 and endpoint come from the environment as the fsspec implementation reads them
@@ -14,7 +15,10 @@ and endpoint come from the environment as the fsspec implementation reads them
 Only ``prune`` deletes, through the engine's own retention pass (``_retention``:
 rename aside, fsync, remove; never the tracked step, the newest committed one or a
 step with a save in flight), holding the root's saver lock (a live
-``Checkpointer`` on the root makes it refuse). ``verify`` shows a progress bar of
+``Checkpointer`` on the root makes it refuse). ``adopt`` writes one file, the commit
+marker of a checkpoint a sync tool copied without it, after a full verify. A root
+that cannot be locked, written or listed is one line on stderr and exit status 1.
+``verify`` shows a progress bar of
 the bytes hashed and ``inspect`` one of the data files checked (tqdm, on stderr:
 on a terminal when it lasts over half a second; ``--progress`` forces it,
 ``--no-progress`` hides it). Torch is imported only by the commands that read
@@ -111,6 +115,67 @@ def _layout_option(dir_name: str) -> str:
     return ""
 
 
+def _uncommitted(fs: LocalFileSystem, path: Path) -> str:
+    """What ``ls`` says of a final-named prefix without its commit marker (object
+    stores), and what the next open will do with it: nothing is deleted."""
+    from ._load import read_checkpoint
+
+    try:
+        read_checkpoint(fs, path, expect_step=_step_of(path), uncommitted=True)
+    except CheckpointError as exc:
+        return (
+            f"not counted: no commit marker, and not a whole checkpoint ({exc}): a save "
+            "that stopped, or a copy still under way or cut short; the next open moves it "
+            "aside (bytes kept)"
+        )
+    return (
+        "not counted: no commit marker, but its manifest and file sizes check out (a "
+        "copy by a sync tool, or a save just before its marker): "
+        f"`asyncsave adopt {path}` verifies every byte and commits it (the next open "
+        "adopts it too)"
+    )
+
+
+def _step_of(path: Path) -> int | None:
+    from ._load import step_of_name
+
+    return step_of_name(path)
+
+
+def _missing(fs: LocalFileSystem, root: Path, step: int) -> str:
+    """The end of ``ls``'s line for a tracked step that is not there."""
+    from ._load import moved_aside
+
+    asides = moved_aside(fs, root, step)
+    if asides:
+        return (
+            f"which was moved aside at open to {asides[-1].name} (not loadable; its "
+            f"bytes are kept: `asyncsave verify {asides[-1]}` says why)"
+        )
+    return "which is missing"
+
+
+def _adopt(fs: LocalFileSystem, path: Path, out: TextIO) -> int:
+    """Verify one checkpoint copied without its commit marker, then commit it."""
+    from ._commit import adopt
+    from ._marker import is_committed
+
+    if path.name == MANIFEST_NAME:
+        path = path.parent
+    if not fs.exists(path):
+        print(f"asyncsave: {path}: no such file or directory", file=sys.stderr)
+        return 1
+    was = fs.is_dir(path) and is_committed(fs, path)
+    try:
+        info = adopt(path, filesystem=fs)
+    except CheckpointError as exc:
+        print(f"asyncsave: not adopted, nothing written: {exc}", file=sys.stderr)
+        return 1
+    done = "already committed; verified" if was else "verified, commit marker written"
+    print(f"ok   {path}: step {info.step}, {_size(info.nbytes)}: {done}", file=out)
+    return 0
+
+
 def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
     from ._load import read_checkpoint, scan_steps
     from ._marker import is_committed
@@ -148,11 +213,7 @@ def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
         path = steps[step]
         mark = "*" if step == tracked else " "
         if not is_committed(fs, path):
-            print(
-                f" {mark} {path.name:<20} step {step:>10}  uncommitted: no commit marker (a save "
-                "in flight, or one that never committed; removed at the next open)",
-                file=out,
-            )
+            print(f" {mark} {path.name:<20} step {step:>10}  {_uncommitted(fs, path)}", file=out)
             continue
         try:
             m = read_checkpoint(fs, path, expect_step=step)
@@ -165,11 +226,17 @@ def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
         except CheckpointError as exc:
             rc = 1
             print(f" {mark} {path.name:<20} step {step:>10}  NOT LOADABLE: {exc}", file=out)
+    hint = None if steps else _layout_hint(fs, root, layout_name)
+    if hint is not None:
+        # Another preset's root: its tracker names a step of that layout, not a
+        # missing one of this layout.
+        print(f"   {hint}", file=out)
+        return 1
     if tracked is not None and tracked not in steps:
         rc = 1
-        print(f"   tracker names step {tracked}, which is missing", file=out)
+        print(f"   tracker names step {tracked}, {_missing(fs, root, tracked)}", file=out)
     if not steps:
-        print(f"   {_layout_hint(fs, root, layout_name) or 'no checkpoint here'}", file=out)
+        print("   no checkpoint here", file=out)
     for name in fs.listdir(root):
         if is_temp_name(name):
             print(
@@ -565,6 +632,15 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     p_ver.add_argument("path")
     p_ins = sub.add_parser("inspect", help="print the state tree of a checkpoint")
     p_ins.add_argument("path")
+    p_ad = sub.add_parser(
+        "adopt",
+        help="commit a checkpoint copied without its commit marker, after a full verify",
+        description="A checkpoint copied into an object store file by file (aws s3 sync, "
+        "gsutil rsync, rclone) has no commit_success.txt, and readers do not count it. "
+        "This verifies every byte of PATH (as verify does), then writes its marker. "
+        "Nothing is deleted; run it once the copy is complete.",
+    )
+    p_ad.add_argument("path")
     p_pr = sub.add_parser(
         "prune",
         help="delete the committed checkpoints of ROOT that a retention rule does not keep",
@@ -620,7 +696,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             default=None,
             help="show a progress bar on stderr (default: on a terminal, after 0.5 s)",
         )
-    for p in (p_ls, p_ver, p_ins, p_pr):
+    for p in (p_ls, p_ver, p_ins, p_pr, p_ad):
         p.add_argument(
             "--storage-options",
             type=_json_object,
@@ -650,11 +726,18 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
             return _verify(fs, path, args.layout, out, args.progress)
         if args.command == "prune":
             return _prune(fs, path, args, out)
+        if args.command == "adopt":
+            return _adopt(fs, path, out)
         return _inspect(fs, path, out, args.progress)
     except BrokenPipeError:
         # `asyncsave inspect PATH | head`: the reader left; not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (CheckpointError, OSError) as exc:
+        # A root that cannot be locked or written (read-only, not ours), or listed:
+        # one line that says what and where, never a traceback.
+        print(f"asyncsave {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

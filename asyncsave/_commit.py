@@ -24,24 +24,48 @@ import contextlib
 import dataclasses
 import errno
 import logging
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from . import _marker
 from ._errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     LockUnavailableError,
     RootInUseError,
+    UnsupportedFormatError,
 )
 from ._fs import LocalFileSystem
-from ._load import check_not_one_checkpoint, read_checkpoint, scan_steps
-from ._paths import LOCK_NAME, MANIFEST_NAME, Layout, aside_dir_name, is_temp_name, temp_dir_name
+from ._fsspec import open_root
+from ._load import (
+    check_not_one_checkpoint,
+    read_checkpoint,
+    scan_steps,
+    step_of_name,
+    stored_info,
+    verify_data,
+)
+from ._manifest import Manifest
+from ._paths import (
+    COMMIT_MARKER_NAME,
+    LOCK_NAME,
+    MANIFEST_NAME,
+    Layout,
+    aside_dir_name,
+    is_temp_name,
+    temp_dir_name,
+)
 from ._track import read_tracker, write_tracker
+from ._types import CheckpointInfo
 
 __all__ = [
     "Recovered",
+    "adopt",
+    "adopt_checkpoint",
     "commit_dir",
     "discard",
     "hold_root",
@@ -313,6 +337,106 @@ def _remove_unless_held(fs: LocalFileSystem, path: Path) -> bool:
             fs.unlock(fd)
 
 
+def adopt_checkpoint(fs: LocalFileSystem, path: Path, step: int) -> Manifest:
+    """Adopt the final-named ``path`` as the committed checkpoint of ``step``: its
+    manifest, the size of each file and every checksum are verified (every byte is
+    read once), then its commit marker is written where the root's protocol has one
+    (object stores, ``_marker``; under the rename protocol a directory under its
+    final name is committed already, and nothing is written).
+
+    :returns: its manifest.
+    :raises CheckpointNotFoundError: it has no manifest.
+    :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) a file is
+        missing, of the wrong size or altered, or the manifest is of another step.
+    :raises UnsupportedFormatError: written by a newer asyncsave.
+    :raises OSError: reading or writing the marker failed.
+    """
+    manifest = read_checkpoint(fs, path, expect_step=step, uncommitted=True)
+    verify_data(fs, path, manifest)
+    if not _marker.is_committed(fs, path):
+        _marker.commit(fs, path)
+    return manifest
+
+
+def adopt(
+    path: str | os.PathLike[str],
+    *,
+    filesystem: LocalFileSystem | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> CheckpointInfo:
+    """Commit a checkpoint that was copied under its final name without its commit
+    marker (``asyncsave adopt PATH`` on the command line).
+
+    Sync tools (``aws s3 sync``, ``gsutil rsync``, ``rclone``) copy a local run's
+    ``step_N/`` into an object store file by file, without the
+    ``commit_success.txt`` that commits a checkpoint there; readers then do not
+    count it (:class:`~asyncsave.UncommittedCheckpointError`). This verifies it
+    completely, as :func:`asyncsave.verify` does (manifest, sizes, every checksum:
+    every byte is read once), then writes its marker. On a local directory (the
+    rename protocol) being under its final name is the commit already: it is
+    verified, and nothing is written. Nothing is deleted or moved either way. The
+    tracker is not moved: the next :class:`~asyncsave.Checkpointer` open on the root
+    moves it forward to the newest committed step. Adopt only once the copy is
+    complete and no save writes there (one saver per root). Sources:
+    allenai/open-instruct #1299, google/orbax #394.
+
+    :param path: the checkpoint directory (``s3://bucket/run/step_2``), named as a
+        layout preset names it (``step_N``, ``global_step_N``, ``iter_NNNNNNN``).
+    :param filesystem: the I/O layer (default: chosen from ``path``).
+    :param storage_options: as for :func:`asyncsave.load`.
+    :returns: its :class:`~asyncsave.CheckpointInfo`.
+    :raises CheckpointError: ``path`` is not named like a checkpoint.
+    :raises CheckpointNotFoundError: no manifest there (a partial copy: copy the
+        rest, or let a ``Checkpointer`` open move it aside).
+    :raises CorruptCheckpointError: (or :class:`~asyncsave.ChecksumMismatchError`)
+        a file is missing, of the wrong size or altered: nothing is written.
+    """
+    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
+    step = step_of_name(p)
+    if step is None:
+        raise CheckpointError(
+            f"{p} is not named like a checkpoint (step_N, global_step_N, iter_NNNNNNN): "
+            f"give the checkpoint's directory; `asyncsave ls {p}` lists those of a root",
+            path=p,
+        )
+    was = _marker.is_committed(fs, p)
+    manifest = adopt_checkpoint(fs, p, step)
+    logger.info("%s: step %d verified%s", p, step, "" if was else "; commit marker written")
+    return stored_info(fs, p, manifest)
+
+
+def _adopt_or_move_aside(fs: LocalFileSystem, root: Path, path: Path, step: int) -> Path | None:
+    """At open: a final-named ``path`` without its commit marker (object stores).
+    Adopted when it verifies completely (:func:`adopt_checkpoint`), else moved aside
+    (``.asyncsave-incomplete-<step>-*``, bytes kept); never deleted: asyncsave
+    cannot tell its own save that stopped before the marker from a checkpoint a
+    sync tool copied there. Left in place (logged, tried again at the next open)
+    when it is of a newer format or cannot be read or moved now.
+
+    :returns: ``path`` when adopted, the aside path when moved, else ``None``.
+    """
+    try:
+        adopt_checkpoint(fs, path, step)
+    except UnsupportedFormatError as exc:
+        logger.warning("leaving %s uncommitted where it is: %s", path, exc)
+        return None
+    except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+        reason = f"it has no {COMMIT_MARKER_NAME} and is not a whole checkpoint ({exc})"
+        return move_aside(fs, root, path, "incomplete", step, reason)
+    except OSError as exc:
+        logger.warning("could not check %s (retried at the next open): %r", path, exc)
+        return None
+    logger.warning(
+        "adopted %s as the committed checkpoint of step %d: it had no %s (copied by a "
+        "sync tool, or a save that stopped just before its marker); every byte verified, "
+        "marker written",
+        path,
+        step,
+        COMMIT_MARKER_NAME,
+    )
+    return path
+
+
 @dataclasses.dataclass(frozen=True)
 class Recovered:
     """What :func:`recover` found and did at open."""
@@ -382,9 +506,12 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout, forward: bool) -> 
     damaged: list[Path] = []
     for step, path in steps.items():
         if not _marker.is_committed(fs, path):
-            # Object stores: a save that never wrote its marker (crashed, failed).
-            logger.warning("removing %s: an uncommitted save (no commit marker)", path)
-            if discard(fs, path, "retried at the next open"):
+            # Object stores: a save that stopped before its marker, or a copy made
+            # by a sync tool: the two look alike, and neither is deleted.
+            kept = _adopt_or_move_aside(fs, root, path, step)
+            if kept == path:
+                committed[step] = path
+            elif kept is not None:
                 removed.append(path)
             continue
         if not fs.exists(path / MANIFEST_NAME):

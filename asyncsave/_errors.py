@@ -33,7 +33,9 @@ know asyncsave::
     ├── ProtectedCheckpointError(PermissionError) overwrite of the resumed checkpoint
     ├── CheckpointNotFoundError(LookupError) nothing at a path, or the tracker names
     │   │                                    a checkpoint that does not exist
-    │   └── MissingItemError                 a required item is not in the checkpoint
+    │   ├── MissingItemError                 a required item is not in the checkpoint
+    │   └── UncommittedCheckpointError       files under a final name without the
+    │                                        commit marker (object stores): adopt it
     ├── UnsupportedFormatError(ValueError)   written by a newer asyncsave: left alone
     ├── CorruptCheckpointError(ValueError)   damaged manifest, truncated file, tracker
     │   └── ChecksumMismatchError            garbage; bytes differ from the manifest
@@ -84,6 +86,7 @@ __all__ = [
     "StagingBudgetError",
     "StagingPendingError",
     "TemplateMismatchError",
+    "UncommittedCheckpointError",
     "UnsafeLoadError",
     "UnsupportedFormatError",
     "UnsupportedTensorError",
@@ -325,6 +328,18 @@ class MissingItemError(CheckpointNotFoundError):
     checkpoint. Source: the NeMo-RL single-controller checkpointing change, where a
     checkpoint missing its dataloader state resumed silently from a fresh position.
     """
+
+
+class UncommittedCheckpointError(CheckpointNotFoundError):
+    """Files under a checkpoint's final name on an object store, without its commit
+    marker (``commit_success.txt``): a save still being written, one that stopped
+    before its marker, or a checkpoint copied there file by file by a sync tool
+    (``aws s3 sync``, ``gsutil rsync``, ``rclone``), which copy no marker of a
+    local run. Readers do not count it; nothing is deleted. Once nothing writes
+    there, :func:`asyncsave.adopt` (``asyncsave adopt PATH``) verifies every byte
+    and writes its marker; a :class:`~asyncsave.Checkpointer` opened on the root
+    does the same. Source: allenai/open-instruct #1299 and google/orbax #394
+    (copied checkpoints deleted for lack of the marker)."""
 
 
 class UnsupportedFormatError(CheckpointError, ValueError):

@@ -8,7 +8,6 @@ a root being saved to may be listed; an in-flight save is never listed).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
 import os
@@ -19,18 +18,24 @@ from typing import Any
 
 import torch
 
-from ._errors import CheckpointNotFoundError, CorruptCheckpointError, InvalidStepError
+from ._errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    InvalidStepError,
+    UncommittedCheckpointError,
+)
 from ._fs import LocalFileSystem
 from ._fsspec import open_root
 from ._load import (
     _layout_hint,
     check_not_one_checkpoint,
-    info_of,
     load,
+    moved_aside,
     read_checkpoint,
     scan_steps,
+    stored_info,
 )
-from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout
+from ._paths import LAYOUTS, MANIFEST_NAME, Layout
 from ._template import apply_template
 from ._types import CheckpointInfo
 
@@ -68,8 +73,10 @@ def checkpoints(
     on an object store, its commit marker) reads and every data file has the size
     the manifest says; the checksums are not read (:func:`asyncsave.verify` does
     that). Temporary directories of saves in flight, final-named directories
-    that never committed and other files are not listed. A damaged checkpoint is
-    skipped with a WARNING of logger ``asyncsave._listing``.
+    that never committed and other files are not listed. A damaged checkpoint, and
+    on an object store files with a manifest but no commit marker (a copy made by
+    a sync tool: :class:`~asyncsave.UncommittedCheckpointError` says how to adopt
+    it), are skipped with a WARNING of logger ``asyncsave._listing`` that says why.
 
     Each :class:`CheckpointInfo` holds ``step``, ``path``, ``nbytes`` (tensor
     bytes), ``size_bytes`` (bytes in storage: data files and manifest, plus a
@@ -101,25 +108,19 @@ def checkpoints(
     found: list[CheckpointInfo] = []
     for step, p in sorted(scan_steps(fs, path, lay).items()):
         try:
-            manifest = read_checkpoint(fs, p, expect_step=step)
+            found.append(stored_info(fs, p, read_checkpoint(fs, p, expect_step=step)))
+        except UncommittedCheckpointError as exc:
+            # Object stores: a save in flight (INFO), or files with a manifest but no
+            # marker (a copy by a sync tool): said, with how to adopt it.
+            there = fs.exists(p / MANIFEST_NAME)
+            logger.log(logging.WARNING if there else logging.INFO, "not listing %s", exc)
         except CheckpointNotFoundError:
-            continue  # never committed (or, on an object store, still in flight)
+            continue  # never committed
         except CorruptCheckpointError as exc:
             if fs.exists(p):  # else retired while it was being listed: not damage
                 logger.warning("not listing %s: %s", p, exc)
-            continue
-        try:
-            size = sum(int(f["nbytes"]) for f in manifest.files) + fs.size(p / MANIFEST_NAME)
-            for extra in (lay.info_name, None if fs.atomic_rename else COMMIT_MARKER_NAME):
-                if extra is not None and fs.exists(p / extra):
-                    size += fs.size(p / extra)
         except FileNotFoundError:
             continue  # retired (retention, prune) while it was being listed
-        found.append(
-            dataclasses.replace(
-                info_of(p, manifest), size_bytes=size, saved_unix_s=manifest.created_unix_s
-            )
-        )
     if not found:
         hint = _layout_hint(fs, path, lay)
         if hint:
@@ -172,9 +173,12 @@ def load_step(
         check_not_one_checkpoint(fs, path)
         there = sorted(scan_steps(fs, path, lay)) if fs.is_dir(path) else []
         shown = ", ".join(map(str, there[-10:])) or "none"
+        asides = moved_aside(fs, path, step)
+        gone = f"; step {step} was moved aside at open to {asides[-1]}" if asides else ""
         raise CheckpointNotFoundError(
             f"no checkpoint of step {step} in {path} (layout {lay.name!r}; "
-            f"steps named there: {shown}){_layout_hint(fs, path, lay) if fs.is_dir(path) else ''}",
+            f"steps named there: {shown}){gone}"
+            f"{_layout_hint(fs, path, lay) if fs.is_dir(path) else ''}",
             path=target,
             step=step,
         )

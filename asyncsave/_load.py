@@ -8,6 +8,7 @@ byte read is checked against its XXH3-64 checksum (``verify=True``, the default)
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import math
@@ -29,6 +30,7 @@ from ._errors import (
     CorruptCheckpointError,
     InvalidKeyError,
     MissingItemError,
+    UncommittedCheckpointError,
     UnsafeLoadError,
     UnsupportedFormatError,
 )
@@ -36,7 +38,8 @@ from ._format import SAFETENSORS_DTYPES
 from ._fs import LocalFileSystem
 from ._fsspec import FsspecFileSystem, open_root
 from ._manifest import CHECKSUM, FORMAT, Manifest, parse_manifest, record_entries, torch_dtype
-from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout
+from ._marker import is_committed
+from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout, aside_dir_step
 from ._plan import key_str
 from ._read import read_entries
 from ._template import apply_template
@@ -66,6 +69,7 @@ def read_checkpoint(
     *,
     expect_step: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    uncommitted: bool = False,
 ) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path`` and check that
     every data file has the size the manifest says (no data is read).
@@ -74,17 +78,19 @@ def read_checkpoint(
         step (a copied or renamed directory) is refused.
     :param progress: called with ``(files checked, data files in all)`` after each
         data file's size is checked (one request each on an object store).
-    :raises CheckpointNotFoundError: ``path`` has no ``manifest.json``, or (object
-        stores) no commit marker: an uncommitted save.
+    :param uncommitted: read it even without its commit marker (object stores):
+        to decide whether it can be adopted (``_commit.adopt_checkpoint``).
+    :raises UncommittedCheckpointError: (object stores) no commit marker, unless
+        ``uncommitted``.
+    :raises CheckpointNotFoundError: ``path`` has no ``manifest.json`` (the message
+        says where it went if it was moved aside at open).
     :raises CorruptCheckpointError: the manifest is damaged or a file is missing,
         truncated or too long.
     """
-    if not fs.atomic_rename and not fs.exists(path / COMMIT_MARKER_NAME):
-        raise CheckpointNotFoundError(
-            f"{path} is not a committed checkpoint: it has no {COMMIT_MARKER_NAME} "
-            "(a save in flight, or one that never committed)",
-            path=path,
-        )
+    if not uncommitted and not is_committed(fs, path):
+        if not fs.exists(path):
+            raise _no_manifest_error(fs, path)
+        raise _uncommitted_error(fs, path)
     mpath = path / MANIFEST_NAME
     try:
         size = fs.size(mpath)
@@ -92,9 +98,7 @@ def read_checkpoint(
             raise CorruptCheckpointError(f"manifest {mpath} is {size} bytes", path=mpath)
         raw = fs.read_bytes(mpath)
     except (FileNotFoundError, NotADirectoryError) as exc:
-        raise CheckpointNotFoundError(
-            f"{path} is not a checkpoint: it has no {MANIFEST_NAME}", path=path
-        ) from exc
+        raise _no_manifest_error(fs, path) from exc
     except IsADirectoryError as exc:
         raise CorruptCheckpointError(f"{mpath} is a directory", path=mpath) from exc
     manifest = parse_manifest(raw, mpath)
@@ -123,6 +127,56 @@ def read_checkpoint(
         if progress is not None:
             progress(done, len(manifest.files))
     return manifest
+
+
+def _uncommitted_error(fs: LocalFileSystem, path: Path) -> UncommittedCheckpointError:
+    """Why a final-named prefix without its commit marker is not counted, and how to
+    adopt it (object stores)."""
+    there = fs.exists(path / MANIFEST_NAME)
+    found = "its files and manifest are there" if there else "it has no manifest either"
+    return UncommittedCheckpointError(
+        f"{path} is not a committed checkpoint: it has no {COMMIT_MARKER_NAME} ({found}): "
+        "a save in flight or one that never committed, or a checkpoint copied there by "
+        "a sync tool (aws s3 sync, gsutil rsync, rclone copy no commit marker). Nothing "
+        f"was deleted. Once no one writes there, `asyncsave adopt {path}` (or "
+        "asyncsave.adopt(path)) verifies every byte and commits it; a Checkpointer "
+        "opened on the root adopts it the same way, or moves it aside if it does not "
+        "verify",
+        path=path,
+        step=step_of_name(path),
+    )
+
+
+def _no_manifest_error(fs: LocalFileSystem, path: Path) -> CheckpointNotFoundError:
+    """``path`` holds no manifest: say where it went if it was moved aside at open
+    (a damaged or incomplete checkpoint keeps its bytes under an aside name)."""
+    step = step_of_name(path)
+    if step is not None and not fs.lexists(path):
+        asides = moved_aside(fs, path.parent, step)
+        if asides:
+            shown = ", ".join(str(a) for a in asides)
+            return CheckpointNotFoundError(
+                f"{path} does not exist: it was moved aside at open to {shown} by a "
+                f"Checkpointer opened on {path.parent} (it did not check out: a file "
+                "missing or of the wrong size, a damaged manifest, or no manifest; the "
+                "WARNING of that open says which), its bytes kept for inspection; "
+                f"`asyncsave verify {asides[-1]}` says what is wrong with it",
+                path=path,
+                step=step,
+            )
+    return CheckpointNotFoundError(
+        f"{path} is not a checkpoint: it has no {MANIFEST_NAME}", path=path, step=step
+    )
+
+
+def moved_aside(fs: LocalFileSystem, root: Path, step: int) -> list[Path]:
+    """The entries under ``root`` that recovery moved aside for ``step``
+    (``.asyncsave-damaged-<step>-*``, ``.asyncsave-incomplete-<step>-*``)."""
+    try:
+        names = fs.listdir(root) if fs.is_dir(root) else []
+    except OSError:
+        return []
+    return [root / n for n in sorted(names) if aside_dir_step(n) == step]
 
 
 def check_not_one_checkpoint(fs: LocalFileSystem, root: Path) -> None:
@@ -157,6 +211,27 @@ def scan_steps(fs: LocalFileSystem, root: Path, layout: Layout) -> dict[int, Pat
         if step is not None and fs.is_dir(root / name):
             found[step] = root / name
     return found
+
+
+def stored_info(fs: LocalFileSystem, path: Path, manifest: Manifest) -> CheckpointInfo:
+    """:func:`info_of` plus what the checkpoint takes in storage: ``size_bytes``
+    (data files and manifest, plus a layout's info file such as the ``nemo-rl``
+    ``training_info.json`` and an object store's commit marker, where present) and
+    ``saved_unix_s`` (when its manifest was written). One home for every reader
+    (:func:`latest`, :func:`verify`, :func:`asyncsave.checkpoints`).
+
+    :raises FileNotFoundError: a file went away meanwhile (retention, prune).
+    """
+    size = sum(int(f["nbytes"]) for f in manifest.files) + fs.size(path / MANIFEST_NAME)
+    extras = {lay.info_name for lay in LAYOUTS.values() if lay.info_name is not None}
+    if not fs.atomic_rename:
+        extras.add(COMMIT_MARKER_NAME)
+    for extra in sorted(extras):
+        if fs.exists(path / extra):
+            size += fs.size(path / extra)
+    return dataclasses.replace(
+        info_of(path, manifest), size_bytes=size, saved_unix_s=manifest.created_unix_s
+    )
 
 
 def info_of(path: Path, manifest: Manifest) -> CheckpointInfo:
@@ -728,7 +803,7 @@ def _read(
     )
 
 
-def _step_of_name(path: Path) -> int | None:
+def step_of_name(path: Path) -> int | None:
     """The step a directory's name claims under any layout preset (``step_40``,
     ``global_step_40``, ``iter_0000040``): a copied or swapped directory must not
     load as another step silently."""
@@ -737,6 +812,9 @@ def _step_of_name(path: Path) -> int | None:
         if step is not None:
             return step
     return None
+
+
+_step_of_name = step_of_name
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -775,14 +853,30 @@ def verify(
         file and entry that is wrong.
     """
     fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
-    manifest = read_checkpoint(fs, p, expect_step=_step_of_name(p))
+    manifest = read_checkpoint(fs, p, expect_step=step_of_name(p))
+    verify_data(fs, p, manifest, progress)
+    return stored_info(fs, p, manifest)
+
+
+def verify_data(
+    fs: LocalFileSystem,
+    path: Path,
+    manifest: Manifest,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """The checks of :func:`verify` after the manifest and the file sizes: every
+    checksum, every tensor and the state tree rebuilt (nothing unpickled). Another
+    library's files (a ``foreign`` tree) have only their sizes checked.
+
+    :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) naming the
+        file and entry that is wrong.
+    """
     if manifest.tree.get("type") == "foreign":
-        return info_of(p, manifest)  # another library's files: their sizes are checked
-    raw = _read(fs, p, manifest, verify=True, device=torch.device("cpu"), progress=progress)
+        return
+    raw = _read(fs, path, manifest, verify=True, device=torch.device("cpu"), progress=progress)
     tensors = _build_tensors(manifest, raw, torch.device("cpu"))
-    decoder = _Decoder(tensors, manifest.tensors, path=p, allow_pickle=False, unpickle=False)
+    decoder = _Decoder(tensors, manifest.tensors, path=path, allow_pickle=False, unpickle=False)
     decoder.node(manifest.tree)
-    return info_of(p, manifest)
 
 
 def resolve(
@@ -797,8 +891,10 @@ def resolve(
     missing or unreadable tracker falls back to the newest committed checkpoint,
     with a warning. A tracker naming a checkpoint that is missing or damaged is an
     error unless ``fallback`` (then: warning, newest committed checkpoint). Never
-    ``None`` when a tracker names a step: that would restart a trained run from
-    scratch.
+    ``None`` when a tracker names a step, nor when the only checkpoints there are
+    uncommitted copies with a manifest (object stores: see
+    :class:`UncommittedCheckpointError`): that would restart a trained run from
+    scratch. Every final-named entry passed over is logged with the reason.
 
     ``reader``: called by a reader (:func:`latest`), which may run while a saver
     is between its rename and its tracker write: a committed step newer than the
@@ -820,64 +916,11 @@ def resolve(
             logger.warning("%s; scanning for committed checkpoints instead", exc)
     found = scan_steps(fs, root, layout)
     if tracked is not None:
-        newer = sorted((s for s in found if s > tracked), reverse=True)
-        # A saver commits, then moves the tracker: one step ahead of it may be a save
-        # in flight; more cannot (saves commit and track one at a time).
-        in_flight = reader and len(newer) == 1
-        for step in newer:
-            try:
-                info = info_of(found[step], read_checkpoint(fs, found[step], expect_step=step))
-            except (CheckpointNotFoundError, CorruptCheckpointError):
-                continue
-            logger.log(
-                logging.INFO if in_flight else logging.WARNING,
-                "the tracker in %s names step %d but step %d is committed (%s); "
-                "resuming from %d",
-                root,
-                tracked,
-                step,
-                "a save moving the tracker now, or a crash between its commit and its "
-                "tracker update"
-                if in_flight
-                else "a crash between commit and tracker update?",
-                step,
-            )
+        info = _resolve_tracked(fs, root, layout, found, tracked, fallback=fallback, reader=reader)
+        if info is not None:
             return info
-        path = root / layout.dir_name(tracked)
-        try:
-            return info_of(path, read_checkpoint(fs, path, expect_step=tracked))
-        except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
-            if not fallback:
-                # Another preset's directories here (the tracker name is shared by
-                # several presets): the layout is the fix, not the fallback.
-                hint = _layout_hint(fs, root, layout)
-                advice = hint or (
-                    "; pass fallback=True to resume from the newest committed checkpoint instead"
-                )
-                raise CheckpointNotFoundError(
-                    f"the tracker in {root} names step {tracked}, but {path} is not a "
-                    f"loadable checkpoint ({exc}){advice}",
-                    path=path,
-                    step=tracked,
-                ) from exc
-            logger.warning("%s; falling back to the newest committed checkpoint", exc)
-    for step in sorted(found, reverse=True):
-        try:
-            info = info_of(found[step], read_checkpoint(fs, found[step], expect_step=step))
-        except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
-            logger.warning("skipping %s: %s", found[step], exc)
-            continue
-        if layout.tracker_name is not None:
-            # A first save between its rename and its first tracker write: one
-            # committed step, no tracker yet. A lost tracker beside more is a warning.
-            missing = reader and len(found) == 1 and not fs.lexists(root / layout.tracker_name)
-            logger.log(
-                logging.INFO if missing else logging.WARNING,
-                "no usable tracker in %s%s; resuming from the newest committed step %d",
-                root,
-                " (none yet: a first save moving it now, or a crash before it)" if missing else "",
-                step,
-            )
+    info = _newest_counted(fs, root, layout, found, reader=reader)
+    if info is not None:
         return info
     if tracked is not None:
         raise CheckpointNotFoundError(
@@ -893,7 +936,131 @@ def resolve(
         raise CheckpointNotFoundError(
             f"no {layout.name!r}-layout checkpoint in {root}{hint}", path=root
         )
+    _refuse_uncommitted_copies(fs, root, found)
     return None
+
+
+def _counted(fs: LocalFileSystem, path: Path, step: int) -> CheckpointInfo:
+    """The info of the committed checkpoint of ``step`` at ``path``.
+
+    :raises CheckpointNotFoundError: (or :class:`UncommittedCheckpointError`) it is
+        not one.
+    :raises CorruptCheckpointError: it is damaged.
+    """
+    return stored_info(fs, path, read_checkpoint(fs, path, expect_step=step))
+
+
+def _resolve_tracked(
+    fs: LocalFileSystem,
+    root: Path,
+    layout: Layout,
+    found: dict[int, Path],
+    tracked: int,
+    *,
+    fallback: bool,
+    reader: bool,
+) -> CheckpointInfo | None:
+    """A committed step newer than the tracker, else the tracked one; ``None`` to
+    fall back to the newest (``fallback``, with a warning).
+
+    :raises CheckpointNotFoundError: the tracked checkpoint is not loadable and not
+        ``fallback``.
+    """
+    newer = sorted((s for s in found if s > tracked), reverse=True)
+    # A saver commits, then moves the tracker: one step ahead of it may be a save
+    # in flight; more cannot (saves commit and track one at a time).
+    in_flight = reader and len(newer) == 1
+    for step in newer:
+        try:
+            info = _counted(fs, found[step], step)
+        except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+            # One step ahead of the tracker without its marker: a save in flight.
+            quiet = in_flight and isinstance(exc, UncommittedCheckpointError)
+            logger.log(logging.INFO if quiet else logging.WARNING, "not counting %s", exc)
+            continue
+        logger.log(
+            logging.INFO if in_flight else logging.WARNING,
+            "the tracker in %s names step %d but step %d is committed (%s); resuming from %d",
+            root,
+            tracked,
+            step,
+            "a save moving the tracker now, or a crash between its commit and its tracker update"
+            if in_flight
+            else "a crash between commit and tracker update?",
+            step,
+        )
+        return info
+    path = root / layout.dir_name(tracked)
+    try:
+        return _counted(fs, path, tracked)
+    except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+        if not fallback:
+            # Another preset's directories here (the tracker name is shared by
+            # several presets): the layout is the fix, not the fallback.
+            hint = _layout_hint(fs, root, layout)
+            uncommitted = isinstance(exc, UncommittedCheckpointError)
+            advice = hint or (
+                ""  # its message says how to adopt it
+                if uncommitted
+                else "; pass fallback=True to resume from the newest committed checkpoint instead"
+            )
+            error = UncommittedCheckpointError if uncommitted else CheckpointNotFoundError
+            raise error(
+                f"the tracker in {root} names step {tracked}, but {path} is not a "
+                f"loadable checkpoint ({exc}){advice}",
+                path=path,
+                step=tracked,
+            ) from exc
+        logger.warning("%s; falling back to the newest committed checkpoint", exc)
+    return None
+
+
+def _newest_counted(
+    fs: LocalFileSystem, root: Path, layout: Layout, found: dict[int, Path], *, reader: bool
+) -> CheckpointInfo | None:
+    """The newest committed checkpoint of ``found`` (logging each one passed over
+    and why), or ``None``."""
+    for step in sorted(found, reverse=True):
+        try:
+            info = _counted(fs, found[step], step)
+        except (CheckpointNotFoundError, CorruptCheckpointError) as exc:
+            logger.warning("not counting %s", exc)
+            continue
+        if layout.tracker_name is not None:
+            # A first save between its rename and its first tracker write: one
+            # committed step, no tracker yet. A lost tracker beside more is a warning.
+            missing = reader and len(found) == 1 and not fs.lexists(root / layout.tracker_name)
+            logger.log(
+                logging.INFO if missing else logging.WARNING,
+                "no usable tracker in %s%s; resuming from the newest committed step %d",
+                root,
+                " (none yet: a first save moving it now, or a crash before it)" if missing else "",
+                step,
+            )
+        return info
+    return None
+
+
+def _refuse_uncommitted_copies(fs: LocalFileSystem, root: Path, found: dict[int, Path]) -> None:
+    """Nothing committed under ``root``: refuse rather than answer "nothing here"
+    when final-named prefixes with a manifest lack only their commit marker (a run
+    copied by a sync tool): a resume would start the trained run from scratch.
+
+    :raises UncommittedCheckpointError: naming them and how to adopt them.
+    """
+    copies = [p for _, p in sorted(found.items()) if fs.exists(p / MANIFEST_NAME)]
+    if fs.atomic_rename or not copies:
+        return
+    shown = ", ".join(p.name for p in copies)
+    raise UncommittedCheckpointError(
+        f"no committed checkpoint in {root}, but {shown} hold files and a manifest "
+        f"without their {COMMIT_MARKER_NAME} (copied by a sync tool, or saves that "
+        f"stopped before their commit marker); nothing was deleted. `asyncsave adopt "
+        f"{copies[-1]}` (or asyncsave.adopt) verifies every byte and commits one; a "
+        "Checkpointer opened on the root adopts every one that verifies",
+        path=copies[-1],
+        step=step_of_name(copies[-1]),
+    )
 
 
 def _layout_hint(fs: LocalFileSystem, root: Path, layout: Layout) -> str:

@@ -155,6 +155,20 @@ def aside_dir_name(why: str, step: int) -> str:
     return f".asyncsave-{why}-{step}-{uuid.uuid4().hex[:12]}"
 
 
+_ASIDE_RE = re.compile(r"^\.asyncsave-(damaged|incomplete|partial)-(\d+)-[0-9a-f]{12}$")
+
+
+def aside_dir_step(name: str) -> int | None:
+    """The step of an entry moved aside at open (:func:`aside_dir_name`), or
+    ``None`` for any other name.
+
+    >>> aside_dir_step(aside_dir_name("damaged", 40)), aside_dir_step("step_40")
+    (40, None)
+    """
+    m = _ASIDE_RE.match(name)
+    return int(m.group(2)) if m else None
+
+
 def temp_dir_step(name: str) -> int | None:
     """The step of the save writing into temporary directory ``name``
     (:func:`temp_dir_name`), or ``None`` for any other name (retention's retired

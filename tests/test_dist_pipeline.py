@@ -461,8 +461,10 @@ def _resume_marker(rank: int, world: int, root: str) -> int:
 def test_object_store_root_on_two_ranks(tmp_path: Path, victim: int, kill: str) -> None:
     """Every rank uploads its files under the final prefix; rank 0 writes the
     manifest, then the commit marker last. Whatever rank dies before the marker,
-    the prefix is not a checkpoint: the survivor names the dead rank, and a fresh
-    run on 2 ranks (and a reader) resumes from step 2."""
+    the prefix is not a checkpoint for a reader, and the survivor names the dead
+    rank. A fresh run on 2 ranks never deletes it: it resumes from step 2 with the
+    partial prefix moved aside, or, when only the marker was missing (every
+    rank's files and the manifest whole), adopts step 3 after a full verify."""
     root = tmp_path / "run"
     results = run_ranks(_object_store, 2, tmp_path, str(root), victim, kill, timeout_s=90)
     assert results[victim] == ("exit", -signal.SIGKILL)
@@ -471,8 +473,18 @@ def test_object_store_root_on_two_ranks(tmp_path: Path, victim: int, kill: str) 
     assert not (root / "step_3" / "commit_success.txt").exists()
     # A reader on the object-store layer does not take the prefix for a checkpoint.
     assert asyncsave.latest(root, filesystem=_marker_fs()).step == 2  # type: ignore[union-attr]
-    assert values(run_ranks(_resume_marker, 2, tmp_path, str(root))) == [2, 2]
-    assert not (root / "step_3").exists()  # the next open removed the uncommitted prefix
+    whole = kill == "commit_success"
+    expect = 3 if whole else 2
+    left = {p.name: p.read_bytes() for p in (root / "step_3").glob("*")}
+    assert values(run_ranks(_resume_marker, 2, tmp_path, str(root))) == [expect, expect]
+    if whole:
+        assert (root / "step_3" / "commit_success.txt").exists()
+    else:  # what the dead save left is moved aside, its bytes kept
+        assert not (root / "step_3").exists()
+        asides = list(root.glob(".asyncsave-incomplete-3-*"))
+        assert len(asides) == (1 if left else 0)
+        for aside in asides:
+            assert {p.name: p.read_bytes() for p in aside.glob("*")} == left
     whole = asyncsave.load(root / "step_2")
     assert torch.equal(whole[1]["w"], state_of(1, 2)["w"])
 

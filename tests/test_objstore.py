@@ -2,7 +2,8 @@
 loopback, started once per session), and memory:// roots for fast coverage.
 
 Where rename is not atomic the commit is ``commit_success.txt`` written last; a
-prefix without it is uncommitted: ignored by every reader, removed at the next open.
+prefix without it is uncommitted: not counted by any reader (they say why), and never
+deleted: the next open adopts it if it verifies completely, else moves it aside.
 """
 
 from __future__ import annotations
@@ -391,10 +392,15 @@ def test_s3_sigkill_mid_save_resumes_the_last_commit_bit_exact(
         assert not fs.exists(f"{prefix}/step_2/{MARKER}")
         out = io.StringIO()
         assert cli_main(["ls", root, "--storage-options", json.dumps(options)], out=out) == 0
-        assert "uncommitted" in out.getvalue()
+        assert "not counted: no commit marker" in out.getvalue()
+        assert "asyncsave adopt" in out.getvalue()
+        # Data and manifest were whole: the next open adopts it after a full verify.
+        expect = 2
+    before = {p: fs.cat_file(p) for p in fs.find(f"{prefix}/step_2")}
 
-    # 2. The next open removes the unmarked prefix, moves the tracker forward, and
-    #    resumes bit-exact; saving step 2 again then commits.
+    # 2. The next open adopts a whole unmarked prefix or moves a partial one aside
+    #    (never deletes either), moves the tracker forward, and resumes bit-exact;
+    #    saving step 2 then commits (a no-op where it was adopted).
     async def reopen() -> int:
         async with asyncsave.Checkpointer(root, storage_options=options) as ckpt:
             restored = await ckpt.load_latest()
@@ -405,6 +411,10 @@ def test_s3_sigkill_mid_save_resumes_the_last_commit_bit_exact(
 
     assert anyio.run(reopen) == expect
     fs.invalidate_cache()
+    for path, data in before.items():  # every byte the crash left is kept somewhere
+        name = path.rsplit("/", 1)[1]
+        kept = [fs.cat_file(p) for p in fs.find(prefix) if p.endswith(f"/{name}")]
+        assert data in kept, path
     assert fs.cat_file(f"{prefix}/{TRACKER}") == b"2"
     assert fs.exists(f"{prefix}/step_2/{MARKER}")
     asyncsave.verify(f"{root}/step_2", storage_options=options)
@@ -498,18 +508,18 @@ def _commit_steps(root: str, *steps: int) -> None:
     anyio.run(go)
 
 
-def test_memory_unmarked_prefix_is_ignored_then_removed_at_open(mem_root: str) -> None:
+def test_memory_unmarked_prefix_is_ignored_then_moved_aside_at_open(mem_root: str) -> None:
     _commit_steps(mem_root, 1, 2)
     mem = fsspec.filesystem("memory")
     path = mem_root.removeprefix("memory://")
-    # A save of step 3 that crashed before its marker: a full copy of step 2's files.
+    # A copy of step 2's files under step 3's name: not a checkpoint of step 3.
     mem.copy(f"{path}/step_2", f"{path}/step_3", recursive=True)
     mem.rm_file(f"{path}/step_3/{MARKER}")
     info = asyncsave.latest(mem_root)
     assert info is not None and info.step == 2
     out = io.StringIO()
     assert cli_main(["ls", mem_root], out=out) == 0
-    assert "step_3" in out.getvalue() and "uncommitted" in out.getvalue()
+    assert "step_3" in out.getvalue() and "not counted: no commit marker" in out.getvalue()
 
     async def reopen() -> int | None:
         async with asyncsave.Checkpointer(mem_root) as ckpt:
@@ -518,6 +528,8 @@ def test_memory_unmarked_prefix_is_ignored_then_removed_at_open(mem_root: str) -
 
     assert anyio.run(reopen) == 2
     assert not mem.exists(f"{path}/step_3")
+    aside = [n for n in mem.ls(path, detail=False) if ".asyncsave-incomplete-3-" in n]
+    assert len(aside) == 1 and mem.exists(f"{aside[0]}/manifest.json")  # moved, not deleted
     assert mem.exists(f"{path}/step_2/{MARKER}")
 
 
