@@ -443,7 +443,7 @@ class Recovered:
 
     committed: dict[int, Path]  # verified committed checkpoints by step
     tracked: int | None  # the step the tracker names after recovery
-    removed: list[Path]  # temporary directories removed, manifest-less ones moved aside
+    removed: list[Path]  # temporary directories removed; entries moved aside
     damaged: list[Path]  # damaged checkpoints, moved aside (kept for inspection)
 
 
@@ -452,11 +452,13 @@ def recover(
 ) -> Recovered:
     """Bring ``root`` to a clean state when a checkpointer opens.
 
-    Removes temporary files and directories of saves that never committed, except
-    a directory a live writer holds locked (:func:`make_held_temp_dir`: the
-    standalone DCP writer, which writes without the root's lock), which is logged
-    and left to it (and, on
-    object stores, final-named prefixes without a commit marker: ``_marker``); moves
+    Removes temporary files and directories of saves that never committed (its own
+    temporary names only), except a directory a live writer holds locked
+    (:func:`make_held_temp_dir`: the standalone DCP writer, which writes without the
+    root's lock), which is logged and left to it. Nothing under a final name is
+    deleted: on object stores a final-named prefix without its commit marker (a
+    save that stopped before it, or a checkpoint copied by a sync tool) is adopted
+    if it verifies completely (:func:`adopt_checkpoint`), else moved aside; moves
     directories under a final name that hold no manifest (a partial directory from
     a non-atomic writer: NeMo-Automodel #3254, or another tool's files) and damaged
     checkpoints (a manifest that fails to parse, a file of the wrong size) aside

@@ -11,11 +11,15 @@ a save of step ``N`` goes, in order (each step complete before the next):
 3. ``commit_success.txt`` (:data:`COMMIT_MARKER_NAME`), one PUT: **the commit point**;
 4. the tracker, one PUT (a PUT replaces an object atomically on S3), never backwards.
 
-A prefix under a final name without the marker is uncommitted: every reader
-(``latest``, ``load``, ``verify``, the CLI, resume) treats it as absent, and the next
-:class:`~asyncsave.Checkpointer` open deletes it. Deleting a checkpoint deletes its
-marker first (``FsspecFileSystem.remove_tree``), so a deletion cut short leaves an
-uncommitted prefix, never a committed-looking one with missing files. Overwriting a
+A prefix under a final name without the marker is uncommitted: no reader
+(``latest``, ``load``, ``verify``, the CLI, resume) counts it, and each says why
+(:class:`~asyncsave.UncommittedCheckpointError`). It is never deleted: a save that
+stopped just before its marker and a checkpoint a sync tool copied there look alike,
+so the next :class:`~asyncsave.Checkpointer` open adopts it if it verifies
+completely (``_commit.adopt_checkpoint``: every checksum, then the marker), and
+moves it aside otherwise. Deleting a checkpoint deletes its marker first
+(``FsspecFileSystem.remove_tree``), so a deletion cut short leaves an uncommitted
+prefix, never a committed-looking one with missing files. Overwriting a
 committed step is refused: the new files would replace the old ones before the new
 marker could commit them.
 
