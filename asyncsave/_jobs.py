@@ -32,6 +32,7 @@ import math
 import operator
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -54,6 +55,7 @@ from ._stage import (
     StagedMark,
     StagingAbandonedError,
     StagingPool,
+    copies_early,
     copy_following,
     snapshot_eager_entries,
     stage_entries,
@@ -69,6 +71,8 @@ __all__ = [
     "contains_dtensor",
     "dcp_reader_class",
     "dtensor_job_class",
+    "job_for",
+    "register_job",
     "manifest_doc",
     "merge_parts",
 ]
@@ -127,6 +131,19 @@ class Job:
     # bump them, the pipeline completes them after each phase).
     progress: ProgressCounter | None = None
     lazy: bool = False  # a lazy save's job (set by the pipeline)
+    # The staging memory the job holds from the pool while it stages and writes.
+    lease: Lease | None = None
+    #: Whether the job can save into a root of this rank's own
+    #: (``Tier(local_scope="rank")``): a plain tree can; DTensor state and
+    #: Megatron's requests need a root every rank shares.
+    per_rank_root: bool = False
+
+    def eager_copies(self) -> str:
+        """Where a lazy save's :meth:`snapshot_eager` runs: ``"loop"`` (on the
+        caller's thread: CUDA clones stay on the caller's stream), ``"thread"``
+        (a worker thread: host clones of 1,000s of tensors, the loop keeps
+        ticking) or ``"none"`` (nothing to copy: no call, no thread)."""
+        return "loop"
 
     def snapshot_eager(self, ready: dict[torch.device, Any] | None) -> None:
         """Lazy mode, before ``save()`` returns: copy now what forward may change
@@ -164,6 +181,15 @@ class Job:
     def release(self) -> None:
         """Give back staging memory; idempotent."""
 
+    def abandon(self) -> None:
+        """After a failure before the pipeline: close what the staging left open
+        (by default, nothing)."""
+
+    def staging_lost(self) -> bool:
+        """Whether the staging memory is lost for good (an abandoned writer may
+        still read it: never leased again)."""
+        return self.lease is not None and self.lease.poisoned
+
 
 ForeignJob = Job  # the name asyncsave.megatron used first
 
@@ -174,6 +200,8 @@ class PlainJob(Job):
     :param rounds: the streamed rounds when the state is larger than an explicit
         ``budget_bytes`` (``_stream.plan_rounds``), else ``None``.
     """
+
+    per_rank_root = True
 
     def __init__(
         self,
@@ -186,7 +214,7 @@ class PlainJob(Job):
         self.layouts = layouts
         self.staging_bytes = nbytes
         self.rounds = rounds
-        self.lease: Lease | None = None
+        self.lease = None
         self.stream: StreamWriter | None = None
         self.fs: LocalFileSystem | None = None
         # Incremental saves: shares files equal to the previous checkpoint's.
@@ -614,6 +642,11 @@ class PlainJob(Job):
             self.early = None
             raise
 
+    def eager_copies(self) -> str:
+        if not all(d.type == "cpu" for d in self.devices()):
+            return "loop"
+        return "thread" if copies_early(self.plan) else "none"
+
     def snapshot_eager(self, ready: dict[torch.device, Any] | None) -> None:
         snapshot_eager_entries(self.plan, ready)
 
@@ -962,6 +995,35 @@ def contains_dtensor(state: Any, _depth: int = 0) -> bool:
 def dtensor_job_class() -> Any:
     """The job class of DTensor state (``DTENSOR_JOB``), imported on first use."""
     return _named(DTENSOR_JOB)
+
+
+#: ``factory(state, saver)``: the job that snapshots ``state`` on this rank; it may
+#: refuse the save with a typed error saying why (``saver``: the checkpointer's
+#: ``asyncsave._pipeline.Saver``).
+JobFactory = Callable[[Any, Any], Job]
+
+# The job registry: which integration saves which state. The module is imported
+# when such state is first saved and registers its factory on import
+# (``register_job``); the core names it by string only.
+_PROVIDERS: list[tuple[Callable[[Any], bool], str]] = [
+    (contains_dtensor, DTENSOR_JOB.partition(":")[0])
+]
+_FACTORIES: dict[str, JobFactory] = {}
+
+
+def register_job(module: str, factory: JobFactory) -> None:
+    """Register ``module``'s job factory (an integration calls it on import)."""
+    _FACTORIES[module] = factory
+
+
+def job_for(state: Any) -> JobFactory | None:
+    """The factory of the integration that saves ``state``, or ``None`` for a
+    plain tree (saved by :class:`PlainJob`)."""
+    for matches, module in _PROVIDERS:
+        if matches(state):
+            importlib.import_module(module)  # registers its factory
+            return _FACTORIES[module]
+    return None
 
 
 def dcp_reader_class() -> Any:

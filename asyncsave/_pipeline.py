@@ -72,13 +72,13 @@ from ._errors import (
 )
 from ._fs import LocalFileSystem
 from ._handle import SaveHandle
-from ._jobs import Job, PlainJob
+from ._jobs import Job
 from ._manifest import encode_manifest
 from ._options import CheckpointOptions
 from ._paths import MANIFEST_NAME, Layout
 from ._policy import signal_holds
 from ._retention import apply_retention
-from ._stage import StagingPool, copies_early
+from ._stage import StagingPool
 from ._track import TrackerWriter
 from ._types import CheckpointInfo
 from ._write import write_bytes
@@ -436,13 +436,13 @@ class Saver:
             return handle
         assert self.tg is not None
         try:
-            if isinstance(job, PlainJob) and all(d.type == "cpu" for d in job.devices()):
+            where = job.eager_copies()
+            if where == "thread":
                 # Host clones of 1,000s of small tensors: in a worker thread, so the
                 # loop keeps ticking (CUDA clones stay on the caller's stream). With
                 # nothing to clone, no thread: its wake-ups cost ms on busy cores.
-                if copies_early(job.plan):
-                    await anyio.to_thread.run_sync(job.snapshot_eager, ready)
-            else:
+                await anyio.to_thread.run_sync(job.snapshot_eager, ready)
+            elif where == "loop":
                 job.snapshot_eager(ready)
         except BaseException as exc:
             # The caller is still in save(): it hears of it (a cancellation, too);
@@ -505,11 +505,9 @@ class Saver:
                 raise
             # Several ranks: the pipeline reports it to the others; raised after.
             if isinstance(job, Job):
-                lease = getattr(job, "lease", None)
-                if lease is not None and lease.poisoned:
+                if job.staging_lost():
                     self.set_failure(SaveFailedError(f"staging of step {step} was lost"))
                 job.release()
-            if isinstance(job, PlainJob):
                 job.abandon()
             await self.discard(save.private)
             save.job = exc
@@ -576,11 +574,9 @@ class Saver:
             self.set_failure(error)
         handle._fail(error)
         if isinstance(job, Job):
-            lease = getattr(job, "lease", None)
-            if lease is not None and lease.poisoned:
+            if job.staging_lost():
                 self.set_failure(error)  # the staging memory is lost for good
-            if isinstance(job, PlainJob):
-                job.abandon()
+            job.abandon()
             job.release()
         self.coord.end_turn(save.ticket)
         self._end_stage_turn(save.stage_seq)
@@ -831,7 +827,7 @@ class Saver:
         directory (``None`` once removed after this rank's failure), the outcomes,
         the time written and this rank's error."""
         step, job, tmp = save.handle.step, save.job, save.tmp
-        if local_error is None and not isinstance(job, PlainJob):
+        if local_error is None and not (isinstance(job, Job) and job.per_rank_root):
             local_error = CheckpointError(
                 f"step {step}: Tier(local_scope='rank') saves plain state trees only; "
                 f"a {type(job).__name__} (DTensor state, a Megatron request) needs a "
