@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import http.client
 import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -42,46 +40,11 @@ BLOCK = 5 << 20  # s3fs part size here: the smallest S3 allows, so saves use mul
 
 
 # -- the S3 server -------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A moto S3 server process on 127.0.0.1, for the whole session."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("moto") / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"moto server exited with {proc.returncode}: {log.read_text()}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-                conn.request("GET", "/")
-                conn.getresponse().read()
-                conn.close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"moto server did not answer within 60 s: {log.read_text()}")
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def s3_endpoint(moto_server: str) -> str:
+    """The suite's moto S3 server (``moto_server`` in ``conftest.py``: one process for
+    every module that uses S3, which take this fixture as ``test_objstore.s3_endpoint``)."""
+    return moto_server
 
 
 def _options(endpoint: str) -> dict[str, Any]:
