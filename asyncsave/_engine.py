@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import os
 import threading
-import time
 import warnings
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -26,50 +24,40 @@ import anyio.to_thread
 import torch
 
 from . import _resume, _update
+from ._admit import Admission
 from ._commit import lock_root, recover
 from ._coord import GlooGroup, Solo, wants_distributed
 from ._errors import (
     CheckpointerClosedError,
-    CheckpointError,
     CheckpointTimeoutError,
     CheckpointWarning,
-    InvalidStateError,
-    InvalidStepError,
-    ProtectedCheckpointError,
     RootInUseError,
     SaveFailedError,
-    StagingBudgetError,
 )
-from ._format import FileLayout, staging_nbytes
 from ._fsspec import open_root
 from ._handle import SaveHandle
-from ._incremental import Reuse, incremental_layout
-from ._jobs import Job, PlainJob, contains_dtensor, dtensor_job_class, manifest_doc
-from ._load import (
-    info_of,
-    read_checkpoint,
-)
-from ._manifest import check_training_info
+from ._incremental import Reuse
 from ._options import CheckpointOptions
 from ._paths import LAYOUTS
-from ._pipeline import Saver, WorkerDiedError, as_save_error
-from ._plan import Plan, ViewCache
+from ._pipeline import Saver, WorkerDiedError
 from ._policy import AgreedPolicy, SavePolicy
-from ._replan import Planner, admitting, plan_off_loop
-from ._stage import StagingPool, producer_events
+from ._replan import Planner
+from ._stage import StagingPool
 from ._template import warned
 from ._tiers import Persister, load_nearest
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
 
-__all__ = ["Checkpointer", "SaveHandle", "WorkerDiedError"]
+__all__ = [
+    "Checkpointer",
+    "SaveHandle",
+    "WorkerDiedError",
+    "admission_of",
+    "load_latest_and_warning",
+    "retain",
+]
 
 logger = logging.getLogger(__name__)
-
-_MAX_STEP = 2**63 - 1
-# Names other modules used before the pipeline had a module of its own.
-_as_save_error = as_save_error
-_manifest_doc = manifest_doc
 
 
 async def _resume_from(
@@ -89,18 +77,6 @@ async def _resume_from(
         )
     return await _resume.load_latest(
         saver, template, device=device, fallback=fallback, required=required, strict=strict
-    )
-
-
-def _not_saved_again(step: int, state: str, path: Any) -> CheckpointWarning:
-    """The warning of a ``save()`` of a step already ``state`` ("committed" or "in
-    flight"): a no-op that drops the state it was given (decisions.md)."""
-    return CheckpointWarning(
-        f"step {step} is already {state}: this save() is a no-op returning the first "
-        "save's handle, and the state passed now is not written (pass overwrite=True to "
-        "replace it; or does the step counter not advance between saves?)",
-        step=step,
-        path=path,
     )
 
 
@@ -204,7 +180,9 @@ class Checkpointer:
         self._lock_fd: int | None = None
         self._loop_thread: int | None = None  # the thread running the event loop
         self._planner = Planner()  # plans reused while the state's structure holds
-        self._planning: anyio.Lock | None = None
+        self._admission = Admission(
+            self._saver, self._tiers, self.options, self.layout, self._planner, self._reuse
+        )
 
     # The saver's state, under the names the integrations and tests know.
     _fs = property(lambda s: s._saver.fs, lambda s, v: setattr(s._saver, "fs", v))
@@ -234,7 +212,7 @@ class Checkpointer:
         if saver.state != "new":
             raise CheckpointerClosedError("a Checkpointer can be entered only once", path=self.root)
         saver.pool = StagingPool(self.options.budget_bytes)
-        self._planning = anyio.Lock()
+        self._admission.lock = anyio.Lock()
         self._loop_thread = threading.get_ident()
         saver.limiter = anyio.CapacityLimiter(self.options.writer_threads)
         if wants_distributed(self.options.distributed):
@@ -462,64 +440,13 @@ class Checkpointer:
             returns its handle; see the class docstring), or still staging when
             close gave up after ``close_timeout_s``.
         """
-        step, notes = self._vet(step, overwrite)
+        admission = self._admission
+        step, notes = admission.vet(step, overwrite)
         for note in notes:  # the caller's line (save() is a coroutine awaited there)
             warnings.warn(note, stacklevel=2)
-        return await self._save(
-            step, state, overwrite=overwrite, ready=None, training_info=training_info, lazy=lazy
+        return await admission.submit(
+            step, state, overwrite=overwrite, training_info=training_info, lazy=lazy
         )
-
-    def _vet(self, step: Any, overwrite: bool) -> tuple[int, list[CheckpointWarning]]:
-        """The checks of :meth:`save` that need no waiting: the step as an int, and
-        the :class:`CheckpointWarning` objects the call deserves (below the tracked
-        step, step 0 skipped, already committed or in flight).
-
-        Nothing waits here, so nothing changes between this and the ``_save`` that
-        follows on the event loop. The facades issue the warnings in the caller's
-        thread with the caller's line before calling ``_save`` (an error filter
-        there stops the save); ``_save`` itself never warns: it may run on the
-        portal's thread of :class:`SyncCheckpointer`, where a warning would name
-        anyio's frames and escape the caller's filters (review of item 7).
-
-        :raises CheckpointerClosedError: see :meth:`save`.
-        :raises InvalidStepError: see :meth:`save`.
-        """
-        self._saver.check_usable()
-        if type(step) is not int and not isinstance(step, bool):
-            try:  # NumPy and 0-dim torch integers (anything with __index__)
-                step = operator.index(step)
-            except TypeError:
-                pass
-        if type(step) is not int or not 0 <= step <= _MAX_STEP:
-            raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
-        notes: list[CheckpointWarning] = []
-        path = self.root / self.layout.dir_name(step)
-        # One warning per call, for what happens to it: skipped (step 0), a no-op
-        # (in flight or committed), or saved but never resumed (below the tracker).
-        if step == 0 and not self.options.save_step_zero:
-            notes.append(
-                CheckpointWarning(
-                    "not saving step 0: a checkpoint of the untrained state is almost always "
-                    "an off-by-one (pass save_step_zero=True to save it)",
-                    step=0,
-                )
-            )
-        elif not overwrite and step in self._pending:
-            notes.append(_not_saved_again(step, "in flight", path))
-        elif not overwrite and step in self._committed and step != self._resumed_step:
-            notes.append(_not_saved_again(step, "committed", path))
-        elif self.tracked_step is not None and step < self.tracked_step:
-            # The user's intent is likely wrong: a warning (decisions.md).
-            notes.append(
-                CheckpointWarning(
-                    f"saving step {step} below the tracked step {self.tracked_step}: the "
-                    f"tracker stays at {self.tracked_step} and resume loads that (did the "
-                    "run skip load_latest()?)",
-                    step=step,
-                    path=self.root / self.layout.dir_name(self.tracked_step),
-                )
-            )
-        return step, notes
 
     async def staged(self) -> None:
         """Wait until every lazy save of this checkpointer is staged: after this the
@@ -532,149 +459,6 @@ class Checkpointer:
             await next(iter(self._lazy.values()))._staged.wait()
         if self._failure is not None:
             raise self._failure
-
-    async def _save(
-        self,
-        step: int,
-        state: Any,
-        *,
-        overwrite: bool,
-        ready: dict[torch.device, Any] | None,
-        training_info: dict[str, Any] | None = None,
-        lazy: bool = False,
-    ) -> SaveHandle:
-        """The body of :meth:`save`; ``ready`` are CUDA events recorded by the caller's
-        thread (the synchronous facade records them before crossing threads)."""
-        t0 = time.perf_counter()
-        step, _ = self._vet(step, overwrite)  # the caller issued its warnings
-        info_doc = check_training_info(training_info)
-        if info_doc.get("step", step) != step:
-            raise InvalidStateError(
-                f"training_info['step'] is {info_doc['step']!r} but this is step {step}",
-                key="training_info",
-                step=step,
-            )
-        if step == 0 and not self.options.save_step_zero:
-            return SaveHandle.resolved(0, None, skipped=True)
-        if step == self._resumed_step and overwrite:
-            raise ProtectedCheckpointError(
-                f"step {step} is the checkpoint this run resumed from; it is never rewritten",
-                step=step,
-                path=self.root / self.layout.dir_name(step),
-            )
-        # One save() at a time from here to its dispatch: planning awaits a worker
-        # thread, and saves must still be admitted in the order of their calls (the
-        # ranks' tickets) and a step only once. While it plans, the save counts as
-        # admitted: a close begun meanwhile waits for it (a close never drops an admitted save). Leaving the lock
-        # does not yield, and dispatch() makes the save pending before it first
-        # yields: no other save() runs in between.
-        assert self._planning is not None
-        async with self._planning, admitting(self._saver.queued, step):
-            pending = self._pending.get(step)
-            if pending is not None and not overwrite:
-                # The first call may still be staging: the caller may mutate its
-                # tensors once we return, so the snapshot must be taken by then.
-                await pending._staged.wait()
-                return pending
-            if overwrite and self._saver.busy(step):  # one save (or copy) of a step at a time
-                await self._saver.queue_behind(step, "overwrite")
-            if step in self._committed and not overwrite:
-                if step == self._resumed_step:  # saving right after resuming: harmless
-                    logger.info("step %d is the checkpoint this run resumed from; kept as is", step)
-                return SaveHandle.resolved(step, await self._committed_info(step))
-            if step in self._committed and not self._saver.strategy.renames:
-                raise CheckpointError(
-                    f"cannot overwrite step {step} on {self._fs!r}: without an atomic rename "
-                    "the new files would replace the committed ones before the new commit",
-                    step=step,
-                    path=self.root / self.layout.dir_name(step),
-                )
-            saver = self._saver
-            job: Job | BaseException
-            try:
-                job = await self._job_of(state)
-            except Exception as exc:  # with several ranks, the others hear of it
-                job = exc
-            if isinstance(job, Job) and lazy and ready is None:
-                cuda_devices = {d for d in job.devices() if d.type == "cuda"}
-                if cuda_devices:
-                    # The copies run later: they must see only what was queued before now.
-                    ready = producer_events(cuda_devices)
-            if self._tiers is not None:  # a slot in the persisting queue, in save() order
-                await self._tiers.reserve(step)
-        return await (self._tiers or saver).dispatch(
-            step, job, t0=t0, ready=ready, overwrite=overwrite, lazy=lazy, training_info=info_doc
-        )
-
-    async def _job_of(self, state: Any) -> Job:
-        """The job that snapshots ``state`` on this rank: DTensor state goes through
-        DCP's planner (the integration's job), on one rank or several, so that
-        ``load_latest`` reshards it to any world size; any other state is a plain
-        tree, planned in a worker thread (the plan of the previous save reused
-        while the structure holds, ``_replan``) and streamed through a smaller
-        explicit budget."""
-        coord = self._saver.coord
-        if contains_dtensor(state):
-            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-            if coord.world_size == 1 and world > 1:
-                raise CheckpointError(
-                    f"DTensor state of {world} ranks is saved by a "
-                    "Checkpointer that spans them: open it with distributed=None (the "
-                    "default) or True on every rank",
-                    path=self.root,
-                )
-            if not self._saver.strategy.renames:
-                raise CheckpointError(
-                    f"DTensor state goes through DCP's planner and asyncsave.dcp's writer, "
-                    f"which write into a temporary directory renamed at the commit; "
-                    f"{self.root} is on {self._saver.fs!r} (commit by marker): save it to "
-                    "a shared POSIX file system root",
-                    path=self.root,
-                )
-            job: Job = dtensor_job_class()(state)
-            return job
-        plan, layouts, nbytes = await plan_off_loop(
-            self._planner,
-            state,
-            allow_pickle=self.options.allow_pickle,
-            rank=coord.rank,
-            max_files=self.options.writer_threads,
-        )
-        return await self._plain_job(plan, layouts, nbytes)
-
-    async def _plain_job(self, plan: Plan, layouts: list[FileLayout], nbytes: int) -> Job:
-        coord = self._saver.coord
-        incremental = self.options.incremental and coord.world_size == 1
-        if incremental:
-            # Files of their own (one per large tensor, row chunks of grown ones):
-            # the reused layout, and the staging views made for it, do not apply.
-            plan.staging_views = ViewCache()
-            layouts, nbytes = await anyio.to_thread.run_sync(self._incremental_layout, plan)
-        budget = self.options.budget_bytes
-        rounds = None
-        if budget and nbytes > budget:
-            if coord.world_size > 1 and not self._saver.strategy.renames:
-                raise StagingBudgetError(
-                    f"rank {coord.rank}'s state needs {nbytes} bytes of staging, over "
-                    f"budget_bytes={budget}: on several ranks a state larger than the "
-                    f"budget streams through a directory of the rank's own, moved into "
-                    f"the save's by rename, which {self._saver.fs!r} cannot do (it would "
-                    "upload every byte twice); give each rank a budget its state fits",
-                )
-            # The rounds are planned (and a tensor that cannot be cut refused) up front.
-            rounds = self._planner.rounds(plan, layouts, budget)
-        job = PlainJob(plan, layouts, nbytes, rounds)
-        if incremental and rounds is None:
-            job.reuse = self._reuse
-        elif self.options.incremental:
-            self._reuse.written_in_full("streamed" if incremental else "several ranks")
-        return job
-
-    def _incremental_layout(self, plan: Any) -> tuple[list[Any], int]:
-        # In a worker thread: 100,000 entries take about a second to lay out.
-        chunks = self._reuse.split_rows(plan)
-        layouts = incremental_layout(plan.entries, rank=self._saver.coord.rank, own=chunks)
-        return layouts, staging_nbytes(layouts)
 
     def agree(self, policy: SavePolicy) -> AgreedPolicy:
         """``policy`` with answers every rank agrees on: each ``should_save(step)``
@@ -689,14 +473,6 @@ class Checkpointer:
         if self._state != "open":
             raise CheckpointerClosedError("agree() needs an open Checkpointer", path=self.root)
         return AgreedPolicy(policy, self._saver.coord.vote)
-
-    async def _committed_info(self, step: int) -> CheckpointInfo:
-        info = self._committed.get(step)
-        if info is None:
-            path = self.root / self.layout.dir_name(step)
-            info = info_of(path, await anyio.to_thread.run_sync(read_checkpoint, self._fs, path))
-            self._committed[step] = info
-        return info
 
     async def update(self, step: int, key: str, value: Any) -> CheckpointInfo:
         """Replace one top-level item of a checkpoint this run committed, atomically.
@@ -804,3 +580,27 @@ class Checkpointer:
     def staging_pool(self) -> StagingPool | None:
         """The staging pool (for inspection: capacity, allocations)."""
         return self._pool
+
+
+# The internal entry points of the integrations and facades (``asyncsave._sync``,
+# ``asyncsave.megatron``, ``asyncsave.lightning``): named functions, so that no
+# module outside this one reaches into a checkpointer's private members.
+def admission_of(ckpt: Checkpointer) -> Admission:
+    """The admission through which every save of ``ckpt`` enters its pipeline."""
+    return ckpt._admission
+
+
+async def retain(ckpt: Checkpointer, step: int) -> None:
+    """Run ``ckpt``'s retention pass as after the commit of ``step`` (bounded by
+    ``save_timeout_s``; never deletes the tracked, an in-flight or the resumed-from
+    checkpoint)."""
+    await ckpt._saver.retain(step)
+
+
+async def load_latest_and_warning(
+    ckpt: Checkpointer, *args: Any
+) -> tuple[Restored | None, CheckpointWarning | None]:
+    """:meth:`Checkpointer.load_latest` (same positional arguments) and the
+    warning of a ``strict=False`` load that left something out, for a facade to
+    issue on its caller's thread."""
+    return await ckpt._load_latest(*args)

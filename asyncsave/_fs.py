@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ._errors import LockUnavailableError
 
-__all__ = ["LOCK_MODES", "LocalFileSystem", "check_lock_mode"]
+__all__ = ["LOCK_MODES", "LocalFileSystem", "check_lock_mode", "holds_lock"]
 
 #: The values of the ``lock`` option: ``"flock"`` (an exclusive ``flock(2)`` on the
 #: root's lock file and on each temporary directory of a save in flight) or
@@ -60,6 +60,14 @@ def _close_locks_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_close_locks_in_child)
+
+
+def holds_lock(fd: int) -> bool:
+    """Whether ``fd`` is a lock descriptor this process still holds (not
+    released, nor closed in a forked child)."""
+    return fd in _LOCK_FDS
+
+
 _AT_FDCWD = -100
 
 

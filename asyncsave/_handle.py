@@ -17,7 +17,7 @@ import anyio
 from ._errors import WaitTimeoutError
 from ._types import CheckpointInfo, SaveProgress
 
-__all__ = ["ProgressCounter", "SaveHandle"]
+__all__ = ["ProgressCounter", "SaveHandle", "persist_outcome", "wait_staged_blocking"]
 
 
 class ProgressCounter:
@@ -231,3 +231,30 @@ class SaveHandle:
             self._staged_error = error
         self._mark_staged()
         self._done.set()
+
+
+# Read from a thread that is not the event loop's (``asyncsave._sync``).
+def wait_staged_blocking(handle: SaveHandle, timeout_s: float | None) -> bool:
+    """Block the calling thread (never an event loop's) until ``handle``'s snapshot
+    is complete; ``False`` if ``timeout_s`` (seconds) passed first.
+
+    :raises SaveFailedError: the save ended before its snapshot was taken.
+    """
+    if not handle._staged_thread.wait(timeout_s):
+        return False
+    if handle._staged_error is not None:
+        raise handle._staged_error
+    return True
+
+
+def persist_outcome(handle: SaveHandle) -> tuple[bool, CheckpointInfo | None]:
+    """``(settled, info)`` of ``handle``'s copy to the persistent tier, read from
+    any thread without waiting; ``(False, None)`` while it runs.
+
+    :raises SaveFailedError: the copy settled and failed.
+    """
+    if not handle._persisted.is_set():
+        return False, None
+    if handle._persist_error is not None:
+        raise handle._persist_error
+    return True, handle._persisted_info

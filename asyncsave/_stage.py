@@ -47,7 +47,9 @@ __all__ = [
     "StagedMark",
     "StagingAbandonedError",
     "StagingPool",
+    "copy_cpu",
     "copy_following",
+    "destination",
     "producer_events",
     "snapshot_eager_entries",
     "stage_entries",
@@ -246,7 +248,7 @@ def _unregister(buf: torch.Tensor) -> None:
         logger.warning("cudaHostUnregister failed: %s", err)
 
 
-def _destination(buffer: torch.Tensor, e: Entry) -> torch.Tensor:
+def destination(buffer: torch.Tensor, e: Entry) -> torch.Tensor:
     raw = buffer[e.staging_offset : e.staging_offset + e.nbytes]
     if e.is_blob:
         return raw
@@ -289,17 +291,17 @@ def _views(
     entries: list[Entry],
     cache: ViewCache | None,
 ) -> list[torch.Tensor]:
-    """Every entry's destination in ``buffer`` (see :func:`_destination`), made
+    """Every entry's destination in ``buffer`` (see :func:`destination`), made
     once per plan structure and arena when ``cache`` is the plan's
     ``staging_views`` (a 10,000-tensor state then costs no Python call per tensor
     to find its place)."""
     if cache is None:
-        return [_destination(buffer, e) for e in entries]
+        return [destination(buffer, e) for e in entries]
     key = (buffer.data_ptr(), buffer.numel())
     views = cache.get(key)
     if views is None or len(views) != len(entries):
         cache.clear()  # one arena at a time: an old one's views would keep it alive
-        views = cache[key] = [_destination(buffer, e) for e in entries]
+        views = cache[key] = [destination(buffer, e) for e in entries]
     return views
 
 
@@ -331,7 +333,7 @@ def _copy_batched(
         torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
-def _copy_cpu(
+def copy_cpu(
     buffer: torch.Tensor,
     entries: list[Entry],
     cache: ViewCache | None = None,
@@ -416,7 +418,7 @@ def copy_following(
     entries larger than a step (contiguous, not blobs) in byte pieces, blobs and
     other dtypes one by one. Blocking (a worker thread); on error or cancellation
     of the caller, ``mark`` is failed by the caller."""
-    with gc_paused():  # 1,000s of views: see _copy_cpu
+    with gc_paused():  # 1,000s of views: see copy_cpu
         _copy_following(buffer, entries, layouts, views, mark, on_staged)
 
 
@@ -538,7 +540,7 @@ def snapshot_eager_entries(plan: Plan, ready: dict[torch.device, Any] | None) ->
     re-recorded after the clones, so the staging copies see them. It costs device
     memory of those entries' size (buffers and small tensors only, freed once
     staged). Returns the bytes copied."""
-    with gc_paused():  # 1,000s of clones: see _copy_cpu
+    with gc_paused():  # 1,000s of clones: see copy_cpu
         return _snapshot_eager(plan, ready)
 
 
@@ -679,7 +681,7 @@ def _enqueue_cuda(
     device memory staging allocates, reused batch after batch on the stream) and
     copied to the host by one copy per batch (see :func:`gather_batches`); every
     other source is either contiguous or staged as its raw storage span."""
-    with gc_paused():  # see _copy_cpu
+    with gc_paused():  # see copy_cpu
         _enqueue_cuda_now(buffer, entries, ready, done)
 
 
@@ -799,7 +801,7 @@ async def stage_entries(
             if views is not None and lease._pool is not None:
                 lease._pool.views.add(views)
             await anyio.to_thread.run_sync(
-                _copy_cpu, buffer, cpu, views if len(cpu) == len(entries) else None, on_staged
+                copy_cpu, buffer, cpu, views if len(cpu) == len(entries) else None, on_staged
             )
         if not await _wait_events(events, poll_interval_s, deadline):
             raise CheckpointTimeoutError(

@@ -21,8 +21,9 @@ from typing import Any
 import anyio.from_thread
 import torch
 
-from ._engine import Checkpointer, SaveHandle
+from ._engine import Checkpointer, SaveHandle, admission_of, load_latest_and_warning
 from ._errors import CheckpointerClosedError, CheckpointWarning, WaitTimeoutError
+from ._handle import persist_outcome, wait_staged_blocking
 from ._options import CheckpointOptions
 from ._policy import AgreedPolicy, SavePolicy, signal_holds
 from ._stage import producer_events
@@ -63,12 +64,10 @@ class SyncSaveHandle:
         :raises SaveFailedError: the save ended before its snapshot was taken.
         :raises WaitTimeoutError: ``timeout_s`` passed first.
         """
-        if not self._handle._staged_thread.wait(timeout_s):
+        if not wait_staged_blocking(self._handle, timeout_s):
             raise WaitTimeoutError(
                 f"step {self.step} was not staged within {timeout_s} s", step=self.step
             )
-        if self._handle._staged_error is not None:
-            raise self._handle._staged_error
 
     def persisted(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         """Block until the checkpoint is committed on the persistent tier too; see
@@ -77,11 +76,10 @@ class SyncSaveHandle:
         handle = self._handle
         if not handle.due_to_persist:
             return None
-        if not handle._persisted.is_set():
+        settled, info = persist_outcome(handle)
+        if not settled:
             return self._portal.call(handle.persisted, timeout_s)
-        if handle._persist_error is not None:
-            raise handle._persist_error
-        return handle._persisted_info
+        return info
 
     def result(self, timeout_s: float | None = None) -> CheckpointInfo | None:
         """Block until the checkpoint is committed and tracked; see
@@ -210,14 +208,14 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         # save is in flight; the save, once accepted, is flushed by that exit
         # and its handle is returned all the same.
         portal = self._running_portal()
-        ckpt = self._ckpt
+        admission = admission_of(self._ckpt)
 
         async def save(vetted: bool) -> SaveHandle | list[CheckpointWarning]:
             if not vetted:
-                _, notes = ckpt._vet(step, overwrite)
+                _, notes = admission.vet(step, overwrite)
                 if notes:  # for the caller's thread to issue first
                     return notes
-            return await ckpt._save(
+            return await admission.submit(
                 step,
                 state,
                 overwrite=overwrite,
@@ -230,8 +228,8 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         if isinstance(handle, list):
             # Issued here, not on the portal's thread: the caller's filters apply
             # (an error filter raises before anything is saved) and the warning
-            # names the caller's line. The checks are repeated (not warned) by
-            # _save; a save of another thread in between may make these stale.
+            # names the caller's line. submit() decides again (without warning):
+            # a save of another thread in between may make these stale.
             for note in handle:
                 warnings.warn(note, stacklevel=2)
             handle = portal.call(save, True)
@@ -262,5 +260,7 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
     ) -> Restored | None:
         """See :meth:`Checkpointer.load_latest`. A ``strict=False`` warning is
         issued on the calling thread, naming the caller's line."""
-        found = self._call(self._ckpt._load_latest, template, device, fallback, required, strict)
+        found = self._call(
+            load_latest_and_warning, self._ckpt, template, device, fallback, required, strict
+        )
         return warned(found, 3)

@@ -118,8 +118,9 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from ._atomicity import commit_dir, discard, make_held_temp_dir
 from ._bits import clone_bits, flat_bytes
-from ._commit import commit_dir, discard, hold_root, make_held_temp_dir
+from ._commit import hold_root
 from ._dcp_read import DCP_METADATA_NAME, read_dcp_metadata
 from ._errors import (
     CheckpointError,
@@ -130,14 +131,14 @@ from ._errors import (
     SaveFailedError,
 )
 from ._format import SAFETENSORS_DTYPES, layout_files, staging_nbytes
-from ._fs import _LOCK_FDS, LocalFileSystem, check_lock_mode
+from ._fs import LocalFileSystem, check_lock_mode, holds_lock
 from ._fsspec import check_root
-from ._jobs import Job, Services
+from ._jobs import Job, Services, register_job
 from ._load import latest
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest, torch_dtype
 from ._paths import LAYOUTS, MANIFEST_NAME
 from ._plan import Entry
-from ._stage import Lease, _copy_cpu, _destination
+from ._stage import Lease, copy_cpu, destination
 from ._track import advance_tracker
 from ._write import write_bytes, write_data_file
 
@@ -213,7 +214,7 @@ def write_part(
         lengths.append(n)
     layouts = layout_files(entries, rank=rank, max_files=1)
     buffer = torch.empty(staging_nbytes(layouts), dtype=torch.uint8)
-    _copy_cpu(buffer, entries)
+    copy_cpu(buffer, entries)
     for fl in layouts:
         for i, digest in write_data_file(fs, tmp, fl, entries, buffer).items():
             entries[i].digest = digest
@@ -719,7 +720,7 @@ def _release_all(fs: LocalFileSystem, handed: dict[str, int]) -> None:
     """Release every handed-over lock of a writer that is collected."""
     while handed:
         fd = handed.popitem()[1]
-        if fd in _LOCK_FDS:  # not closed already (a forked child closes its copies)
+        if holds_lock(fd):  # not closed already (a forked child closes its copies)
             with contextlib.suppress(OSError):
                 fs.unlock(fd)
 
@@ -905,7 +906,8 @@ class DTensorJob(Job):
     several ranks: each DTensor's local shard (and every plain tensor) is staged
     in the rank's pool, then written through DCP's planner on asyncsave's group
     into the save's temporary directory, so that ``dcp.load`` reshards it. The
-    core names this class by string (``asyncsave._jobs.DTENSOR_JOB``).
+    core names this module by string (``asyncsave._jobs.DTENSOR_JOB``) and
+    reaches this class through :func:`dtensor_job`, registered on import.
 
     A non-contiguous CUDA shard is made contiguous on its device first (FSDP2's
     shards are contiguous).
@@ -982,7 +984,7 @@ class DTensorJob(Job):
             timeout_s=saver.options.save_timeout_s,
             ready=ready,
         )
-        views = iter([_destination(lease.buffer, e) for e in entries])
+        views = iter([destination(lease.buffer, e) for e in entries])
 
         def rebuild(x: Any) -> Any:
             if isinstance(x, DTensor):
@@ -1045,6 +1047,36 @@ class DTensorJob(Job):
     def release(self) -> None:
         if self.lease is not None:
             self.lease.release()
+
+
+def dtensor_job(state: Any, saver: Any) -> DTensorJob:
+    """The job of DTensor ``state`` saved through ``saver`` (the checkpointer's
+    pipeline), registered with the core's job registry on import: the checks
+    that belong to this route are made here, before anything is staged.
+
+    :raises CheckpointError: the checkpointer does not span the ranks that hold
+        the DTensors, or its root commits by marker (DCP's writer renames).
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if saver.coord.world_size == 1 and world > 1:
+        raise CheckpointError(
+            f"DTensor state of {world} ranks is saved by a "
+            "Checkpointer that spans them: open it with distributed=None (the "
+            "default) or True on every rank",
+            path=saver.root,
+        )
+    if not saver.strategy.renames:
+        raise CheckpointError(
+            f"DTensor state goes through DCP's planner and asyncsave.dcp's writer, "
+            f"which write into a temporary directory renamed at the commit; "
+            f"{saver.root} is on {saver.fs!r} (commit by marker): save it to "
+            "a shared POSIX file system root",
+            path=saver.root,
+        )
+    return DTensorJob(state)
+
+
+register_job(__name__, dtensor_job)
 
 
 # -- async saves beside training ------------------------------------------------

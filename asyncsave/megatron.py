@@ -107,13 +107,13 @@ import anyio
 import anyio.to_thread
 
 from ._coord import GlooGroup
-from ._engine import Checkpointer
-from ._errors import CheckpointError, RankFailedError
+from ._engine import Checkpointer, admission_of
+from ._errors import CheckpointError
 from ._handle import SaveHandle
 from ._jobs import Job, Services
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION
 from ._plan import Entry
-from ._stage import Lease, _destination, lease_and_stage
+from ._stage import Lease, destination, lease_and_stage
 
 __all__ = ["MegatronSaver"]
 
@@ -136,22 +136,24 @@ class MegatronSaver:
     """
 
     def __init__(self, ckpt: Checkpointer) -> None:
-        if ckpt._dist is None:
+        admission = admission_of(ckpt)
+        saver = admission.saver
+        if not isinstance(saver.coord, GlooGroup):
             raise CheckpointError(
                 "MegatronSaver needs a distributed Checkpointer (init_process_group, "
                 "and distributed=True for a single rank)",
                 path=ckpt.root,
             )
-        if not ckpt._saver.strategy.renames:
+        if not saver.strategy.renames:
             raise CheckpointError(
                 "megatron-core's writers do local file I/O into the directory prepare() "
-                f"returns; {ckpt.root} is on {ckpt._saver.fs!r} (commit by marker): use a "
+                f"returns; {ckpt.root} is on {saver.fs!r} (commit by marker): use a "
                 "shared POSIX file system root",
                 path=ckpt.root,
             )
         self.ckpt = ckpt
-        self._ctx: GlooGroup = ckpt._dist
-        self._prepared: tuple[int, int, str] | None = None
+        self._admission = admission
+        self._prepared: tuple[int, int, Path] | None = None
 
     async def prepare(self, step: int) -> Path:
         """Agree on the temporary directory of ``step`` (every rank, same order as
@@ -163,34 +165,11 @@ class MegatronSaver:
 
         :raises RankFailedError: rank 0 could not create it, or a rank died.
         """
-        ckpt, ctx = self.ckpt, self._ctx
-        ckpt._saver.check_usable()
         if self._prepared is not None:
             raise CheckpointError(f"prepare({self._prepared[0]}) was never followed by save()")
-        ticket = ctx.take_ticket()
-        try:
-            await ctx.wait_turn(ticket)
-            name: str | None = None
-            if ctx.rank == 0:
-                try:
-                    name = (await ckpt._saver.make_tmp(step)).name
-                except Exception as exc:
-                    name = f"error: {exc!r}"
-            name = await ctx.broadcast("temp-dir", name, step)
-            assert isinstance(name, str)
-            if name.startswith("error: "):
-                raise RankFailedError(
-                    f"rank 0 could not create the temporary directory of step {step}: "
-                    f"{name.removeprefix('error: ')}",
-                    step=step,
-                    rank=0,
-                    ranks={0: name.removeprefix("error: ")},
-                )
-        except BaseException:
-            ctx.end_turn(ticket)
-            raise
-        self._prepared = (step, ticket, name)
-        return ckpt.root / name
+        ticket, tmp = await self._admission.prepare(step)
+        self._prepared = (step, ticket, tmp)
+        return tmp
 
     @contextlib.contextmanager
     def building(self, step: int) -> Iterator[None]:
@@ -226,18 +205,16 @@ class MegatronSaver:
         :raises CheckpointError: no :meth:`prepare` of ``step`` came first.
         :raises StagingBudgetError: the tensors exceed an explicit ``budget_bytes``.
         """
-        ckpt = self.ckpt
         if self._prepared is None or self._prepared[0] != step:
             raise CheckpointError(f"save({step}) needs prepare({step}) first", step=step)
-        _, ticket, name = self._prepared
+        _, ticket, tmp = self._prepared
         self._prepared = None
-        t0 = time.perf_counter()
         job: MegatronJob | BaseException
         try:
             job = MegatronJob(request)
         except Exception as exc:
             job = exc
-        return await ckpt._saver.dispatch(step, job, t0=t0, ticket=ticket, tmp=ckpt.root / name)
+        return await self._admission.submit_job(step, job, ticket=ticket, tmp=tmp)
 
 
 class MegatronJob(Job):
@@ -295,7 +272,7 @@ class MegatronJob(Job):
         it = iter(entries)
         for file_name, storage_key, (bytes_data, tensor_data) in buckets:
             staged_tensors = [
-                (item, _destination(lease.buffer, next(it))) for item, _ in tensor_data
+                (item, destination(lease.buffer, next(it))) for item, _ in tensor_data
             ]
             staged.append((file_name, storage_key, (bytes_data, staged_tensors)))
         self.buckets = staged

@@ -91,8 +91,7 @@ def planned(sizes: list[int]) -> tuple[Any, Any, torch.Tensor]:
     page-aligned buffer: (layout, entries, buffer)."""
     import anyio
 
-    from asyncsave._engine import plan_off_loop
-    from asyncsave._replan import Planner
+    from asyncsave._replan import Planner, plan_off_loop
 
     g = torch.Generator().manual_seed(len(sizes))
     state = {
