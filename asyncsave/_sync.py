@@ -30,7 +30,7 @@ from ._stage import producer_events
 from ._template import warned
 from ._types import CheckpointInfo, Restored, SaveProgress
 
-__all__ = ["SyncCheckpointer", "SyncSaveHandle"]
+__all__ = ["SyncCheckpointer", "SyncSaveHandle", "run_on_loop"]
 
 logger = logging.getLogger(__name__)
 
@@ -264,3 +264,13 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
             load_latest_and_warning, self._ckpt, template, device, fallback, required, strict
         )
         return warned(found, 3)
+
+
+def run_on_loop(ckpt: SyncCheckpointer, func: Any, *args: Any) -> Any:
+    """Run ``func(*args)`` (a coroutine function) on ``ckpt``'s event loop and
+    return its result (an integration's call into the engine, e.g.
+    :func:`asyncsave._engine.retain`).
+
+    :raises CheckpointerClosedError: ``ckpt`` is not inside its ``with`` block.
+    """
+    return ckpt._call(func, *args)

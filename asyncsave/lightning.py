@@ -72,6 +72,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
+from ._engine import retain
 from ._errors import (
     CheckpointNotFoundError,
     CheckpointWarning,
@@ -85,7 +86,7 @@ from ._load import latest, load
 from ._options import CheckpointOptions
 from ._paths import MANIFEST_NAME, temp_file_name
 from ._retention import Candidate, Retention
-from ._sync import SyncCheckpointer, SyncSaveHandle
+from ._sync import SyncCheckpointer, SyncSaveHandle, run_on_loop
 from ._write import write_bytes
 
 __all__ = ["POINTER_FORMAT", "AsyncsaveCheckpointIO", "read_pointer"]
@@ -317,8 +318,7 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         if ckpt is not None and tracked is not None:
             # A retention pass now, under the checkpointer's own rules and locks
             # (the pointer's step may still be in flight: then after its commit).
-            saver = ckpt.checkpointer._saver
-            ckpt._call(saver.retain, tracked)
+            run_on_loop(ckpt, retain, ckpt.checkpointer, tracked)
 
     def _referenced_steps(self) -> set[int] | None:
         """The steps a pointer names, or ``None`` when a pointer directory or
@@ -444,7 +444,7 @@ class AsyncsaveCheckpointIO(CheckpointIO):
                         writer.shutdown(wait=True)
                 tracked = ckpt.checkpointer.tracked_step
                 if tracked is not None and self._error is None:
-                    ckpt._call(ckpt.checkpointer._saver.retain, tracked)
+                    run_on_loop(ckpt, retain, ckpt.checkpointer, tracked)
         except BaseException as exc:
             error = exc
         finally:
