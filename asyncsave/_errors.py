@@ -88,6 +88,7 @@ __all__ = [
     "TemplateMismatchError",
     "UncommittedCheckpointError",
     "UnsafeLoadError",
+    "UnsupportedCombinationError",
     "UnsupportedFormatError",
     "UnsupportedTensorError",
     "UnsupportedTypeError",
@@ -225,6 +226,17 @@ class StagingBudgetError(CheckpointError, ValueError):
     share of the budget, or the budget cannot be split between the data files.
 
     Raised by ``save()`` before anything is written; the engine stays usable.
+    """
+
+
+class UnsupportedCombinationError(CheckpointError, ValueError):
+    """Options of a save that do not combine in its context (its number of
+    ranks, a root that commits by rename or by marker, CPU or CUDA tensors): the
+    message names the option, the context and the way forward. The table of what
+    combines is ``docs/guides/combinations.md``.
+
+    Raised by ``save()`` before anything is staged or written; the engine stays
+    usable.
     """
 
 

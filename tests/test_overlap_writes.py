@@ -606,13 +606,13 @@ async def test_a_later_save_does_not_keep_an_earlier_one_from_following(
     Step 1 follows (only saves dispatched before it count); step 2, behind an
     unfinished step 1, does not."""
     decided: dict[int, bool] = {}
-    real = asyncsave._jobs.PlainJob._follows
+    real = asyncsave._jobs.FollowingJob.follows
 
-    def follows(self: asyncsave._jobs.PlainJob, saver: Any, step: int) -> bool:
+    def follows(self: asyncsave._jobs.FollowingJob, saver: Any, step: int) -> bool:
         decided[step] = real(self, saver, step)
         return decided[step]
 
-    monkeypatch.setattr(asyncsave._jobs.PlainJob, "_follows", follows)
+    monkeypatch.setattr(asyncsave._jobs.FollowingJob, "follows", follows)
     state = state_of(9)
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         first = await ckpt.save(1, state, lazy=True)
