@@ -254,7 +254,7 @@ def test_checkpointer_orchestrates_only() -> None:
     elsewhere. Its code (docstrings aside) stays a few hundred lines."""
     source = inspect.getsource(asyncsave.Checkpointer)
     tree = ast.parse(source)
-    docstrings = set()
+    docstrings: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
@@ -268,3 +268,109 @@ def test_checkpointer_orchestrates_only() -> None:
     ]
     assert len(code) <= 400, len(code)
     assert not any(name.startswith("_pipeline") for name in vars(asyncsave.Checkpointer))
+
+
+# -- one admission; integrations without private members (issue 24, item 3) -----
+# The integrations and facades reach the engine through named seams
+# (``asyncsave._engine.admission_of``, ``retain``, ``asyncsave._sync.run_on_loop``...),
+# never through another module's or object's private members.
+FACADES = ["dcp", "megatron", "lightning", "_sync", "_cli"]
+# Private names of torch's, not asyncsave's, that an integration has to use:
+# ``DTensor._spec`` (rebuilding a staged DTensor), a state dict's ``_metadata``
+# (kept by a copy), the default process group.
+FOREIGN_PRIVATE = {"_spec", "_metadata", "_get_default_group"}
+
+
+def _own_private_names(tree: ast.Module) -> set[str]:
+    """The private names a module defines itself (functions, classes, module
+    variables, ``self._x`` attributes): using them is not reaching into another."""
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+    return {n for n in own if n.startswith("_")}
+
+
+def private_reaches(source: str) -> list[str]:
+    """Where ``source`` uses a private member of another asyncsave module
+    (``from ._m import _name``) or of an object it did not define
+    (``ckpt._saver``, ``handle._staged_error``)."""
+    tree = ast.parse(source)
+    own = _own_private_names(tree)
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (
+            node.level or (node.module or "").startswith("asyncsave")
+        ):
+            found += [
+                f"{node.lineno}: from {node.module} import {a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+            ]
+        elif isinstance(node, ast.Attribute):
+            name = node.attr
+            if not name.startswith("_") or name.startswith("__"):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if name in own or name in FOREIGN_PRIVATE:
+                continue
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return sorted(found)
+
+
+@pytest.mark.parametrize("module", FACADES)
+def test_integrations_use_no_private_member_of_another_module(module: str) -> None:
+    assert private_reaches((PKG / f"{module}.py").read_text()) == []
+
+
+def test_the_private_member_check_sees_each_kind_of_reach() -> None:
+    """The check above can fail: a private import, a reach into a checkpointer's
+    saver, into a handle, and into another object's private method are found;
+    the module's own private names and ``self._x`` are not."""
+    planted = (
+        "from ._fs import _LOCK_FDS, LocalFileSystem\n"
+        "from asyncsave._stage import _destination\n"
+        "_mine = 1\n"
+        "class Saver:\n"
+        "    def __init__(self, ckpt):\n"
+        "        self._ckpt = ckpt\n"
+        "        self._ckpt._saver.check_usable()\n"
+        "    def _own(self, other, handle):\n"
+        "        handle._staged_error\n"
+        "        other._own()\n"
+        "        return ckpt._vet(1, False), _mine\n"
+    )
+    assert set(private_reaches(planted)) == {
+        "1: from _fs import _LOCK_FDS",
+        "2: from asyncsave._stage import _destination",
+        "7: self._ckpt._saver",
+        "9: handle._staged_error",
+        "11: ckpt._vet",
+    }
+
+
+def test_every_save_is_admitted_in_one_place() -> None:
+    """The checks of a save's admission live in ``asyncsave._admit``: the
+    checkpointer, the facade and Megatron's saver hold none of them, and the
+    engine has no DTensor branch (the job registry routes such state)."""
+    from asyncsave import _admit
+
+    used: set[str] = set()
+    for node in ast.walk(ast.parse((PKG / "_engine.py").read_text())):
+        if isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, ast.alias):
+            used.add(node.name)
+    admission = {"InvalidStepError", "save_step_zero", "queue_behind", "resolved"}
+    assert used & (admission | {"contains_dtensor", "dtensor_job_class", "DTensor"}) == set()
+    for module in ("_sync", "megatron", "lightning"):
+        text = (PKG / f"{module}.py").read_text()
+        assert "check_usable" not in text and ".dispatch(" not in text, module
+    assert "def verdict" in inspect.getsource(_admit.Admission)
