@@ -157,15 +157,15 @@ def _missing(fs: LocalFileSystem, root: Path, step: int) -> str:
 
 def _adopt(fs: LocalFileSystem, path: Path, out: TextIO) -> int:
     """Verify one checkpoint copied without its commit marker, then commit it."""
+    from ._atomicity import strategy_for
     from ._commit import adopt
-    from ._marker import is_committed
 
     if path.name == MANIFEST_NAME:
         path = path.parent
     if not fs.exists(path):
         print(f"asyncsave: {path}: no such file or directory", file=sys.stderr)
         return 1
-    was = fs.is_dir(path) and is_committed(fs, path)
+    was = fs.is_dir(path) and strategy_for(fs).passed_commit(fs, path)
     try:
         info = adopt(path, filesystem=fs)
     except CheckpointError as exc:
@@ -177,8 +177,8 @@ def _adopt(fs: LocalFileSystem, path: Path, out: TextIO) -> int:
 
 
 def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
+    from ._atomicity import strategy_for
     from ._load import read_checkpoint, scan_steps
-    from ._marker import is_committed
     from ._track import read_tracker
 
     layout = LAYOUTS[layout_name]
@@ -209,10 +209,11 @@ def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
     print(f"{root}  ({tracker_note})", file=out)
     rc = 0
     steps = scan_steps(fs, root, layout)
+    strategy = strategy_for(fs)
     for step in sorted(steps):
         path = steps[step]
         mark = "*" if step == tracked else " "
-        if not is_committed(fs, path):
+        if not strategy.passed_commit(fs, path):
             print(f" {mark} {path.name:<20} step {step:>10}  {_uncommitted(fs, path)}", file=out)
             continue
         try:

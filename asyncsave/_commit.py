@@ -12,8 +12,11 @@ The protocol, in order (each step durable before the next):
 A crash before 4 leaves only a temporary directory, which the next
 :func:`recover` removes; a crash between 5 and 6 leaves a committed checkpoint the
 tracker does not name yet, and :func:`recover` moves the tracker forward to it.
-Where the I/O layer has no atomic rename (object stores), ``_marker`` commits
+Where the storage has no atomic rename (object stores), ``_marker`` commits
 instead: files go under the final name and a marker written last is the commit.
+The protocol's steps live in ``_atomicity`` (chosen once per root); this module
+holds the root's lock and recovery at open, which asks the protocol whether each
+final-named entry passed its commit point.
 Sources: the ALICE study (OSDI'14) of what crash-consistent update protocols need,
 and verl-project/verl #4667 (tracker moved before the save finished).
 """
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import logging
 import os
 import time
@@ -30,7 +32,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import _marker
+from ._atomicity import discard, move_aside, strategy_for
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -55,9 +57,7 @@ from ._paths import (
     LOCK_NAME,
     MANIFEST_NAME,
     Layout,
-    aside_dir_name,
     is_temp_name,
-    temp_dir_name,
 )
 from ._track import read_tracker, write_tracker
 from ._types import CheckpointInfo
@@ -66,12 +66,8 @@ __all__ = [
     "Recovered",
     "adopt",
     "adopt_checkpoint",
-    "commit_dir",
-    "discard",
     "hold_root",
     "lock_root",
-    "make_held_temp_dir",
-    "make_temp_dir",
     "recover",
 ]
 
@@ -164,156 +160,9 @@ def hold_root(
             fs.unlock(fd)
 
 
-def make_temp_dir(fs: LocalFileSystem, root: Path, step: int) -> Path:
-    """Create a fresh temporary directory for a save of ``step`` under ``root``
-    (the rename protocol; object stores write under the final prefix instead:
-    ``_atomicity.MarkerCommit``)."""
-    path = root / temp_dir_name(step)
-    fs.mkdir(path)
-    return path
-
-
-def make_held_temp_dir(
-    fs: LocalFileSystem, root: Path, step: int, *, lock: str = "flock"
-) -> tuple[Path, int | None]:
-    """:func:`make_temp_dir`, locked (``fs.lock_dir``) so that :func:`recover` in
-    another thread or process leaves it alone until the writer releases it
-    (``fs.unlock``) after its commit or removal. Used by writers that do not hold
-    the root's lock while they write (the standalone DCP writer).
-
-    A directory that recovery removed between its creation and the lock is made
-    afresh.
-
-    :param lock: ``"none"``: the directory is not locked (a recovery in another
-        process may remove it: see ``CheckpointOptions.lock``).
-    :returns: the directory and the descriptor holding its lock (``None`` with
-        ``lock="none"``).
-    :raises LockUnavailableError: the file system refused the lock (no ``flock``);
-        the directory is removed again.
-    :raises CheckpointError: no directory could be created and locked (recovery
-        removed every one, 100 times).
-    """
-    for _ in range(100):
-        path = make_temp_dir(fs, root, step)
-        if lock == "none":
-            return path, None
-        try:
-            fd = fs.lock_dir(path)
-        except FileNotFoundError:
-            continue  # removed before the lock: a fresh one
-        except LockUnavailableError:
-            discard(fs, path)
-            raise
-        if fd is not None:
-            return path, fd
-        # Recovery holds it and is removing it: a fresh one.
-    raise CheckpointError(
-        f"could not keep a temporary directory in {root}: each was removed before "
-        "it could be locked",
-        step=step,
-        path=root,
-    )
-
-
-def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) -> None:
-    """Steps 3 to 5 of the protocol: fsync ``tmp``, rename it to ``final``, fsync the
-    parent.
-
-    With ``overwrite``, an existing ``final`` is swapped out atomically
-    (``renameat2(RENAME_EXCHANGE)``) so that a crash leaves either the old or the
-    new checkpoint under the final name, never neither; the old one is then removed.
-    :raises FileExistsError: ``final`` exists and ``overwrite`` is false.
-    :raises CheckpointError: overwrite asked where the file system cannot exchange.
-
-    The rename protocol only: object stores commit by marker
-    (``_atomicity.MarkerCommit``).
-    """
-    fs.fsync_dir(tmp)
-    if overwrite and fs.lexists(final):
-        try:
-            fs.exchange(tmp, final)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-                raise CheckpointError(
-                    f"cannot overwrite {final} atomically on this file system "
-                    "(renameat2 RENAME_EXCHANGE unsupported)",
-                    path=final,
-                ) from exc
-            raise
-        fs.fsync_dir(final.parent)
-        # ``tmp`` now holds the old checkpoint, or the symlink that stood under the
-        # final name (unlinked; its target is not ours). Committed already: a
-        # failure here leaves a temporary name that the next open removes.
-        discard(fs, tmp)
-    else:
-        fs.rename(tmp, final)
-    fs.fsync_dir(final.parent)
-
-
-def move_aside(
-    fs: LocalFileSystem,
-    root: Path,
-    path: Path,
-    why: str,
-    step: int,
-    reason: str,
-    *,
-    quiet: bool = True,
-) -> Path | None:
-    """Rename the final-named ``path`` (a symlink: the link itself, never its
-    target) to an aside name (``.asyncsave-<why>-<step>-<id>``), keeping its bytes,
-    out of every resolver's way, so that its step can be saved again. The caller
-    makes the rename durable (``fs.fsync_dir(root)``).
-
-    :param why: the aside name's kind: ``"damaged"`` or ``"incomplete"``.
-    :param reason: why it is moved, for the log line.
-    :param quiet: log a failed rename and leave the entry where it is (retried at
-        the next open) instead of raising it.
-    :returns: the aside path, or ``None`` when there was nothing to move or the
-        rename failed (``quiet``).
-    :raises OSError: the rename failed and not ``quiet``.
-    """
-    if not fs.lexists(path):
-        return None
-    aside = root / aside_dir_name(why, step)
-    logger.warning("moving %s aside to %s: %s", path, aside.name, reason)
-    try:
-        fs.rename(path, aside)
-    except OSError as exc:
-        if not quiet:
-            raise
-        logger.warning("could not move %s aside (retried at the next open): %r", path, exc)
-        return None
-    return aside
-
-
-def discard(
-    fs: LocalFileSystem,
-    path: Path,
-    retry: str = "the next open removes it",
-    *,
-    by: str = "asyncsave",
-) -> bool:
-    """Remove ``path`` if it is there (never following a symlink: ``fs.remove_tree``);
-    a failure is logged, never raised (over a failed save's own error, or so that
-    one leftover never blocks the others: https://github.com/facebookresearch/PyTorch-BigGraph/pull/24).
-
-    :param retry: when it is tried again, for the log line.
-    :param by: who removes it, for the log line (``"retention"``).
-    :returns: whether it is gone.
-    """
-    try:
-        if fs.lexists(path):
-            fs.remove_tree(path)
-    except OSError as exc:
-        logger.warning("%s failed to remove %s (%s): %r", by, path, retry, exc)
-        return False
-    return True
-
-
 def _remove_unless_held(fs: LocalFileSystem, path: Path) -> bool:
     """Remove a temporary entry unless a live writer holds its lock
-    (:func:`make_held_temp_dir`: a standalone DCP writer that does not hold the
+    (``_atomicity.make_held_temp_dir``: a standalone DCP writer that does not hold the
     root's lock while it writes); that one is logged and left to its writer.
 
     :returns: whether it was removed.
@@ -353,8 +202,7 @@ def adopt_checkpoint(fs: LocalFileSystem, path: Path, step: int) -> Manifest:
     """
     manifest = read_checkpoint(fs, path, expect_step=step, uncommitted=True)
     verify_data(fs, path, manifest)
-    if not _marker.is_committed(fs, path):
-        _marker.commit(fs, path)
+    strategy_for(fs).mark_adopted(fs, path)
     return manifest
 
 
@@ -399,7 +247,7 @@ def adopt(
             f"give the checkpoint's directory; `asyncsave ls {p}` lists those of a root",
             path=p,
         )
-    was = _marker.is_committed(fs, p)
+    was = strategy_for(fs).passed_commit(fs, p)
     manifest = adopt_checkpoint(fs, p, step)
     logger.info("%s: step %d verified%s", p, step, "" if was else "; commit marker written")
     return stored_info(fs, p, manifest)
@@ -454,7 +302,7 @@ def recover(
 
     Removes temporary files and directories of saves that never committed (its own
     temporary names only), except a directory a live writer holds locked
-    (:func:`make_held_temp_dir`: the standalone DCP writer, which writes without the
+    (``_atomicity.make_held_temp_dir``: the standalone DCP writer, which writes without the
     root's lock), which is logged and left to it. Nothing under a final name is
     deleted: on object stores a final-named prefix without its commit marker (a
     save that stopped before it, or a checkpoint copied by a sync tool) is adopted
@@ -506,8 +354,9 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout, forward: bool) -> 
                 removed.append(root / name)
     committed: dict[int, Path] = {}
     damaged: list[Path] = []
+    strategy = strategy_for(fs)
     for step, path in steps.items():
-        if not _marker.is_committed(fs, path):
+        if not strategy.passed_commit(fs, path):
             # Object stores: a save that stopped before its marker, or a copy made
             # by a sync tool: the two look alike, and neither is deleted.
             kept = _adopt_or_move_aside(fs, root, path, step)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ._atomicity import strategy_for
 from ._errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -38,7 +39,6 @@ from ._format import SAFETENSORS_DTYPES
 from ._fs import LocalFileSystem
 from ._fsspec import FsspecFileSystem, open_root
 from ._manifest import CHECKSUM, FORMAT, Manifest, parse_manifest, record_entries, torch_dtype
-from ._marker import is_committed
 from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout, aside_dir_step
 from ._plan import key_str
 from ._read import read_entries
@@ -87,7 +87,7 @@ def read_checkpoint(
     :raises CorruptCheckpointError: the manifest is damaged or a file is missing,
         truncated or too long.
     """
-    if not uncommitted and not is_committed(fs, path):
+    if not uncommitted and not strategy_for(fs).passed_commit(fs, path):
         if not fs.exists(path):
             raise _no_manifest_error(fs, path)
         raise _uncommitted_error(fs, path)
@@ -224,8 +224,7 @@ def stored_info(fs: LocalFileSystem, path: Path, manifest: Manifest) -> Checkpoi
     """
     size = sum(int(f["nbytes"]) for f in manifest.files) + fs.size(path / MANIFEST_NAME)
     extras = {lay.info_name for lay in LAYOUTS.values() if lay.info_name is not None}
-    if not fs.atomic_rename:
-        extras.add(COMMIT_MARKER_NAME)
+    extras.update(strategy_for(fs).protocol_files)
     for extra in sorted(extras):
         if fs.exists(path / extra):
             size += fs.size(path / extra)
@@ -1049,7 +1048,7 @@ def _refuse_uncommitted_copies(fs: LocalFileSystem, root: Path, found: dict[int,
     :raises UncommittedCheckpointError: naming them and how to adopt them.
     """
     copies = [p for _, p in sorted(found.items()) if fs.exists(p / MANIFEST_NAME)]
-    if fs.atomic_rename or not copies:
+    if not strategy_for(fs).writes_in_place or not copies:
         return
     shown = ", ".join(p.name for p in copies)
     raise UncommittedCheckpointError(

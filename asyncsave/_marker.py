@@ -3,7 +3,7 @@
 An S3 "rename" of a prefix is a copy of every object and a delete, visible half-done
 to every reader, so the rename protocol of ``_commit`` cannot commit there. On a file
 system whose I/O layer says ``atomic_rename = False`` (:class:`FsspecFileSystem`),
-a save of step ``N`` goes, in order (each step complete before the next):
+the root's protocol is ``_atomicity.MarkerCommit``, which calls this module; a save of step ``N`` goes, in order (each step complete before the next):
 
 1. every data file written directly under the final prefix (``step_N/``): one PUT,
    or a multipart upload completed at close (the object appears whole or not at all);
@@ -37,7 +37,7 @@ from ._fs import LocalFileSystem
 from ._paths import COMMIT_MARKER_NAME
 from ._write import write_bytes
 
-__all__ = ["begin", "commit", "is_committed"]
+__all__ = ["begin", "commit"]
 
 
 def begin(fs: LocalFileSystem, final: Path) -> Path:
@@ -61,9 +61,3 @@ def commit(fs: LocalFileSystem, final: Path) -> None:
     committed. Every other file of the checkpoint must be complete before."""
     write_bytes(fs, final / COMMIT_MARKER_NAME, f"committed {final}\n".encode())
 
-
-def is_committed(fs: LocalFileSystem, path: Path) -> bool:
-    """Whether the checkpoint directory ``path`` is committed: under the rename
-    protocol, being under a final name is the commit; under the marker protocol, the
-    marker must be there."""
-    return fs.atomic_rename or fs.exists(path / COMMIT_MARKER_NAME)

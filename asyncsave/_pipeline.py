@@ -60,8 +60,7 @@ import anyio.abc
 import anyio.to_thread
 import torch
 
-from ._atomicity import CommitStrategy, strategy_for
-from ._commit import discard
+from ._atomicity import CommitStrategy, discard, strategy_for
 from ._coord import Coordinator, Solo
 from ._errors import (
     CheckpointerClosedError,

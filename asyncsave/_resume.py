@@ -11,7 +11,7 @@ from typing import Any
 import anyio.to_thread
 import torch
 
-from ._commit import move_aside
+from ._atomicity import move_aside
 from ._dist import load_rank
 from ._errors import (
     CheckpointerClosedError,
@@ -245,7 +245,7 @@ async def _fall_back(
     # it again, not find it "committed" (and never over damaged bytes).
     saver.committed.pop(step, None)
     moving: OSError | None = None
-    if coord.leader and saver.strategy.renames:
+    if coord.leader and saver.strategy.can_move_files:
         try:
             await anyio.to_thread.run_sync(
                 saver.under_final_lock, _move_damaged_aside, saver, path, step, str(cause)

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from ._commit import discard
+from ._atomicity import discard, strategy_for
 from ._fs import LocalFileSystem
 from ._load import read_checkpoint, scan_steps
 from ._paths import Layout, is_retired_name, retired_dir_name
@@ -255,9 +255,10 @@ def apply_retention(
             logger.info("retention removed the leftover %s", path.name)
     doomed_steps = retention_plan(fs, root, layout, rule, protected)
     retired: list[int] = []
+    moves = strategy_for(fs).can_move_files
     for step in doomed_steps:
         final = root / layout.dir_name(step)
-        if not fs.atomic_rename:
+        if not moves:
             # Object stores (``_marker``): a rename would copy every object; deleting
             # the commit marker first (remove_tree does) uncommits it in one request.
             if discard(fs, final, _RETRY, by="retention"):

@@ -73,8 +73,8 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ._atomicity import CommitStrategy, strategy_for
-from ._commit import discard, lock_root, move_aside, recover
+from ._atomicity import CommitStrategy, discard, move_aside, strategy_for
+from ._commit import lock_root, recover
 from ._coord import Coordinator, GlooGroup, Solo
 from ._dist import load_rank
 from ._errors import (
@@ -100,7 +100,6 @@ from ._load import (
     verify,
 )
 from ._manifest import CHECKSUM, SELF_CHECKSUM, encode_manifest, parse_manifest
-from ._marker import is_committed
 from ._options import Tier
 from ._paths import COMMIT_MARKER_NAME, MANIFEST_NAME, Layout, is_temp_name
 from ._pipeline import Saver, _final_lock_for
@@ -108,7 +107,6 @@ from ._retention import apply_retention
 from ._template import apply_template
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
-from ._write import write_bytes
 
 __all__ = ["Persister", "committed_steps", "copy_checkpoint", "load_nearest"]
 
@@ -192,18 +190,13 @@ def copy_checkpoint(
     final = root / layout.dir_name(step)
     if dfs.exists(final) and not overwrite:
         raise FileExistsError(f"{final} exists already")
-    if overwrite and not dfs.atomic_rename:
-        raise CheckpointError(
-            f"cannot overwrite {final} on {dfs!r}: without an atomic rename the new files "
-            "would replace the committed ones before the new commit",
-            step=step,
-            path=final,
-        )
+    strategy = strategy or strategy_for(dfs)
+    if overwrite:
+        strategy.check_overwrite(dfs, final, step)
     raw = sfs.read_bytes(src / MANIFEST_NAME)
     named = {f["name"]: f["nbytes"] for f in parse_manifest(raw, src / MANIFEST_NAME).files}
     listed = [n for n in _files(sfs, src) if n not in (MANIFEST_NAME, COMMIT_MARKER_NAME)]
     names = sorted(set(listed) | set(named))  # one the listing lacks fails its copy
-    strategy = strategy or strategy_for(dfs)
     tmp = strategy.begin(dfs, root, step, final)
     try:
         parents = sorted({n.rpartition("/")[0] for n in names} - {""})
@@ -212,10 +205,9 @@ def copy_checkpoint(
         # The data files in parallel (an object store's throughput grows with
         # concurrent uploads), then the manifest, then the commit.
         _copy_named(sfs, src, dfs, tmp, names, named, threads)
-        write_bytes(dfs, tmp / MANIFEST_NAME, raw)
         for parent in reversed(parents):
             dfs.fsync_dir(tmp / parent)
-        strategy.commit(dfs, tmp, final, overwrite=overwrite)
+        strategy.publish(dfs, tmp, final, raw, overwrite=overwrite)
     except BaseException:
         discard(dfs, tmp)
         raise
@@ -253,7 +245,8 @@ def committed_steps(fs: LocalFileSystem, root: Path, layout: Layout) -> dict[int
     on object stores with their commit marker); their bytes are not checked."""
     if not fs.exists(root):
         return {}
-    return {s: p for s, p in scan_steps(fs, root, layout).items() if is_committed(fs, p)}
+    strategy = strategy_for(fs)
+    return {s: p for s, p in scan_steps(fs, root, layout).items() if strategy.passed_commit(fs, p)}
 
 
 class Persister:
@@ -270,7 +263,7 @@ class Persister:
         self.tier = tier
         self.saver = saver
         self.layout = saver.layout
-        if not saver.fs.atomic_rename:
+        if not saver.strategy.can_move_files:
             raise ValueError(
                 f"the local tier {saver.root} must be a POSIX directory (node-local disk, "
                 "/dev/shm); an object store is a persistent tier"
@@ -296,7 +289,7 @@ class Persister:
         # thread that copies, commits, tracks and retains, and by recovery at open,
         # so an abandoned copy finishes before a reopened tier touches the root.
         self.final_lock = _final_lock_for(self.root)
-        if not self.fs.atomic_rename and self.layout.tracker_name is None:
+        if self.strategy.needs_tracker and self.layout.tracker_name is None:
             raise ValueError(
                 f"layout={self.layout.name!r} has no tracker, which a persistent tier on "
                 f"{self.fs!r} (commit by marker) needs"
@@ -612,7 +605,7 @@ class Persister:
         # past close_timeout_s finishes before a reopened tier recovers the root.
         with self.final_lock:
             final = self.root / self.layout.dir_name(step)
-            there = self.fs.exists(final) and is_committed(self.fs, final)
+            there = self.fs.exists(final) and self.strategy.passed_commit(self.fs, final)
             if there and not overwrite:
                 # Resumed from this tier and saved again, or a copy a crash kept from
                 # being recorded: the same checkpoint, kept as is. Another run's
@@ -752,18 +745,13 @@ class Persister:
         """Rank 0: (the temporary directory's name, whether the commit replaces a
         committed step), or ``(None, False)``: committed there already, kept."""
         final = self.root / self.layout.dir_name(step)
-        there = self.fs.exists(final) and is_committed(self.fs, final)
+        there = self.fs.exists(final) and self.strategy.passed_commit(self.fs, final)
         if there and not overwrite:
             # Every rank checks its part against it (_upload).
             logger.info("step %d is on the persistent tier already: not copied again", step)
             return None, False
-        if there and not self.fs.atomic_rename:
-            raise CheckpointError(
-                f"cannot overwrite {final} on {self.fs!r}: without an atomic rename the new "
-                "files would replace the committed ones before the new commit",
-                step=step,
-                path=final,
-            )
+        if there:
+            self.strategy.check_overwrite(self.fs, final, step)
         return self.strategy.begin(self.fs, self.root, step, final).name, there
 
     def _upload(
@@ -827,10 +815,9 @@ class Persister:
                 own = json.loads(raw)
                 own.pop(SELF_CHECKSUM, None)
                 doc = {**own, **merge_parts(parts)} if len(parts) > 1 else own
-                write_bytes(self.fs, tmp / MANIFEST_NAME, encode_manifest(doc))
                 check_visible(self.fs, tmp, parts)
                 final = self.root / self.layout.dir_name(step)
-                self.strategy.commit(self.fs, tmp, final, overwrite=exchange)
+                self.strategy.publish(self.fs, tmp, final, encode_manifest(doc), overwrite=exchange)
                 tmp = None
         except BaseException:
             if tmp is not None:

@@ -13,15 +13,13 @@ rule: write only a step above the highest one known.
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 from pathlib import Path
 
+from ._atomicity import strategy_for
 from ._errors import CorruptCheckpointError
 from ._fs import LocalFileSystem
-from ._paths import temp_file_name
-from ._write import write_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -78,24 +76,11 @@ def read_tracker(fs: LocalFileSystem, path: Path) -> int | None:
 def write_tracker(fs: LocalFileSystem, path: Path, step: int) -> None:
     """Atomically make the tracker at ``path`` name ``step``; durable on return.
 
-    Without atomic rename (object stores) the tracker is written in one PUT, which
-    replaces an object atomically there.
+    How is the root's commit protocol's (``CommitStrategy.replace_file``): a temp
+    file, fsync, ``rename(2)``, fsync of the directory; on object stores one PUT,
+    which replaces an object atomically there.
     """
-    if not fs.atomic_rename:
-        write_bytes(fs, path, str(step).encode("ascii"))
-        return
-    tmp = path.parent / temp_file_name(path.name)
-    try:
-        write_bytes(fs, tmp, str(step).encode("ascii"))
-        fs.replace(tmp, path)
-    except BaseException:
-        try:
-            fs.unlink(tmp)
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                logger.warning("could not remove %s", tmp, exc_info=True)
-        raise
-    fs.fsync_dir(path.parent)
+    strategy_for(fs).replace_file(fs, path, str(step).encode("ascii"))
 
 
 class TrackerWriter:

@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from ._commit import commit_dir, discard, make_temp_dir
+from ._atomicity import CommitStrategy, discard
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -91,6 +91,7 @@ def _compact(doc: dict[str, Any]) -> None:
 
 
 def rewrite_item(
+    strategy: CommitStrategy,
     fs: LocalFileSystem,
     root: Path,
     final: Path,
@@ -100,7 +101,9 @@ def rewrite_item(
     buffer: Any,
 ) -> tuple[int, int]:
     """Replace top-level item ``key`` of the checkpoint at ``final`` by the item
-    planned in ``plan`` (a plan of ``{key: value}``, staged into ``buffer``).
+    planned in ``plan`` (a plan of ``{key: value}``, staged into ``buffer``),
+    published through the root's commit protocol ``strategy`` as an overwrite
+    (an atomic exchange of the two directories).
 
     A final name that is a symlink (a checkpoint of another run linked in, https://github.com/facebookresearch/PyTorch-BigGraph/pull/24) is
     refused: the swap would put a new directory under the name and leave the
@@ -149,7 +152,7 @@ def rewrite_item(
     _compact(doc)
     kept_data = {f["name"] for f in doc["files"]}
 
-    tmp = make_temp_dir(fs, root, step)
+    tmp = strategy.begin(fs, root, step, final)
     try:
         for name in fs.listdir(final):
             # Data files still referenced, and files that are not data files (a
@@ -170,7 +173,7 @@ def rewrite_item(
                     e[CHECKSUM] = digests[by_name[e["name"]]]
         write_bytes(fs, tmp / MANIFEST_NAME, encode_manifest(doc))
         read_checkpoint(fs, tmp, expect_step=step)  # the new manifest parses
-        commit_dir(fs, tmp, final, overwrite=True)
+        strategy.commit(fs, tmp, final, overwrite=True)
     except BaseException:
         discard(fs, tmp)
         raise
@@ -190,7 +193,7 @@ async def update(saver: Saver, step: int, key: str, value: Any) -> CheckpointInf
             step=step,
             path=path,
         )
-    if not saver.strategy.renames:
+    if not saver.strategy.can_overwrite:
         raise CheckpointError(
             f"update() swaps directories atomically, which {saver.fs!r} cannot; "
             "save the step under a new number instead",
@@ -237,6 +240,7 @@ async def update(saver: Saver, step: int, key: str, value: Any) -> CheckpointInf
             nbytes, num_tensors = await saver.run(
                 saver.under_final_lock,
                 rewrite_item,
+                saver.strategy,
                 saver.fs,
                 saver.root,
                 path,
