@@ -12,8 +12,11 @@ every rank:
   finished directory (blocking; runs in a worker thread);
 - ``release()``: give staging memory back (idempotent).
 
-:class:`PlainJob` is a state tree planned by ``_plan``, staged into the pool
-whole or in streamed rounds. Integrations plug in with their own jobs:
+:class:`PlainJob` is a state tree planned by ``_plan``, staged whole into the
+pool; its subclasses are the other staging modes (written while staged, streamed
+rounds, incremental), one class each, owning its staging and its writing.
+:func:`plain_job` picks the mode once, from the table of what combines
+(``asyncsave._combine``). Integrations plug in with their own jobs:
 DTensor state through DCP's planner (``asyncsave.dcp.DTensorJob``, which the
 core names by string and imports only when a DTensor is saved, as anyio names
 its backends) and Megatron's async requests (``asyncsave.megatron``). The core
@@ -99,7 +102,7 @@ logger = logging.getLogger(__name__)
 EARLY_WRITE_THREADS = 8
 
 #: A whole save of host tensors at least this large (staging bytes) is written
-#: while it is staged (``PlainJob._stage_following``); a smaller one is staged,
+#: while it is staged (:class:`FollowingJob`); a smaller one is staged,
 #: then written (its copy takes under 2 ms here: nothing to overlap).
 FOLLOW_MIN_BYTES = 16 << 20
 

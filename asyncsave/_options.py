@@ -144,7 +144,7 @@ class CheckpointOptions:
         than ``budget_bytes``) are always buffered. Files are fsynced either way.
     :param overlap_writes: write a save's data files while its snapshot is still
         copied into the staging memory: each file's writer follows the copy
-        (``_jobs.PlainJob._stage_following``), so the time to durable no longer
+        (``_jobs.FollowingJob``), so the time to durable no longer
         includes the whole copy. Whole (not streamed, not incremental) saves of
         host tensors of 16 MiB or more into a local root, when no save
         dispatched before is unresolved; other saves are staged, then written.
@@ -152,7 +152,11 @@ class CheckpointOptions:
         then shares the CPU with the writers, so an eager ``save()`` blocks
         longer (2 cores, 128 MiB: 25-29 instead of 19-20 ms) while its time to
         durable is shorter (109-123 instead of 125-130 ms): worth it where the
-        host has cores to spare. ``False``: never. See docs/decisions.md
+        host has cores to spare. ``False``: never. ``True`` for a save of CUDA
+        tensors, or into a root that commits by marker (an object store), is
+        refused by ``save()`` (``UnsupportedCombinationError``): the writers
+        follow host copies only, and move their files in by rename; ``None``
+        never refuses. See docs/guides/combinations.md and docs/decisions.md
         ("Writing while staging").
     :param filesystem: the I/O layer. ``None`` (default): chosen from the root:
         :class:`~asyncsave.LocalFileSystem` for a local path,

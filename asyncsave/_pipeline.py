@@ -22,7 +22,7 @@ A save streamed through a small budget writes its files before its turn: one
 process into the save's temporary directory (made then; phase A takes it as it
 is), a rank of several into a directory of its own, whose files it moves into
 the shared one in phase B. A save written while it is staged (``overlap_writes``:
-``PlainJob._stage_following``) writes into a directory of its own on every rank
+``_jobs.FollowingJob``) writes into a directory of its own on every rank
 (made by its writers' task, so that a hung file system never holds ``save()``),
 moved in phase B too.
 

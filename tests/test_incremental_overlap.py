@@ -3,7 +3,7 @@ unchanged ones are hashed, and a base file is checked where it was linked.
 
 From the third save of a LoRA-shaped state on, the file of the adapters (it
 changed at its last save) is staged first and written in the background while
-the frozen base files are hashed in place (``PlainJob._stage_incremental``).
+the frozen base files are hashed in place (``_jobs._IncrementalStaging``).
 These tests pin what that overlap must keep: it really overlaps, a failure of
 the early write is the save's failure, a failure while hashing waits for the
 early write before the temporary directory goes, and a deadline bounds it.
