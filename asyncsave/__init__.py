@@ -18,6 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
+    from ._catalog import latest
     from ._commit import adopt
     from ._engine import Checkpointer, SaveHandle
     from ._errors import (
@@ -52,7 +53,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
     from ._fsspec import FsspecFileSystem
     from ._lazy import stage_before_step
     from ._listing import checkpoints, load_step
-    from ._load import latest, load, load_tensors, verify
+    from ._load import load, load_tensors, verify
     from ._options import CheckpointOptions, Tier
     from ._policy import (
         AgreedPolicy,
@@ -107,7 +108,7 @@ _LAZY = {
     "stage_before_step": "._lazy",
     "checkpoints": "._listing",
     "load_step": "._listing",
-    "latest": "._load",
+    "latest": "._catalog",
     "load": "._load",
     "load_tensors": "._load",
     "verify": "._load",

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
+from ._catalog import info_of, read_checkpoint
 from ._errors import (
     CheckpointError,
     CheckpointWarning,
@@ -45,7 +46,6 @@ from ._format import FileLayout, staging_nbytes
 from ._handle import SaveHandle
 from ._incremental import Reuse, incremental_layout
 from ._jobs import Job, job_for, plain_job
-from ._load import info_of, read_checkpoint
 from ._manifest import check_training_info
 from ._options import CheckpointOptions
 from ._paths import Layout

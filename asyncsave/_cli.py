@@ -80,7 +80,7 @@ def _steps_by_layout(fs: LocalFileSystem, root: Path) -> dict[str, dict[int, Pat
     """The final-named directories under ``root`` of the layouts that have some;
     where layouts share a directory pattern (``global_step_N``: verl and skyrl),
     only those whose tracker file is there too, if any is."""
-    from ._load import scan_steps
+    from ._catalog import scan_steps
 
     found = {name: scan_steps(fs, root, layout) for name, layout in sorted(LAYOUTS.items())}
     found = {name: steps for name, steps in found.items() if steps}
@@ -118,7 +118,7 @@ def _layout_option(dir_name: str) -> str:
 def _uncommitted(fs: LocalFileSystem, path: Path) -> str:
     """What ``ls`` says of a final-named prefix without its commit marker (object
     stores), and what the next open will do with it: nothing is deleted."""
-    from ._load import read_checkpoint
+    from ._catalog import read_checkpoint
 
     try:
         read_checkpoint(fs, path, expect_step=_step_of(path), uncommitted=True)
@@ -137,14 +137,14 @@ def _uncommitted(fs: LocalFileSystem, path: Path) -> str:
 
 
 def _step_of(path: Path) -> int | None:
-    from ._load import step_of_name
+    from ._catalog import step_of_name
 
     return step_of_name(path)
 
 
 def _missing(fs: LocalFileSystem, root: Path, step: int) -> str:
     """The end of ``ls``'s line for a tracked step that is not there."""
-    from ._load import moved_aside
+    from ._catalog import moved_aside
 
     asides = moved_aside(fs, root, step)
     if asides:
@@ -178,7 +178,7 @@ def _adopt(fs: LocalFileSystem, path: Path, out: TextIO) -> int:
 
 def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
     from ._atomicity import strategy_for
-    from ._load import read_checkpoint, scan_steps
+    from ._catalog import read_checkpoint, scan_steps
     from ._track import read_tracker
 
     layout = LAYOUTS[layout_name]
@@ -300,7 +300,8 @@ def _bar(enabled: bool | None, total: int, desc: str, unit: str = "B") -> Iterat
 def _verify(
     fs: LocalFileSystem, path: Path, layout_name: str, out: TextIO, progress: bool | None
 ) -> int:
-    from ._load import read_checkpoint, scan_steps, verify
+    from ._catalog import read_checkpoint, scan_steps
+    from ._load import verify
 
     if not fs.exists(path):
         print(f"asyncsave: {path}: no such file or directory", file=sys.stderr)
@@ -427,7 +428,7 @@ def _describe_dcp(fs: LocalFileSystem, path: Path, out: TextIO) -> None:
 
 
 def _inspect(fs: LocalFileSystem, path: Path, out: TextIO, progress: bool | None) -> int:
-    from ._load import read_checkpoint
+    from ._catalog import read_checkpoint
 
     if not fs.exists(path):
         print(f"asyncsave: {path}: no such file or directory", file=sys.stderr)

@@ -33,6 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from ._atomicity import discard, move_aside, strategy_for
+from ._catalog import (
+    check_not_one_checkpoint,
+    read_checkpoint,
+    scan_steps,
+    step_of_name,
+    stored_info,
+)
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -43,14 +50,7 @@ from ._errors import (
 )
 from ._fs import LocalFileSystem
 from ._fsspec import open_root
-from ._load import (
-    check_not_one_checkpoint,
-    read_checkpoint,
-    scan_steps,
-    step_of_name,
-    stored_info,
-    verify_data,
-)
+from ._load import verify_data
 from ._manifest import Manifest
 from ._paths import (
     COMMIT_MARKER_NAME,

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
+from ._catalog import read_checkpoint
 from ._errors import (
     CheckpointError,
     ChecksumMismatchError,
@@ -64,7 +65,7 @@ from ._errors import (
     UnsupportedFormatError,
 )
 from ._fs import LocalFileSystem
-from ._load import _check_required, read_checkpoint
+from ._load import _check_required
 from ._manifest import CHECKSUM
 from ._paths import MANIFEST_NAME
 from ._plan import is_stateful, key_str

@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from ._catalog import read_checkpoint, step_of_name
 from ._coord import GlooGroup, wants_distributed
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._fs import LocalFileSystem
@@ -66,8 +67,6 @@ from ._load import (
     _build_tensors,
     _Decoder,
     _read_entries,
-    _step_of_name,
-    read_checkpoint,
     refuse_other_format,
 )
 from ._manifest import renumbered
@@ -110,7 +109,7 @@ def load_rank(
     from ._load import _device, load
 
     fs = filesystem or LocalFileSystem()
-    manifest = read_checkpoint(fs, path, expect_step=_step_of_name(path))
+    manifest = read_checkpoint(fs, path, expect_step=step_of_name(path))
     refuse_other_format(manifest, path)
     if manifest.world_size == 1:
         return load(path, device=device, allow_pickle=allow_pickle, filesystem=fs)

@@ -48,7 +48,7 @@ from ._bits import flat_bytes
 from ._errors import CheckpointError
 from ._format import FileLayout, layout_buckets
 from ._fs import LocalFileSystem
-from ._load import read_checkpoint, scan_steps
+from ._catalog import read_checkpoint, scan_steps
 from ._manifest import CHECKSUM, Manifest, record_entries, torch_dtype
 from ._paths import Layout
 from ._plan import Entry, Plan

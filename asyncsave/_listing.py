@@ -18,6 +18,14 @@ from typing import Any
 
 import torch
 
+from ._catalog import (
+    check_not_one_checkpoint,
+    layout_hint,
+    moved_aside,
+    read_checkpoint,
+    scan_steps,
+    stored_info,
+)
 from ._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -26,15 +34,7 @@ from ._errors import (
 )
 from ._fs import LocalFileSystem
 from ._fsspec import open_root
-from ._load import (
-    _layout_hint,
-    check_not_one_checkpoint,
-    load,
-    moved_aside,
-    read_checkpoint,
-    scan_steps,
-    stored_info,
-)
+from ._load import load
 from ._paths import LAYOUTS, MANIFEST_NAME, Layout
 from ._template import apply_template
 from ._types import CheckpointInfo
@@ -122,7 +122,7 @@ def checkpoints(
         except FileNotFoundError:
             continue  # retired (retention, prune) while it was being listed
     if not found:
-        hint = _layout_hint(fs, path, lay)
+        hint = layout_hint(fs, path, lay)
         if hint:
             raise CheckpointNotFoundError(
                 f"no {lay.name!r}-layout checkpoint in {path}{hint}", path=path
@@ -178,7 +178,7 @@ def load_step(
         raise CheckpointNotFoundError(
             f"no checkpoint of step {step} in {path} (layout {lay.name!r}; "
             f"steps named there: {shown}){gone}"
-            f"{_layout_hint(fs, path, lay) if fs.is_dir(path) else ''}",
+            f"{layout_hint(fs, path, lay) if fs.is_dir(path) else ''}",
             path=target,
             step=step,
         )

@@ -12,6 +12,7 @@ import anyio.to_thread
 import torch
 
 from ._atomicity import move_aside
+from ._catalog import older_committed, read_checkpoint, resolve
 from ._dist import load_rank
 from ._errors import (
     CheckpointerClosedError,
@@ -21,7 +22,7 @@ from ._errors import (
     CorruptCheckpointError,
 )
 from ._jobs import dcp_reader_class
-from ._load import _check_required, load, older_committed, read_checkpoint, resolve
+from ._load import _check_required, load
 from ._pipeline import Saver
 from ._template import apply_template
 from ._types import CheckpointInfo, Restored

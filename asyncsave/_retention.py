@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from ._atomicity import discard, strategy_for
+from ._catalog import read_checkpoint, scan_steps
 from ._fs import LocalFileSystem
-from ._load import read_checkpoint, scan_steps
 from ._paths import Layout, is_retired_name, retired_dir_name
 
 __all__ = [

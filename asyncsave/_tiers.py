@@ -74,6 +74,7 @@ import anyio.to_thread
 import torch
 
 from ._atomicity import CommitStrategy, discard, move_aside, strategy_for
+from ._catalog import committed_steps, info_of, read_checkpoint
 from ._commit import lock_root, recover
 from ._coord import Coordinator, GlooGroup, Solo
 from ._dist import load_rank
@@ -91,14 +92,7 @@ from ._fs import LocalFileSystem
 from ._fsspec import open_root
 from ._handle import SaveHandle
 from ._jobs import check_visible, merge_parts
-from ._load import (
-    _check_required,
-    info_of,
-    load,
-    read_checkpoint,
-    scan_steps,
-    verify,
-)
+from ._load import _check_required, load, verify
 from ._manifest import CHECKSUM, SELF_CHECKSUM, encode_manifest, parse_manifest
 from ._options import Tier
 from ._paths import COMMIT_MARKER_NAME, MANIFEST_NAME, Layout, is_temp_name
@@ -108,7 +102,7 @@ from ._template import apply_template
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
 
-__all__ = ["Persister", "committed_steps", "copy_checkpoint", "load_nearest"]
+__all__ = ["Persister", "copy_checkpoint", "load_nearest"]
 
 logger = logging.getLogger(__name__)
 
@@ -238,15 +232,6 @@ def _copy_named(
                     "(read before the copy) names: the checkpoint changed while copied",
                     path=src / name,
                 )
-
-
-def committed_steps(fs: LocalFileSystem, root: Path, layout: Layout) -> dict[int, Path]:
-    """The committed checkpoints under ``root`` by step (under a final name, and
-    on object stores with their commit marker); their bytes are not checked."""
-    if not fs.exists(root):
-        return {}
-    strategy = strategy_for(fs)
-    return {s: p for s, p in scan_steps(fs, root, layout).items() if strategy.passed_commit(fs, p)}
 
 
 class Persister:

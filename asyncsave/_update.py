@@ -26,6 +26,7 @@ import anyio
 import anyio.to_thread
 
 from ._atomicity import CommitStrategy, discard
+from ._catalog import read_checkpoint
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -37,7 +38,6 @@ from ._errors import (
 from ._format import FileLayout, layout_files, staging_nbytes
 from ._fs import LocalFileSystem
 from ._handle import SaveHandle
-from ._load import read_checkpoint
 from ._manifest import CHECKSUM, SELF_CHECKSUM, encode_manifest, record_entries, renumbered
 from ._paths import MANIFEST_NAME
 from ._pipeline import Saver, as_save_error

@@ -120,6 +120,7 @@ from torch.futures import Future
 
 from ._atomicity import commit_dir, discard, make_held_temp_dir
 from ._bits import clone_bits, flat_bytes
+from ._catalog import latest
 from ._commit import hold_root
 from ._dcp_read import DCP_METADATA_NAME, read_dcp_metadata
 from ._errors import (
@@ -134,7 +135,6 @@ from ._format import SAFETENSORS_DTYPES, layout_files, staging_nbytes
 from ._fs import LocalFileSystem, check_lock_mode, holds_lock
 from ._fsspec import check_root
 from ._jobs import Job, Services, register_job
-from ._load import latest
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest, torch_dtype
 from ._paths import LAYOUTS, MANIFEST_NAME
 from ._plan import Entry

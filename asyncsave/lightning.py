@@ -72,6 +72,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
+from ._catalog import latest
 from ._engine import retain
 from ._errors import (
     CheckpointNotFoundError,
@@ -82,7 +83,7 @@ from ._errors import (
 from ._fs import LocalFileSystem
 from ._fsspec import check_root
 from ._listing import checkpoints, layout_of, load_step
-from ._load import latest, load
+from ._load import load
 from ._options import CheckpointOptions
 from ._paths import MANIFEST_NAME, temp_file_name
 from ._retention import Candidate, Retention

@@ -22,14 +22,14 @@ export ASYNCSAVE_CRASH_BACKENDS=asyncio ASYNCSAVE_CRASH_RUNS=200
 
 # id | file | text to find | replacement | pytest selection
 BUGS=(
-"1|asyncsave/_commit.py|    fs.fsync_dir(tmp)\n    if overwrite|    if overwrite|tests/test_power_loss.py"
-"2|asyncsave/_commit.py|        fs.rename(tmp, final)\n    fs.fsync_dir(final.parent)|        fs.rename(tmp, final)|tests/test_power_loss.py"
+"1|asyncsave/_atomicity.py|    fs.fsync_dir(tmp)\n    if overwrite|    if overwrite|tests/test_power_loss.py"
+"2|asyncsave/_atomicity.py|        fs.rename(tmp, final)\n    fs.fsync_dir(final.parent)|        fs.rename(tmp, final)|tests/test_power_loss.py"
 "3|asyncsave/_write.py|            fs.close(direct_fd)\n        fs.fsync(fd)\n    except BaseException:|            fs.close(direct_fd)\n    except BaseException:|tests/test_power_loss.py"
 "4|asyncsave/_pipeline.py|                            committing = True\n|                            committing = True\n                            await self.track(step)\n|tests/test_crash_matrix.py -k every_call"
 "5|asyncsave/_commit.py|        if is_temp_name(name) and _remove_unless_held(|        if False and _remove_unless_held(|tests/test_crash_matrix.py -k every_call"
 "6|asyncsave/_retention.py|            fs.rename(final, doomed)\n        except OSError|            doomed = final\n        except OSError|tests/test_crash_matrix.py -k every_call"
 "7|asyncsave/_pipeline.py|    def fail(self, handle: SaveHandle, error: SaveFailedError) -> None:\n        self.set_failure(error)|    def fail(self, handle: SaveHandle, error: SaveFailedError) -> None:\n        pass|tests/test_io_faults.py"
-"8|asyncsave/_commit.py|    try:\n        if fs.lexists(path):\n            fs.remove_tree(path)|    try:\n        if False:\n            fs.remove_tree(path)|tests/test_io_faults.py"
+"8|asyncsave/_atomicity.py|    try:\n        if fs.lexists(path):\n            fs.remove_tree(path)|    try:\n        if False:\n            fs.remove_tree(path)|tests/test_io_faults.py"
 "9|asyncsave/_pipeline.py|    except BaseException as exc:\n        raise WorkerDiedError|    except ZeroDivisionError as exc:\n        raise WorkerDiedError|tests/test_hangs.py -k dies"
 "10|asyncsave/_pipeline.py|                with anyio.fail_after(self.options.save_timeout_s):|                with anyio.fail_after(None):|tests/test_hangs.py -k stuck"
 "11|asyncsave/_load.py|        if name != \"__metadata__\" and not _well_formed(h):|        if False:|tests/test_bad_inputs.py"
@@ -61,7 +61,7 @@ BUGS=(
 "4r|asyncsave/_pipeline.py|                            committing = True\n|                            committing = True\n                            await self.track(step)\n|tests/test_crash_ranks.py"
 "5r|asyncsave/_commit.py|        if is_temp_name(name) and _remove_unless_held(|        if False and _remove_unless_held(|tests/test_crash_ranks.py"
 "7r|asyncsave/_pipeline.py|    def fail(self, handle: SaveHandle, error: SaveFailedError) -> None:\n        self.set_failure(error)|    def fail(self, handle: SaveHandle, error: SaveFailedError) -> None:\n        pass|tests/test_dist.py -k failing_rank"
-"8r|asyncsave/_commit.py|    try:\n        if fs.lexists(path):\n            fs.remove_tree(path)|    try:\n        if False:\n            fs.remove_tree(path)|tests/test_dist.py -k failing_rank"
+"8r|asyncsave/_atomicity.py|    try:\n        if fs.lexists(path):\n            fs.remove_tree(path)|    try:\n        if False:\n            fs.remove_tree(path)|tests/test_dist.py -k failing_rank"
 )
 
 wanted=" $* "

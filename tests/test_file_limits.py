@@ -363,7 +363,7 @@ def descriptors_left(n: int) -> Iterator[None]:
 
 
 def _reads_with_few_descriptors(rank: int, world: int, root: str) -> dict[str, Any]:
-    from asyncsave._load import read_checkpoint
+    from asyncsave._catalog import read_checkpoint
     from asyncsave._read import read_entries
 
     limit_descriptors(FD_LIMIT)
