@@ -26,10 +26,24 @@ Missing and unexpected items are a :class:`~asyncsave.TemplateMismatchError`
 :class:`~asyncsave.CheckpointWarning`. A mismatched tensor is always an error:
 nothing could load it.
 
+An object with its own ``state_dict()`` / ``load_state_dict()`` (DCP's
+``Stateful``: an "AppState" wrapper holding a model and an optimizer, as in
+https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html) is
+checked by the same rule: what its ``state_dict()`` returns now is the template of
+what its ``load_state_dict()`` will be given. An optimizer inside it is checked
+against its parameters when its ``state_dict()`` reaches the wrapper's unchanged
+and the optimizer itself is reachable from the wrapper's attributes (directly, or
+through dicts, lists and nested wrappers); any other optimizer state is checked
+against the optimizer's current state. With ``strict=False`` the object is given
+the saved state with its missing items taken from its current state and its
+unexpected ones left out, so that a strict loader of its own loads what matches.
+An object whose ``state_dict()`` holds no tensor cannot be checked: its own loader
+decides.
+
 The whole tree is checked before anything changes in place; then objects with
 their own ``load_state_dict()`` that asyncsave cannot check (dataloaders,
 schedulers, RNG states) are restored first, since they may still refuse, then
-modules and optimizers, then tensors. Sources: pytorch/pytorch#148252 and
+modules, optimizers and checked objects, then tensors. Sources: pytorch/pytorch#148252 and
 pytorch/pytorch#137327 (https://github.com/pytorch/pytorch/issues/148252,
 https://github.com/pytorch/pytorch/issues/137327).
 """
@@ -38,7 +52,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +88,12 @@ class _Fit:
     mismatched: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     actions: list[tuple[int, str, str, Callable[[], None]]] = field(default_factory=list)
+    # False inside a Stateful object's state: check only, and build what its own
+    # load_state_dict() is given (it restores in place, not asyncsave).
+    in_place: bool = True
+    # id() of an optimizer state dict met inside a Stateful object's state -> the
+    # optimizer whose state_dict() made it.
+    made_by: dict[int, tuple[torch.optim.Optimizer, Any]] = field(default_factory=dict)
 
     def mismatch(self, where: tuple[Any, ...], why: str) -> None:
         self.mismatched.append(key_str(where))
@@ -185,13 +205,14 @@ def _match(fit: _Fit, value: Any, template: Any, where: tuple[Any, ...]) -> Any:
     if isinstance(template, torch.optim.Optimizer):
         return _optimizer(fit, value, template, where)
     if is_stateful(template):
-        fit.defer(_UNCHECKED, where, template, lambda: template.load_state_dict(value))
-        return template
+        return _stateful(fit, value, template, where)
     if isinstance(template, torch.Tensor):
-        if _tensor_fits(fit, value, template, where):
+        if _tensor_fits(fit, value, template, where) and fit.in_place:
             fit.defer(_TENSOR, where, template, lambda: _copy(template, value))
             return template
         return value
+    if not fit.in_place and _is_optimizer_state(template):
+        return _optimizer_state(fit, value, template, where)
     if _is_array(template):  # NumPy: checked, returned as saved (not filled in place)
         _tensor_fits(fit, value, template, where)
         return value
@@ -251,13 +272,17 @@ def _mapping(fit: _Fit, value: Any, template: dict[Any, Any], where: tuple[Any, 
         else:
             fit.missing.append(key_str((*where, k)))
             value[k] = sub  # strict=False: the template's own item stays
-    if not where and not any(
-        isinstance(v, torch.Tensor) or _is_array(v) for v in template.values()
+    if (
+        fit.in_place
+        and not where
+        and not any(isinstance(v, torch.Tensor) or _is_array(v) for v in template.values())
     ):
         return value  # the top level names items to restore: the others come back as saved
-    for k in value:
-        if k not in template:
-            fit.unexpected.extend(_tensor_keys(value[k], (*where, k)))
+    extra = {k: _tensor_keys(value[k], (*where, k)) for k in value if k not in template}
+    for k, keys in extra.items():
+        fit.unexpected.extend(keys)
+        if keys and not fit.in_place:
+            del value[k]  # strict=False: an object's own loader is given what matches
     return value
 
 
@@ -300,32 +325,42 @@ def _module(fit: _Fit, value: Any, module: torch.nn.Module, where: tuple[Any, ..
         elif isinstance(t, torch.Tensor):
             _tensor_fits(fit, value[k], t, (*where, k))
     fit.unexpected.extend(key_str((*where, k)) for k in value if k not in expected)
+    if not fit.in_place:
+        return _loose(fit, value, expected)
     strict = fit.strict
     fit.defer(_OBJECT, where, module, lambda: module.load_state_dict(value, strict=strict))
     return module
 
 
+def _loose(fit: _Fit, value: Any, current: Mapping[Any, Any]) -> Any:
+    """What a strict loader of an object's own is given with ``strict=False``: the
+    saved items that match, and its current ones where the checkpoint has none."""
+    if fit.strict or not isinstance(value, dict):
+        return value
+    for k in [k for k in value if k not in current]:
+        del value[k]
+    value.update((k, v) for k, v in current.items() if k not in value)
+    return value
+
+
 def _optimizer(fit: _Fit, value: Any, opt: torch.optim.Optimizer, where: tuple[Any, ...]) -> Any:
     """An optimizer: its parameter groups, and each parameter's saved state
     against the template's parameter that state will belong to."""
-    if not isinstance(value, Mapping) or not {"state", "param_groups"} <= value.keys():
-        fit.mismatch(
-            where,
-            f"the template holds a {type(opt).__name__}, the checkpoint "
-            f"{_describe(value)} without 'state' and 'param_groups'",
-        )
-        return opt
+    _optimizer_fits(fit, value, opt, where)
+    if not fit.in_place:
+        return value
+    saved: Any = value
+    fit.defer(_OBJECT, where, opt, lambda: opt.load_state_dict(saved))
+    return opt
+
+
+def _optimizer_fits(
+    fit: _Fit, value: Any, opt: torch.optim.Optimizer, where: tuple[Any, ...]
+) -> None:
+    now = {"param_groups": opt.param_groups}
+    if not _groups_fit(fit, value, now, where, type(opt).__name__):
+        return
     groups = value["param_groups"]
-    if not isinstance(groups, (list, tuple)):
-        groups = []
-    sizes = [len(g.get("params", ())) if isinstance(g, Mapping) else -1 for g in groups]
-    mine = [len(g["params"]) for g in opt.param_groups]
-    if sizes != mine:
-        fit.mismatch(
-            (*where, "param_groups"),
-            f"parameters per group: the checkpoint {sizes}, the optimizer {mine}",
-        )
-        return opt
     ids = itertools.chain.from_iterable(g.get("params", ()) for g in groups)
     params = itertools.chain.from_iterable(g["params"] for g in opt.param_groups)
     owner = dict(zip(ids, params, strict=True))
@@ -335,9 +370,136 @@ def _optimizer(fit: _Fit, value: Any, opt: torch.optim.Optimizer, where: tuple[A
             fit.unexpected.extend(_tensor_keys(moments, (*where, "state", pid)))
         elif isinstance(moments, Mapping):
             _moments_fit(fit, opt, moments, owner[pid], (*where, "state", pid))
-    saved: Any = value
-    fit.defer(_OBJECT, where, opt, lambda: opt.load_state_dict(saved))
-    return opt
+
+
+def _groups_fit(
+    fit: _Fit, value: Any, current: Mapping[str, Any], where: tuple[Any, ...], what: str
+) -> bool:
+    """A saved optimizer state dict with as many parameters per group as
+    ``current`` (an optimizer's state dict now)."""
+    if not _is_optimizer_state(value):
+        fit.mismatch(
+            where,
+            f"the template holds a {what}, the checkpoint {_describe(value)} without "
+            "'state' and 'param_groups'",
+        )
+        return False
+    sizes, mine = _group_sizes(value["param_groups"]), _group_sizes(current["param_groups"])
+    if sizes != mine:
+        fit.mismatch(
+            (*where, "param_groups"),
+            f"parameters per group: the checkpoint {sizes}, the optimizer {mine}",
+        )
+        return False
+    return True
+
+
+def _group_sizes(groups: Any) -> list[int]:
+    if not isinstance(groups, (list, tuple)):
+        return []
+    return [len(g.get("params", ())) if isinstance(g, Mapping) else -1 for g in groups]
+
+
+def _is_optimizer_state(x: Any) -> bool:
+    return isinstance(x, Mapping) and {"state", "param_groups"} <= x.keys()
+
+
+def _optimizer_state(fit: _Fit, value: Any, current: Any, where: tuple[Any, ...]) -> Any:
+    """An optimizer's state dict inside a Stateful object's state: checked against
+    the optimizer's parameters when its maker is known, else against the state the
+    optimizer holds now (a fresh one holds none: only its groups are checked)."""
+    maker = fit.made_by.get(id(current))
+    if maker is not None and maker[1] is current:
+        _optimizer_fits(fit, value, maker[0], where)
+        return value
+    if not _groups_fit(fit, value, current, where, "optimizer state dict"):
+        return value
+    saved, now = value["state"], current["state"]
+    if not isinstance(saved, Mapping) or not isinstance(now, Mapping):
+        return value
+    for pid in saved.keys() & now.keys():
+        mine, theirs = now[pid], saved[pid]
+        if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
+            for name in mine.keys() & theirs.keys():
+                if isinstance(mine[name], torch.Tensor):
+                    _tensor_fits(fit, theirs[name], mine[name], (*where, "state", pid, name))
+    return value
+
+
+def _stateful(fit: _Fit, value: Any, obj: Any, where: tuple[Any, ...]) -> Any:
+    """An object with its own ``state_dict()`` / ``load_state_dict()``: its state
+    now is the template of what it is given (see the module docstring)."""
+    current = _current_state(fit, obj, where)
+    if not _holds_state(current):  # nothing to check: the object's own loader decides
+        if not fit.in_place:
+            return value
+        fit.defer(_UNCHECKED, where, obj, lambda: obj.load_state_dict(value))
+        return obj
+    outer, fit.in_place = fit.in_place, False
+    try:
+        state = _match(fit, value, current, where)
+    finally:
+        fit.in_place = outer
+    if not outer:
+        return state
+    fit.defer(_OBJECT, where, obj, lambda: obj.load_state_dict(state))
+    return obj
+
+
+def _current_state(fit: _Fit, obj: Any, where: tuple[Any, ...]) -> Any:
+    """``obj.state_dict()`` now, noting which optimizer reachable from ``obj`` made
+    each optimizer state dict met on the way."""
+    made: list[tuple[torch.optim.Optimizer, Any]] = []
+
+    def note(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+        made.append((opt, sd))
+
+    hooks = [opt.register_state_dict_post_hook(note) for opt in _reachable_optimizers(obj)]
+    try:
+        current = obj.state_dict()
+    except Exception as exc:  # the object's own code: name where it failed
+        raise InvalidStateError(
+            f"{key_str(where)!r}: {type(obj).__name__}.state_dict() raised {exc!r} while "
+            f"checking {fit.path} against it; nothing was loaded",
+            path=fit.path,
+            key=key_str(where),
+        ) from exc
+    finally:
+        for hook in hooks:
+            hook.remove()
+    fit.made_by.update((id(sd), (opt, sd)) for opt, sd in made)
+    return current
+
+
+_REACH_DEPTH = 3  # attribute levels searched for optimizers below a Stateful object
+_REACH_WIDTH = 64  # items looked at per object, dict or list
+
+
+def _reachable_optimizers(obj: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers among ``obj``'s attributes, directly or through dicts, lists,
+    tuples and other Stateful objects (nested wrappers), a few levels down."""
+    found: list[torch.optim.Optimizer] = []
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(obj, 0)]
+    while todo:
+        x, depth = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, torch.optim.Optimizer):
+            found.append(x)
+            continue
+        if isinstance(x, dict):
+            kids: Iterable[Any] = x.values()
+        elif isinstance(x, (list, tuple)):
+            kids = x
+        elif is_stateful(x) and not isinstance(x, torch.nn.Module):
+            kids = vars(x).values() if hasattr(x, "__dict__") else ()
+        else:
+            continue
+        if depth < _REACH_DEPTH:
+            todo.extend((k, depth + 1) for k in itertools.islice(kids, _REACH_WIDTH))
+    return found
 
 
 # torch.optim's own optimizers keep state of their parameter's shape, or scalars;

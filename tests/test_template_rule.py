@@ -10,6 +10,8 @@ Also: a checksum error of ``load_latest()`` says how to fall back.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import pickle
 import tempfile
 import warnings
@@ -19,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import asyncsave
@@ -511,3 +513,269 @@ def test_generated_templates_either_load_exactly_or_fail_naming_the_key(
             node = node.get(k) if isinstance(node, dict) else None
         if isinstance(value, torch.Tensor) and node is not None:
             assert torch.equal(node, value)
+
+
+# -- Stateful wrappers: what their state_dict() holds now is checked by the same rule
+# -- (DCP's "AppState" pattern:
+# -- https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html) ------
+
+
+class AppState:
+    """DCP's documented wrapper: a model and an optimizer behind one state_dict()."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.optim.load_state_dict(sd["optim"])
+
+
+class Outer:
+    """A wrapper around a wrapper, with a plain counter of its own."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.inner, self.epoch = AppState(model, optim), 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"inner": self.inner.state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.inner.load_state_dict(sd["inner"])
+        self.epoch = sd["epoch"]
+
+
+class Objects(AppState):
+    """A wrapper whose state_dict() hands back the objects themselves."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "optim": self.optim}
+
+
+class Copied(AppState):
+    """A wrapper that copies the optimizer's state: its maker is not known."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": copy.deepcopy(self.optim.state_dict())}
+
+
+WRAPPERS: dict[str, tuple[Any, str]] = {
+    "app state": (AppState, "app/"),
+    "nested wrappers": (Outer, "app/inner/"),
+    "objects in state": (Objects, "app/"),
+    "copied optimizer state": (Copied, "app/"),
+}
+
+
+def _pair(layers: int = 2, swap: bool = False, steps: int = 1) -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    sizes = [3, 4, 2, 2][: layers + 1]
+    model = torch.nn.Sequential(*(torch.nn.Linear(a, b) for a, b in itertools.pairwise(sizes)))
+    params = list(model.parameters())
+    if swap:
+        params[0], params[1] = params[1], params[0]
+    opt = torch.optim.Adam(params, lr=1e-3)
+    trained(model, opt, steps)
+    return model, opt
+
+
+def _saved_wrapper(tmp_path: Path, shape: str) -> Path:
+    wrap, _ = WRAPPERS[shape]
+    return save(tmp_path, {"app": wrap(*_pair(steps=2)), "step": 3})
+
+
+@pytest.mark.parametrize("shape", sorted(WRAPPERS))
+@pytest.mark.parametrize("change", ["swapped", "grown", "shrunk"])
+def test_a_stateful_wrapper_that_does_not_fit_is_refused_before_anything_changes(
+    tmp_path: Path, shape: str, change: str
+) -> None:
+    """Two parameters swapped in the optimizer (it used to load, and the next
+    step() crashed), a model that grew or lost a layer (its first layer used to be
+    overwritten before the wrapper's loader refused): a typed error naming the
+    key inside the wrapper, model and optimizer untouched."""
+    path = _saved_wrapper(tmp_path, shape)
+    wrap, prefix = WRAPPERS[shape]
+    layers = {"grown": 3, "shrunk": 1}.get(change, 2)
+    model, opt = _pair(layers, swap=change == "swapped")
+    before = snapshot({"model": model, "optim": opt})
+    with pytest.raises(asyncsave.TemplateMismatchError) as err:
+        asyncsave.load(path, {"app": wrap(model, opt)})
+    assert str(err.value.key).startswith(prefix), err.value.key
+    assert repr(err.value.key) in str(err.value)
+    assert unchanged(before, {"model": model, "optim": opt})
+
+
+@pytest.mark.parametrize("shape", sorted(set(WRAPPERS) - {"copied optimizer state"}))
+def test_a_fresh_optimizer_with_swapped_parameters_in_a_wrapper_is_refused(
+    tmp_path: Path, shape: str
+) -> None:
+    """At resume the optimizer holds no state yet: its saved state is checked
+    against its parameters, which the wrapper's optimizer is reached for."""
+    path = _saved_wrapper(tmp_path, shape)
+    wrap, prefix = WRAPPERS[shape]
+    model, opt = _pair(swap=True, steps=0)
+    with pytest.raises(asyncsave.TemplateMismatchError) as err:
+        asyncsave.load(path, {"app": wrap(model, opt)})
+    assert err.value.mismatched and all(
+        k.startswith(f"{prefix}optim/state/") for k in err.value.mismatched
+    )
+    assert "parameter of shape" in str(err.value)
+    assert not opt.state  # not loaded
+
+
+@pytest.mark.parametrize("shape", sorted(WRAPPERS))
+def test_a_fitting_stateful_wrapper_loads_through_its_own_loader(
+    tmp_path: Path, shape: str
+) -> None:
+    wrap, _ = WRAPPERS[shape]
+    saved_model, saved_opt = _pair(steps=2)
+    path = save(tmp_path, {"app": wrap(saved_model, saved_opt), "step": 3})
+    model, opt = _pair(steps=0)
+    app = wrap(model, opt)
+    out = asyncsave.load(path, {"app": app})
+    assert out["app"] is app and out["step"] == 3
+    pairs = zip(model.parameters(), saved_model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert opt.state_dict()["state"].keys() == saved_opt.state_dict()["state"].keys()
+    trained(model, opt, 1)  # the optimizer's state belongs to the right parameters
+
+
+@pytest.mark.parametrize(
+    "state",
+    [{"epoch": 3, "name": "run"}, {"seen": [1, 2, 3]}, {}],
+    ids=["numbers", "list", "empty"],
+)
+def test_a_wrapper_of_plain_values_is_left_to_its_own_loader(
+    tmp_path: Path, state: dict[str, Any]
+) -> None:
+    """Nothing to check (no tensor): the object's own loader is given the saved
+    state, whatever it holds now."""
+
+    class Plain:
+        def __init__(self, sd: dict[str, Any]) -> None:
+            self.sd = sd
+
+        def state_dict(self) -> dict[str, Any]:
+            return self.sd
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.sd = dict(sd)
+
+    path = save(tmp_path, {"loader": Plain(state)})
+    fresh = Plain({"other": "keys"})
+    asyncsave.load(path, {"loader": fresh})
+    assert fresh.sd == state
+
+
+class ModelOnly:
+    """A wrapper with a strict loader of its own (a module's default)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "epoch": 1}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"])
+
+
+@pytest.mark.parametrize(("layers", "kind"), [(3, "missing"), (1, "unexpected"), (2, None)])
+def test_strict_false_reaches_a_wrappers_own_strict_loader(
+    tmp_path: Path, layers: int, kind: str | None
+) -> None:
+    """strict=True: the missing or unexpected layers are a typed error, nothing
+    loaded; strict=False: the layers that match are loaded (the wrapper's own
+    loader is given its current state where the checkpoint has none, and not the
+    saved layers it lacks), the rest named in one warning."""
+    saved, _ = _pair(steps=0)
+    path = save(tmp_path, {"app": ModelOnly(saved)})
+    model, _ = _pair(layers, steps=0)
+    torch.nn.init.zeros_(model[0].weight)
+    grown = model[2].weight.clone() if layers == 3 else None
+    if kind is not None:
+        error = asyncsave.MissingItemError if kind == "missing" else asyncsave.TemplateMismatchError
+        with pytest.raises(error) as err:
+            asyncsave.load(path, {"app": ModelOnly(model)})
+        assert str(err.value.key).startswith("app/model/") and kind in str(err.value)
+        assert not model[0].weight.any()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        asyncsave.load(path, {"app": ModelOnly(model)}, strict=False)
+    assert torch.equal(model[0].weight, saved[0].weight)
+    if grown is not None:
+        assert torch.equal(model[2].weight, grown)  # its own, untouched
+    notes = [str(w.message) for w in record if issubclass(w.category, asyncsave.CheckpointWarning)]
+    assert (kind is None) == (not notes)
+    if kind is not None:
+        assert f"{kind} item(s) 'app/model/" in notes[0]
+
+
+class TreeState:
+    """A wrapper over a tree of tensors and plain values: state_dict() hands out
+    the tree itself; load_state_dict() copies into its tensors and refuses a
+    missing key, as a strict loader does."""
+
+    def __init__(self, tree: dict[str, Any]) -> None:
+        self.tree = tree
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.tree
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        _fill(self.tree, sd)
+
+
+def _fill(tree: dict[str, Any], sd: dict[str, Any]) -> None:
+    if tree.keys() - sd.keys():
+        raise KeyError(f"missing {sorted(tree.keys() - sd.keys())}")
+    for k, v in sd.items():
+        if isinstance(tree.get(k), torch.Tensor):
+            tree[k].copy_(v)
+        elif isinstance(tree.get(k), dict) and isinstance(v, dict):
+            _fill(tree[k], v)
+        else:
+            tree[k] = v
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(saved=TREES, data=st.data())
+def test_generated_trees_behind_a_wrapper_follow_the_same_rule(
+    saved: dict[str, Any], data: st.DataObject
+) -> None:
+    """The generated trees of the test above, behind a Stateful wrapper: the same
+    typed errors naming the same keys (under the wrapper's), nothing changed in
+    place; or a correct load through the wrapper's own loader. A top-level item the
+    wrapper's state lacks counts as unexpected: it is the wrapper's whole state."""
+    template = _template_of(saved)
+    kind, keys = _mutate(data, saved, template)
+    if kind == "drop" and not keys:  # a top-level item, returned as saved by a plain tree
+        dropped = _tensor_keys(saved, ()) - _tensor_keys(template, ())
+        keys = dropped
+    assume(bool(_tensor_keys(template, ())))  # no tensor: nothing to check, its loader decides
+    keys = {f"app/{k}" for k in keys}
+    before = snapshot(template)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = save(Path(tmp), {"app": TreeState(saved)})
+        if kind == "add":
+            with pytest.raises(asyncsave.MissingItemError) as missing:
+                asyncsave.load(path, {"app": TreeState(template)})
+            assert missing.value.key in keys and unchanged(before, template)
+            return
+        if kind in ("reshape", "retype") or (kind == "drop" and keys):
+            with pytest.raises(asyncsave.TemplateMismatchError) as err:
+                asyncsave.load(path, {"app": TreeState(template)})
+            found = err.value.mismatched if kind != "drop" else err.value.unexpected
+            assert set(found) == keys and unchanged(before, template)
+            return
+        tensors = {p: v for p, v in _paths(template) if isinstance(v, torch.Tensor)}
+        asyncsave.load(path, {"app": TreeState(template)})
+    assert _fits(template, saved)
+    assert all(_at(template, p)[p[-1]] is t for p, t in tensors.items())  # filled in place
