@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
     from ._catalog import latest
     from ._commit import adopt
+    from ._decode import verify
     from ._engine import Checkpointer, SaveHandle
     from ._errors import (
         CheckpointerClosedError,
@@ -53,7 +54,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
     from ._fsspec import FsspecFileSystem
     from ._lazy import stage_before_step
     from ._listing import checkpoints, load_step
-    from ._load import load, load_tensors, verify
+    from ._load import load, load_tensors
     from ._options import CheckpointOptions, Tier
     from ._policy import (
         AgreedPolicy,
@@ -111,7 +112,7 @@ _LAZY = {
     "latest": "._catalog",
     "load": "._load",
     "load_tensors": "._load",
-    "verify": "._load",
+    "verify": "._decode",
     "CheckpointOptions": "._options",
     "Tier": "._options",
     "AgreedPolicy": "._policy",

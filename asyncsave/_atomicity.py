@@ -43,6 +43,7 @@ __all__ = [
     "make_held_temp_dir",
     "make_temp_dir",
     "move_aside",
+    "move_aside_durably",
     "strategy_for",
 ]
 
@@ -373,6 +374,30 @@ def move_aside(
             raise
         logger.warning("could not move %s aside (retried at the next open): %r", path, exc)
         return None
+    return aside
+
+
+def move_aside_durably(
+    fs: LocalFileSystem,
+    root: Path,
+    path: Path,
+    why: str,
+    step: int,
+    reason: str,
+    *,
+    quiet: bool = True,
+) -> Path | None:
+    """:func:`move_aside`, then ``root`` fsynced so that the move is durable (a
+    damaged or partial checkpoint set aside while a saver runs: its step can be
+    saved again).
+
+    :returns: the aside path, or ``None`` (see :func:`move_aside`).
+    :raises OSError: the rename or the fsync failed and not ``quiet`` (a failed
+        fsync is raised either way).
+    """
+    aside = move_aside(fs, root, path, why, step, reason, quiet=quiet)
+    if aside is not None:
+        fs.fsync_dir(root)
     return aside
 
 

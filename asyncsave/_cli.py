@@ -301,7 +301,7 @@ def _verify(
     fs: LocalFileSystem, path: Path, layout_name: str, out: TextIO, progress: bool | None
 ) -> int:
     from ._catalog import read_checkpoint, scan_steps
-    from ._load import verify
+    from ._decode import verify
 
     if not fs.exists(path):
         print(f"asyncsave: {path}: no such file or directory", file=sys.stderr)

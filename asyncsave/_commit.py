@@ -40,6 +40,7 @@ from ._catalog import (
     step_of_name,
     stored_info,
 )
+from ._decode import verify_data
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -50,7 +51,6 @@ from ._errors import (
 )
 from ._fs import LocalFileSystem
 from ._fsspec import open_root
-from ._load import verify_data
 from ._manifest import Manifest
 from ._paths import (
     COMMIT_MARKER_NAME,

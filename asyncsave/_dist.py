@@ -60,15 +60,11 @@ import torch
 
 from ._catalog import read_checkpoint, step_of_name
 from ._coord import GlooGroup, wants_distributed
+from ._decode import _build_tensors, _Decoder, _read_entries
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._fs import LocalFileSystem
 from ._jobs import Job, contains_dtensor, merge_parts
-from ._load import (
-    _build_tensors,
-    _Decoder,
-    _read_entries,
-    refuse_other_format,
-)
+from ._load import refuse_other_format
 from ._manifest import renumbered
 from ._paths import MANIFEST_NAME
 

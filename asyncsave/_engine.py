@@ -44,7 +44,7 @@ from ._policy import AgreedPolicy, SavePolicy
 from ._replan import Planner
 from ._stage import StagingPool
 from ._template import warned
-from ._tiers import Persister, load_nearest
+from ._tiers import Persister
 from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
 
@@ -72,7 +72,7 @@ async def _resume_from(
     """The body of :meth:`Checkpointer.load_latest`: from the nearest tier, or
     the tracked checkpoint."""
     if tiers is not None:
-        return await load_nearest(
+        return await _resume.load_nearest(
             saver, tiers, template, device=device, required=required, strict=strict
         )
     return await _resume.load_latest(

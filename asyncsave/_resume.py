@@ -1,18 +1,22 @@
 """Resuming: the checkpoint the tracker names, read in a worker thread (this
-rank's part only, on several ranks), falling back to older ones on request."""
+rank's part only, on several ranks), falling back to older ones on request; with
+a persistent tier, the newest step that loads from either tier
+(:func:`load_nearest`). Which steps are committed comes from the catalog."""
 
 from __future__ import annotations
 
 import functools
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 import torch
 
-from ._atomicity import move_aside
-from ._catalog import older_committed, read_checkpoint, resolve
+from ._atomicity import move_aside_durably
+from ._catalog import committed_steps, info_of, older_committed, read_checkpoint, resolve
+from ._coord import Coordinator
 from ._dist import load_rank
 from ._errors import (
     CheckpointerClosedError,
@@ -21,13 +25,17 @@ from ._errors import (
     CheckpointWarning,
     CorruptCheckpointError,
 )
+from ._fs import LocalFileSystem
 from ._jobs import dcp_reader_class
 from ._load import _check_required, load
 from ._pipeline import Saver
 from ._template import apply_template
 from ._types import CheckpointInfo, Restored
 
-__all__ = ["load_latest"]
+if TYPE_CHECKING:
+    from ._tiers import Persister
+
+__all__ = ["load_latest", "load_nearest"]
 
 logger = logging.getLogger(__name__)
 
@@ -287,5 +295,126 @@ def _with_fallback_hint(cause: CorruptCheckpointError, root: Any) -> CorruptChec
 
 def _move_damaged_aside(saver: Saver, path: Any, step: int, reason: str) -> None:
     """Move the damaged checkpoint ``path`` aside, durably (raises what fails)."""
-    if move_aside(saver.fs, saver.root, path, "damaged", step, reason, quiet=False):
-        saver.fs.fsync_dir(saver.root)
+    move_aside_durably(saver.fs, saver.root, path, "damaged", step, reason, quiet=False)
+
+
+# -- resuming with a persistent tier -------------------------------------------
+async def load_nearest(
+    saver: Saver,
+    persister: Persister,
+    template: Any,
+    *,
+    device: str | torch.device,
+    required: Iterable[str | Sequence[Any]],
+    strict: bool = True,
+) -> tuple[Restored | None, CheckpointWarning | None]:
+    """Resume from the nearest valid tier (see the module docstring): the body of
+    :meth:`asyncsave.Checkpointer.load_latest` with a persistent tier.
+
+    :returns: the restored state, or ``None`` when neither tier holds a
+        committed checkpoint; and the warning of a ``strict=False`` load into
+        ``template`` that left something out (for the caller to issue), or ``None``.
+    :raises CheckpointNotFoundError: committed checkpoints exist but none loads
+        (the last failure is ``__cause__``).
+    """
+    if saver.state != "open":
+        raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=saver.root)
+    # The collectives below run on the saves' group, in a turn of their own, so
+    # that they never interleave with a save's (the copies use another group, and
+    # go on meanwhile: resuming never waits for the slow tier).
+    coord = saver.coord
+    ticket = coord.take_ticket()
+    try:
+        await coord.wait_turn(ticket)
+        return await _load_nearest(
+            saver, persister, coord, template, device, required, strict=strict
+        )
+    finally:
+        coord.end_turn(ticket)
+
+
+async def _load_nearest(
+    saver: Saver,
+    persister: Persister,
+    coord: Coordinator,
+    template: Any,
+    device: str | torch.device,
+    required: Iterable[str | Sequence[Any]],
+    *,
+    strict: bool,
+) -> tuple[Restored | None, CheckpointWarning | None]:
+    mine = await anyio.to_thread.run_sync(committed_steps, saver.fs, saver.root, saver.layout)
+    remote: dict[int, Path] = {}
+    if coord.leader:
+        remote = await anyio.to_thread.run_sync(
+            committed_steps, persister.fs, persister.root, persister.layout
+        )
+    views = await coord.all_gather("resume-local", sorted(mine))
+    remote_steps: list[int] = await coord.broadcast("resume-persistent", sorted(remote))
+    local_ok = set(views[0]).intersection(*views[1:])
+    remote_ok = set(remote_steps)
+    last_error: BaseException | None = None
+    while local_ok or remote_ok:
+        best_local = max(local_ok, default=-1)
+        best_remote = max(remote_ok, default=-1)
+        if best_local >= best_remote:
+            step, where, fs, root = best_local, "local", saver.fs, saver.root
+        else:
+            step, where, fs, root = best_remote, "persistent", persister.fs, persister.root
+        path = root / saver.layout.dir_name(step)
+        reader: Any = functools.partial(load, path)
+        # A local part of local_scope="rank" is a checkpoint of one rank: its own.
+        if coord.world_size > 1 and not (where == "local" and saver.per_rank):
+            reader = functools.partial(load_rank, path, coord.rank, coord.world_size)
+        state: Any = None
+        failure: str | None = None
+        try:
+            state = await anyio.to_thread.run_sync(
+                functools.partial(
+                    reader, device=device, allow_pickle=saver.options.allow_pickle, filesystem=fs
+                )
+            )
+        except (CorruptCheckpointError, CheckpointNotFoundError, OSError) as exc:
+            last_error, failure = exc, repr(exc)
+        failures = [f for f in await coord.all_gather("resume-load", failure, step) if f]
+        if not failures:
+            _check_required(state, required, path)
+            state, note = apply_template(state, template, path, strict=strict)
+            saver.resumed_step = step
+            info = await anyio.to_thread.run_sync(_info, fs, path)
+            if where == "local":
+                saver.committed.setdefault(step, None)
+            logger.info("resumed step %d from the %s tier (%s)", step, where, path)
+            return Restored(state, info), note
+        logger.warning(
+            "cannot resume step %d from the %s tier (%s): %s; trying the next candidate",
+            step,
+            where,
+            path,
+            "; ".join(failures),
+        )
+        (local_ok if where == "local" else remote_ok).discard(step)
+        if where == "local" and (coord.world_size == 1 or saver.per_rank) and failure:
+            saver.committed.pop(step, None)
+            await anyio.to_thread.run_sync(
+                saver.under_final_lock,
+                move_aside_durably,
+                saver.fs,
+                saver.root,
+                path,
+                "damaged",
+                step,
+                failure,
+            )
+    if last_error is None and not any(views) and not remote_steps:
+        return None, None
+    raise CheckpointNotFoundError(
+        f"no checkpoint on the local tier {saver.root} or the persistent tier "
+        f"{persister.root} loads",
+        path=saver.root,
+    ) from last_error
+
+
+def _info(fs: LocalFileSystem, path: Path) -> CheckpointInfo:
+    return info_of(path, read_checkpoint(fs, path))
+

@@ -36,7 +36,7 @@ Rules (docs/decisions.md, "Tiers"):
 - **Close** waits for outstanding copies within ``close_timeout_s``; past it they
   are cancelled (their temporary directories are removed at the next open of the
   persistent root) and close raises :class:`CheckpointTimeoutError`.
-- **Resume** (:func:`load_nearest`): the newest step that loads (every byte
+- **Resume** (``_resume.load_nearest``): the newest step that loads (every byte
   verified) wins; for one step, the local copy before the persistent one. On
   several ranks a local step counts only if every rank has it; every rank loads
   the same step, and if any rank's load fails the candidate is dropped on every
@@ -71,19 +71,17 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import torch
 
-from ._atomicity import CommitStrategy, discard, move_aside, strategy_for
-from ._catalog import committed_steps, info_of, read_checkpoint
+from ._atomicity import CommitStrategy, discard, move_aside_durably, strategy_for
+from ._catalog import read_checkpoint
 from ._commit import lock_root, recover
 from ._coord import Coordinator, GlooGroup, Solo
-from ._dist import load_rank
+from ._decode import verify
 from ._errors import (
     CheckpointerClosedError,
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
-    CheckpointWarning,
     CorruptCheckpointError,
     RootInUseError,
     SaveFailedError,
@@ -92,17 +90,15 @@ from ._fs import LocalFileSystem
 from ._fsspec import open_root
 from ._handle import SaveHandle
 from ._jobs import check_visible, merge_parts
-from ._load import _check_required, load, verify
 from ._manifest import CHECKSUM, SELF_CHECKSUM, encode_manifest, parse_manifest
 from ._options import Tier
 from ._paths import COMMIT_MARKER_NAME, MANIFEST_NAME, Layout, is_temp_name
 from ._pipeline import Saver, _final_lock_for
 from ._retention import apply_retention
-from ._template import apply_template
 from ._track import TrackerWriter
-from ._types import CheckpointInfo, Restored
+from ._types import CheckpointInfo
 
-__all__ = ["Persister", "copy_checkpoint", "load_nearest"]
+__all__ = ["Persister", "copy_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -322,12 +318,13 @@ class Persister:
             path = saver.root / self.layout.dir_name(step)
             await anyio.to_thread.run_sync(
                 saver.under_final_lock,
-                _aside,
-                saver,
+                move_aside_durably,
+                saver.fs,
+                saver.root,
                 path,
+                "partial",
                 step,
                 "a local part of a step not every rank has committed",
-                "partial",
             )
 
     async def open(self, unlock_local: Callable[[], Awaitable[None]]) -> None:
@@ -812,130 +809,9 @@ class Persister:
         return None
 
 
-# -- resuming -----------------------------------------------------------------------
-async def load_nearest(
-    saver: Saver,
-    persister: Persister,
-    template: Any,
-    *,
-    device: str | torch.device,
-    required: Iterable[str | Sequence[Any]],
-    strict: bool = True,
-) -> tuple[Restored | None, CheckpointWarning | None]:
-    """Resume from the nearest valid tier (see the module docstring): the body of
-    :meth:`asyncsave.Checkpointer.load_latest` with a persistent tier.
-
-    :returns: the restored state, or ``None`` when neither tier holds a
-        committed checkpoint; and the warning of a ``strict=False`` load into
-        ``template`` that left something out (for the caller to issue), or ``None``.
-    :raises CheckpointNotFoundError: committed checkpoints exist but none loads
-        (the last failure is ``__cause__``).
-    """
-    if saver.state != "open":
-        raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=saver.root)
-    # The collectives below run on the saves' group, in a turn of their own, so
-    # that they never interleave with a save's (the copies use another group, and
-    # go on meanwhile: resuming never waits for the slow tier).
-    coord = saver.coord
-    ticket = coord.take_ticket()
-    try:
-        await coord.wait_turn(ticket)
-        return await _load_nearest(
-            saver, persister, coord, template, device, required, strict=strict
-        )
-    finally:
-        coord.end_turn(ticket)
-
-
-async def _load_nearest(
-    saver: Saver,
-    persister: Persister,
-    coord: Coordinator,
-    template: Any,
-    device: str | torch.device,
-    required: Iterable[str | Sequence[Any]],
-    *,
-    strict: bool,
-) -> tuple[Restored | None, CheckpointWarning | None]:
-    mine = await anyio.to_thread.run_sync(committed_steps, saver.fs, saver.root, saver.layout)
-    remote: dict[int, Path] = {}
-    if coord.leader:
-        remote = await anyio.to_thread.run_sync(
-            committed_steps, persister.fs, persister.root, persister.layout
-        )
-    views = await coord.all_gather("resume-local", sorted(mine))
-    remote_steps: list[int] = await coord.broadcast("resume-persistent", sorted(remote))
-    local_ok = set(views[0]).intersection(*views[1:])
-    remote_ok = set(remote_steps)
-    last_error: BaseException | None = None
-    while local_ok or remote_ok:
-        best_local = max(local_ok, default=-1)
-        best_remote = max(remote_ok, default=-1)
-        if best_local >= best_remote:
-            step, where, fs, root = best_local, "local", saver.fs, saver.root
-        else:
-            step, where, fs, root = best_remote, "persistent", persister.fs, persister.root
-        path = root / saver.layout.dir_name(step)
-        reader: Any = functools.partial(load, path)
-        # A local part of local_scope="rank" is a checkpoint of one rank: its own.
-        if coord.world_size > 1 and not (where == "local" and saver.per_rank):
-            reader = functools.partial(load_rank, path, coord.rank, coord.world_size)
-        state: Any = None
-        failure: str | None = None
-        try:
-            state = await anyio.to_thread.run_sync(
-                functools.partial(
-                    reader, device=device, allow_pickle=saver.options.allow_pickle, filesystem=fs
-                )
-            )
-        except (CorruptCheckpointError, CheckpointNotFoundError, OSError) as exc:
-            last_error, failure = exc, repr(exc)
-        failures = [f for f in await coord.all_gather("resume-load", failure, step) if f]
-        if not failures:
-            _check_required(state, required, path)
-            state, note = apply_template(state, template, path, strict=strict)
-            saver.resumed_step = step
-            info = await anyio.to_thread.run_sync(_info, fs, path)
-            if where == "local":
-                saver.committed.setdefault(step, None)
-            logger.info("resumed step %d from the %s tier (%s)", step, where, path)
-            return Restored(state, info), note
-        logger.warning(
-            "cannot resume step %d from the %s tier (%s): %s; trying the next candidate",
-            step,
-            where,
-            path,
-            "; ".join(failures),
-        )
-        (local_ok if where == "local" else remote_ok).discard(step)
-        if where == "local" and (coord.world_size == 1 or saver.per_rank) and failure:
-            saver.committed.pop(step, None)
-            await anyio.to_thread.run_sync(
-                saver.under_final_lock, _aside, saver, path, step, failure
-            )
-    if last_error is None and not any(views) and not remote_steps:
-        return None, None
-    raise CheckpointNotFoundError(
-        f"no checkpoint on the local tier {saver.root} or the persistent tier "
-        f"{persister.root} loads",
-        path=saver.root,
-    ) from last_error
-
-
 def _bare_info(step: int, path: Path) -> CheckpointInfo:
     """The info of a committed checkpoint found on disk (its costs unknown)."""
     return CheckpointInfo(step=step, path=path, nbytes=0, num_tensors=0)
-
-
-def _info(fs: LocalFileSystem, path: Path) -> CheckpointInfo:
-    return info_of(path, read_checkpoint(fs, path))
-
-
-def _aside(saver: Saver, path: Path, step: int, reason: str, why: str = "damaged") -> None:
-    """Move a damaged (or partial) local checkpoint aside (its step can be saved
-    again)."""
-    if move_aside(saver.fs, saver.root, path, why, step, reason, quiet=True):
-        saver.fs.fsync_dir(saver.root)
 
 
 def _data_of(entries: list[dict[str, Any]]) -> list[tuple[int, str]]:

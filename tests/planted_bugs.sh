@@ -32,7 +32,7 @@ BUGS=(
 "8|asyncsave/_atomicity.py|    try:\n        if fs.lexists(path):\n            fs.remove_tree(path)|    try:\n        if False:\n            fs.remove_tree(path)|tests/test_io_faults.py"
 "9|asyncsave/_pipeline.py|    except BaseException as exc:\n        raise WorkerDiedError|    except ZeroDivisionError as exc:\n        raise WorkerDiedError|tests/test_hangs.py -k dies"
 "10|asyncsave/_pipeline.py|                with anyio.fail_after(self.options.save_timeout_s):|                with anyio.fail_after(None):|tests/test_hangs.py -k stuck"
-"11|asyncsave/_load.py|        if name != \"__metadata__\" and not _well_formed(h):|        if False:|tests/test_bad_inputs.py"
+"11|asyncsave/_decode.py|        if name != \"__metadata__\" and not _well_formed(h):|        if False:|tests/test_bad_inputs.py"
 "12|asyncsave/_manifest.py|        and \"/\" not in name\n|\n|tests/test_bad_inputs.py"
 "13|asyncsave/_track.py|    text = raw.decode(\"ascii\", errors=\"replace\").strip()|    text = raw.decode(\"ascii\", errors=\"replace\").strip().lstrip(\"+-\")|tests/test_fuzz_parsers.py"
 "14|asyncsave/_manifest.py|def _self_checksum_ok(raw: bytes, doc: dict[str, Any], digest: Any) -> bool:\n|def _self_checksum_ok(raw: bytes, doc: dict[str, Any], digest: Any) -> bool:\n    return True\n|tests/test_fuzz_parsers.py"

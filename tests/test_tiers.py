@@ -561,21 +561,21 @@ async def test_a_local_copy_that_does_not_load_is_moved_aside_and_its_step_saved
     to the persistent one, and moves it aside (kept, never deleted), so that a
     later save of that step writes. (Leaving an EIO copy in place, tried once,
     kept its step committed: the re-save was a silent no-op; found in review.)"""
-    import asyncsave._tiers as tiers
+    import asyncsave._resume as resume  # resuming from the nearest tier reads there
 
     local, remote = tmp_path / "local", tmp_path / "remote"
     await _run(local, remote, [2, 3], every=2)  # step 2 on both tiers, 3 local only
     if fault == "damaged":
         flip_byte(local / "step_3")
     else:
-        real = tiers.load
+        real = resume.load
 
         def eio_locally(path: Path, **kw: Any) -> Any:
             if Path(path) == local / "step_3":
                 raise OSError(errno.EIO, "Input/output error", str(path))
             return real(path, **kw)
 
-        monkeypatch.setattr(tiers, "load", eio_locally)
+        monkeypatch.setattr(resume, "load", eio_locally)
     tier = Tier(remote, policy=asyncsave.SaveEvery(2))  # step 3 is not due to persist
     async with asyncsave.Checkpointer(local, persistent=tier) as ckpt:
         restored = await ckpt.load_latest()
