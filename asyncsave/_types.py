@@ -26,7 +26,11 @@ def gc_paused() -> Iterator[None]:
     The collector is process-wide state, so a pause never outlives the call
     that took it: it is never held across an ``await``, a thread hand-off or a
     save, and ends before the call returns, restoring what the call found (a
-    collector the trainer switched off stays off). Of calls that overlap in
+    collector the trainer switched off before the call stays off). A
+    ``gc.disable()`` made by another thread while such a call runs is undone when
+    the call returns: Python cannot tell it from the call's own pause, so a
+    trainer that switches the collector off for good does it while no save or
+    load is in progress (before the first save, say). Of calls that overlap in
     several threads, only the first pauses (it owns the pause); the others run
     with the collector as it is, and the pause ends with its owner's call, not
     with the last of them: overlapping saves cannot keep the collector off, and
