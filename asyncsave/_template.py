@@ -207,10 +207,7 @@ def _match(fit: _Fit, value: Any, template: Any, where: tuple[Any, ...]) -> Any:
     if is_stateful(template):
         return _stateful(fit, value, template, where)
     if isinstance(template, torch.Tensor):
-        if _tensor_fits(fit, value, template, where) and fit.in_place:
-            fit.defer(_TENSOR, where, template, lambda: _copy(template, value))
-            return template
-        return value
+        return _tensor(fit, value, template, where)
     if not fit.in_place and _is_optimizer_state(template):
         return _optimizer_state(fit, value, template, where)
     if _is_array(template):  # NumPy: checked, returned as saved (not filled in place)
@@ -235,6 +232,13 @@ def _tagged(fit: _Fit, value: Any, template: Tagged[Any], where: tuple[Any, ...]
             key=key_str(where),
         )
     return Tagged(_match(fit, value.value, template.value, where), value.kind)
+
+
+def _tensor(fit: _Fit, value: Any, template: torch.Tensor, where: tuple[Any, ...]) -> Any:
+    if _tensor_fits(fit, value, template, where) and fit.in_place:
+        fit.defer(_TENSOR, where, template, lambda: _copy(template, value))
+        return template
+    return value
 
 
 def _copy(template: torch.Tensor, value: torch.Tensor) -> None:
