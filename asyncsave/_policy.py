@@ -279,6 +279,33 @@ class _HandlerHolds:
         self._lock = threading.Lock()
         self._open: weakref.WeakSet[object] = weakref.WeakSet()
         self._held: list[tuple[SaveOnSignal, weakref.WeakSet[object]]] = []
+        self._installed: weakref.WeakSet[SaveOnSignal] = weakref.WeakSet()
+
+    def installed(self, policy: SaveOnSignal) -> None:
+        """``policy``'s handlers are in place (until its :meth:`put_back`)."""
+        with self._lock:
+            self._installed.add(policy)
+
+    def put_back(self, policy: SaveOnSignal, previous: dict[int, Any]) -> list[int]:
+        """Put back the handlers ``policy`` replaced (main thread), on each signal
+        where its own handler is still the one installed. Where another policy
+        installed its handler over it, that one puts ``previous`` back in its turn;
+        where anyone else did (the trainer's own handler, ``SIG_IGN``), theirs
+        stays. :returns: the signals whose handler was left as it was."""
+        left = []
+        with self._lock:
+            self._installed.discard(policy)
+            for sig, handler in previous.items():
+                if signal.getsignal(sig) == policy._handler:
+                    # None: not installed from Python; the default is the closest.
+                    signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+                    continue
+                over = [p for p in self._installed if p._previous.get(sig) == policy._handler]
+                if over:
+                    over[0]._previous[sig] = handler
+                else:
+                    left.append(sig)
+        return left
 
     def opened(self, owner: object) -> None:
         """``owner`` (a checkpointer) was entered: its close flushes saves."""
@@ -351,14 +378,17 @@ class SaveOnSignal(SavePolicy):
     (:class:`Checkpointer` or :class:`SyncCheckpointer` entered on the main thread)
     that was open when the block ended, so after the flush of the save the signal
     asked for. Schedulers repeat SIGTERM within their grace period and users press
-    Ctrl-C twice: a repeat during that flush is absorbed (counted in
-    :attr:`repeats`, logged when the handlers are restored) instead of killing the
-    process with the save uncommitted (Source:
+    Ctrl-C twice: a repeat in that time (during the flush, or during the work the
+    program does between the block and the close) is absorbed (counted in
+    :attr:`repeats`, logged when the handlers are restored, saying when it came)
+    instead of killing the process with the save uncommitted (Source:
     https://github.com/goodfire-ai/spd/issues/677). Nothing is re-delivered
     afterwards: the signal already made the pump stop, and the program ends as it
-    does after a stop (the previous handler is back for any later signal). SIGKILL
-    still abandons the flush; a checkpointer closed already, or a policy block
-    around the checkpointer's, needs no hold.
+    does after a stop. The previous handler is put back for any later signal
+    where the policy's own is still installed; a handler installed over it since
+    (the trainer's own, ``SIG_IGN``) is left in place. SIGKILL still abandons the
+    flush; a checkpointer closed already, or a policy block around the
+    checkpointer's, needs no hold.
 
     :param signals: signal numbers (default ``SIGTERM``).
     """
@@ -369,6 +399,7 @@ class SaveOnSignal(SavePolicy):
         self._saved = False
         self.repeats = 0  # signals caught after the first one (absorbed)
         self._previous: dict[int, Any] = {}
+        self._repeats_in_block: int | None = None  # repeats when the block ended
         self._lock = threading.Lock()
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
@@ -380,7 +411,10 @@ class SaveOnSignal(SavePolicy):
     def install(self) -> None:
         if self._previous:
             signal_holds.drop(self)  # entered again while its handlers were held
+            self._repeats_in_block = None
             return
+        self._repeats_in_block = None
+        signal_holds.installed(self)
         try:
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handler)
@@ -392,6 +426,7 @@ class SaveOnSignal(SavePolicy):
         return self.received is not None
 
     def _close(self, hold: bool) -> None:
+        self._repeats_in_block = self.repeats
         if self._previous and signal_holds.release(self, hold) and hold:
             logger.warning(
                 "%r caught a signal: its handlers stay installed until the open "
@@ -402,17 +437,38 @@ class SaveOnSignal(SavePolicy):
             )
 
     def _restore(self) -> None:
-        """Put back the handlers :meth:`install` replaced (main thread only)."""
+        """Put back the handlers :meth:`install` replaced (main thread only), where
+        this policy's handler is still the one installed."""
         previous, self._previous = self._previous, {}
-        for sig, handler in previous.items():
-            # None: a handler not installed from Python; the default is the closest.
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        if previous and self.repeats:
-            logger.warning(
-                "%r: the signal came %d more time(s) while the saves were flushed; "
-                "absorbed (the pump had already been asked to stop)",
+        left = signal_holds.put_back(self, previous)
+        if left:
+            logger.info(
+                "%r: left the handler of %s as it is: it was installed after this "
+                "policy's, by someone else",
                 self,
-                self.repeats,
+                ", ".join(signal.Signals(s).name for s in left),
+            )
+        if previous:
+            self._report_repeats()
+
+    def _report_repeats(self) -> None:
+        in_block = self.repeats if self._repeats_in_block is None else self._repeats_in_block
+        after = self.repeats - in_block
+        if in_block:
+            logger.warning(
+                "%r: the signal came %d more time(s) inside the policy's block; "
+                "absorbed (the first one had already asked for a save and a stop)",
+                self,
+                in_block,
+            )
+        if after:
+            logger.warning(
+                "%r: the signal came %d more time(s) after the policy's block ended, "
+                "before the checkpointers open then had closed; absorbed, because the "
+                "save it asked for was pending until their close committed it (the "
+                "work after the block went on; SIGKILL stops it)",
+                self,
+                after,
             )
 
     def trigger(self, signum: int = signal.SIGTERM) -> None:

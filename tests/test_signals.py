@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -267,3 +268,105 @@ def test_a_policy_of_the_callers_own_is_closed_in_a_combination_and_by_agree(
             assert mine.installed == 0
 
     anyio.run(main)
+
+
+def _trainers_own(signum: int, frame: Any) -> None:
+    """A handler the trainer installs for its own cleanup."""
+
+
+@pytest.mark.parametrize(
+    ("sig", "theirs"),
+    [
+        (signal.SIGUSR1, _trainers_own),
+        (signal.SIGUSR2, signal.SIG_IGN),
+        (signal.SIGINT, _trainers_own),
+        (signal.SIGINT, signal.SIG_IGN),
+    ],
+    ids=["SIGUSR1 handler", "SIGUSR2 ignored", "SIGINT handler", "SIGINT ignored"],
+)
+@pytest.mark.parametrize("when", ["after the block", "inside the block"])
+def test_a_handler_the_trainer_installs_later_is_left_in_place(
+    tmp_path: Path, sig: signal.Signals, theirs: Any, when: str
+) -> None:
+    """The policy caught a signal and holds its handler through the close's flush;
+    a handler the trainer installed since (after the block, or inside it) is the
+    trainer's: the policy puts the one from before back only where its own is still
+    installed."""
+    before = signal.getsignal(sig)
+    policy = asyncsave.SaveOnSignal(sig)
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(tmp_path) as ckpt:
+            with policy:
+                os.kill(os.getpid(), sig)
+                assert policy.should_save(1)
+                await ckpt.save(1, {"x": torch.zeros(2)})
+                if when == "inside the block":
+                    signal.signal(sig, theirs)
+            if when == "after the block":
+                assert signal.getsignal(sig) == policy._handler  # held through the flush
+                signal.signal(sig, theirs)
+
+    try:
+        anyio.run(main)
+        assert signal.getsignal(sig) == theirs
+    finally:
+        signal.signal(sig, before)
+
+
+def test_a_second_policy_entered_after_a_held_one_puts_back_the_first_handler(
+    tmp_path: Path,
+) -> None:
+    """The first policy's handler is held through the flush; a second block on the
+    same signal replaces it and ends: after the close the handler from before both
+    is back, not the first policy's (which would absorb every later signal)."""
+    before = signal.getsignal(signal.SIGUSR1)
+    first, second = asyncsave.SaveOnSignal(signal.SIGUSR1), asyncsave.SaveOnSignal(signal.SIGUSR1)
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(tmp_path) as ckpt:
+            with first:
+                os.kill(os.getpid(), signal.SIGUSR1)
+                await ckpt.save(1, {"x": torch.zeros(2)})
+            with second:
+                assert signal.getsignal(signal.SIGUSR1) == second._handler
+
+    try:
+        anyio.run(main)
+        assert signal.getsignal(signal.SIGUSR1) == before
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+@pytest.mark.parametrize(("inside", "after"), [(0, 3), (2, 0), (1, 2)])
+def test_absorbed_repeats_are_reported_as_where_they_came(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, inside: int, after: int
+) -> None:
+    """Repeats inside the block, and repeats after it while the checkpointer is
+    still open (no flush running yet: the trainer's work after the loop), are
+    each reported as what they were; none is called a repeat during a flush."""
+    before = signal.getsignal(signal.SIGINT)
+    policy = asyncsave.SaveOnSignal(signal.SIGINT)
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(tmp_path) as ckpt:
+            with policy:
+                for _ in range(1 + inside):
+                    os.kill(os.getpid(), signal.SIGINT)
+                await ckpt.save(1, {"x": torch.zeros(2)})
+            for _ in range(after):
+                os.kill(os.getpid(), signal.SIGINT)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="asyncsave"):
+            anyio.run(main)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert policy.repeats == inside + after
+    text = caplog.text
+    assert "while the saves were flushed" not in text
+    assert (f"came {inside} more time(s) inside the policy's block" in text) == bool(inside)
+    assert (f"came {after} more time(s) after the policy's block ended" in text) == bool(after)
+    if after:
+        assert "before the checkpointers open then had closed" in text
+        assert "pending until their close committed it" in text
