@@ -1,4 +1,4 @@
-"""A pytest plugin: the run fails when a process it started is still alive at its end (S23).
+"""A pytest plugin: the run fails when a process it started is still alive at its end.
 
 A test that starts a process (a subprocess, a ``multiprocessing`` child, a forked
 rank, a server, or a process one of those starts) must see it end before the
@@ -27,6 +27,10 @@ What remains is reported (pid, command line, how it was found, the test that was
 running when it started), killed with ``SIGKILL``, and the session's exit status
 becomes 1. A process that both clears its environment and closes inherited
 descriptors before its parent exits escapes all three (none of the suite's do).
+
+Under pytest-xdist the controller alone checks, once its workers have exited:
+the workers were started with the token in their environment, so whatever a test
+starts on a worker, exec'd or forked, carries it.
 
 Enabled for the suite by ``tests/conftest.py`` (``pytest_plugins``); any other
 session loads it with ``-p leakcheck`` (``tests`` on ``sys.path``).
@@ -159,6 +163,7 @@ def find_leaks(s: _Session) -> list[tuple[psutil.Process, str]]:
     return found
 
 
+@pytest.hookimpl(trylast=True)  # after xdist's controller has stopped its workers
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     s = _SESSION
     if s is None:
@@ -187,7 +192,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     s = _SESSION
     if s is None or not s.leaks:
         return
-    terminalreporter.section("processes left running (S23)", red=True)
+    terminalreporter.section("processes left running", red=True)
     for line in s.leaks:
         terminalreporter.write_line(line)
     terminalreporter.write_line(

@@ -1,4 +1,4 @@
-"""The session-level process check (tests/leakcheck.py, S23), run on generated test
+"""The session-level process check (tests/leakcheck.py), run on generated test
 files in a pytest subprocess: a session that leaves a process behind fails, names
 it, and kills it; a session that cleans up passes."""
 
@@ -135,7 +135,7 @@ def test_a_session_that_leaves_a_process_behind_fails_names_and_kills_it(
         assert "1 passed" in out, out  # the test itself passed: the check failed the run
         assert proc.returncode == 1, out
         pid = int(pidfile.read_text())
-        assert "processes left running (S23)" in out
+        assert "processes left running" in out
         (line,) = [ln for ln in out.splitlines() if ln.startswith(f"pid {pid} ")]
         assert found_by in line and "test_generated.py::test_body" in line
         assert not _kill_if_alive(pidfile), "the check reported the process but left it running"
