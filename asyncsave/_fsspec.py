@@ -244,6 +244,11 @@ class FsspecFileSystem(LocalFileSystem):
     def unlock(self, fd: int) -> None:
         """Nothing to release (see :meth:`lock`)."""
 
+    def lock_holder(self, path: Path) -> str | None:
+        """``None``: no lock is taken on an object store (see :meth:`lock`), so no
+        holder is recorded (and no local file is read for a remote path)."""
+        return None
+
 
 def is_url(root: Any) -> bool:
     """Whether ``root`` names a location by URL (``s3://``, ``memory://``) or is a
