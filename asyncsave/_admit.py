@@ -264,7 +264,7 @@ class Admission:
             logger.info("step %d is the checkpoint this run resumed from; kept as is", step)
         if verdict in (Verdict.RESUMED, Verdict.COMMITTED):
             return SaveHandle.resolved(step, await self.committed_info(step))
-        if step in saver.committed and not saver.strategy.renames:
+        if step in saver.committed and not saver.strategy.can_overwrite:
             raise CheckpointError(
                 f"cannot overwrite step {step} on {saver.fs!r}: without an atomic rename "
                 "the new files would replace the committed ones before the new commit",
@@ -313,7 +313,7 @@ class Admission:
             options=self.options,
             root=self.saver.root,
             world_size=self.saver.coord.world_size,
-            renames=self.saver.strategy.renames,
+            renames=not self.saver.strategy.writes_in_place,
             reuse=self.reuse,
             rounds=self.planner.rounds,
             relayout=self._incremental_layout,

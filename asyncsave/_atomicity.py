@@ -131,10 +131,17 @@ class CommitStrategy:
         caller to discard.
 
         :raises FileExistsError: ``final`` exists and not ``overwrite`` (rename).
-        :raises CheckpointError: ``overwrite`` where it is impossible.
+        :raises CheckpointError: ``overwrite`` where it is impossible (refused
+            before the manifest is written).
         """
+        self._check_commit(fs, tmp, final, overwrite=overwrite)
         write_bytes(fs, tmp / MANIFEST_NAME, manifest)
         self.commit(fs, tmp, final, overwrite=overwrite)
+
+    def _check_commit(
+        self, fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool
+    ) -> None:
+        """Refuse a commit the protocol cannot make, before anything is written."""
 
     def passed_commit(self, fs: LocalFileSystem, path: Path) -> bool:
         """Whether the final-named ``path`` passed its commit point (blocking):
@@ -223,13 +230,18 @@ class MarkerCommit(CommitStrategy):
     def same_save(self, name: str, step: int, final: Path) -> bool:
         return name == final.name
 
-    def commit(self, fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) -> None:
+    def _check_commit(
+        self, fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool
+    ) -> None:
         if tmp != final or overwrite:
             raise CheckpointError(
                 f"{fs!r} has no atomic rename: a save is committed in place and never "
                 "overwrites a committed checkpoint",
                 path=final,
             )
+
+    def commit(self, fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) -> None:
+        self._check_commit(fs, tmp, final, overwrite=overwrite)
         _marker.commit(fs, final)
 
     def passed_commit(self, fs: LocalFileSystem, path: Path) -> bool:

@@ -168,7 +168,7 @@ class Checkpointer:
         )
         self.layout = LAYOUTS[self.options.layout]
         self._saver = Saver(fs, self.root, self.layout, self.options)
-        if not self._saver.strategy.renames and self.layout.tracker_name is None:
+        if self._saver.strategy.needs_tracker and self.layout.tracker_name is None:
             raise ValueError(
                 f"layout={self.layout.name!r} has no tracker: its resolver takes the highest "
                 f"directory, which on {fs!r} (commit by marker, files written under "

@@ -1065,7 +1065,7 @@ def dtensor_job(state: Any, saver: Any) -> DTensorJob:
             "default) or True on every rank",
             path=saver.root,
         )
-    if not saver.strategy.renames:
+    if not saver.strategy.can_move_files:
         raise CheckpointError(
             f"DTensor state goes through DCP's planner and asyncsave.dcp's writer, "
             f"which write into a temporary directory renamed at the commit; "

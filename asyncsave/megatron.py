@@ -144,7 +144,7 @@ class MegatronSaver:
                 "and distributed=True for a single rank)",
                 path=ckpt.root,
             )
-        if not saver.strategy.renames:
+        if not saver.strategy.can_move_files:
             raise CheckpointError(
                 "megatron-core's writers do local file I/O into the directory prepare() "
                 f"returns; {ckpt.root} is on {saver.fs!r} (commit by marker): use a "

@@ -417,3 +417,92 @@ def test_the_staging_mode_is_decided_in_one_place() -> None:
     assert "atomic_rename" not in jobs and "strategy.renames" not in jobs
     pipeline = (PKG / "_pipeline.py").read_text()
     assert "PlainJob" not in pipeline and "getattr(job," not in pipeline
+
+
+# -- one commit protocol, one catalog (points 1 and 2) -----------------------------
+# The commit protocol (``_atomicity``, which calls ``_marker``) and the I/O layer
+# (``_fs``, ``_fsspec``) are the only modules that know what the storage can do.
+PROTOCOL_AND_IO = {"_atomicity", "_fs", "_fsspec", "_marker"}
+# The write side: what commits, recovers, retains, tiers and rewrites checkpoints.
+WRITE_SIDE = [
+    "_atomicity",
+    "_catalog",
+    "_commit",
+    "_decode",
+    "_incremental",
+    "_marker",
+    "_pipeline",
+    "_retention",
+    "_tiers",
+    "_track",
+    "_update",
+]
+READ_SIDE = {"asyncsave._load", "asyncsave._listing", "asyncsave._resume"}
+
+
+def storage_askers(source: str) -> list[str]:
+    """Where ``source`` asks the storage's capability (``fs.atomic_rename``) or
+    the protocol's mechanism instead of its behaviour (``strategy.renames``), or
+    reaches the marker protocol past the strategy (``_marker``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "atomic_rename":
+            found.append(f"line {node.lineno}: .atomic_rename")
+        elif isinstance(node, ast.Attribute) and node.attr == "renames":
+            owner = node.value
+            name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+            if name == "strategy":
+                found.append(f"line {node.lineno}: strategy.renames")
+        elif isinstance(node, ast.ImportFrom) and (
+            node.module == "_marker" or any(a.name == "_marker" for a in node.names)
+        ):
+            found.append(f"line {node.lineno}: imports _marker")
+    return found
+
+
+@pytest.mark.parametrize(
+    "name", sorted(p.stem for p in PKG.glob("*.py") if p.stem not in PROTOCOL_AND_IO)
+)
+def test_only_the_commit_protocol_asks_what_the_storage_can_do(name: str) -> None:
+    """Every other module asks the root's ``CommitStrategy`` by what it wants to
+    do (``can_overwrite``, ``can_move_files``, ``passed_commit``...); the release
+    asked ``fs.atomic_rename`` at 19 sites, and object-store recovery grew a
+    separate rule that deleted what local recovery moved aside."""
+    assert storage_askers((PKG / f"{name}.py").read_text()) == []
+
+
+def test_the_storage_check_sees_each_kind_of_question() -> None:
+    source = (
+        "from . import _marker\n"
+        "def f(fs, saver, strategy):\n"
+        "    return fs.atomic_rename or saver.strategy.renames or strategy.renames\n"
+    )
+    assert storage_askers(source) == [
+        "line 1: imports _marker",
+        "line 3: .atomic_rename",
+        "line 3: strategy.renames",
+        "line 3: strategy.renames",
+    ]
+    assert storage_askers("def f(job):\n    return job.renames\n") == []
+
+
+@pytest.mark.parametrize("name", WRITE_SIDE)
+def test_the_write_side_imports_no_read_side(name: str) -> None:
+    """What is committed and which is latest come from ``_catalog``, below both
+    sides; the write side never reaches ``load``, the listing or resume, not even
+    through another module."""
+    graph = import_graph()
+    assert _reachable(graph, f"asyncsave.{name}") & READ_SIDE == set()
+
+
+def test_the_catalog_is_the_one_home_of_what_is_committed() -> None:
+    """No module but the catalog defines the catalog's answers (a second
+    ``scan_steps`` or ``resolve`` is a second rule)."""
+    answers = {"scan_steps", "committed_steps", "read_checkpoint", "resolve", "latest",
+               "older_committed", "stored_info", "info_of", "step_of_name"}
+    homes: dict[str, list[str]] = {}
+    for path in PKG.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in answers:
+                homes.setdefault(node.name, []).append(path.stem)
+    assert homes == {name: ["_catalog"] for name in answers}
