@@ -37,7 +37,8 @@ through dicts, lists and nested wrappers); any other optimizer state is checked
 against the optimizer's current state. With ``strict=False`` the object is given
 the saved state with its missing items taken from its current state and its
 unexpected ones left out, so that a strict loader of its own loads what matches.
-An object whose ``state_dict()`` holds no tensor cannot be checked: its own loader
+An object whose ``state_dict()`` holds no tensor cannot be checked, and
+:class:`~asyncsave.RNGState` checks what it is given itself: their own loader
 decides.
 
 The whole tree is checked before anything changes in place; then objects with
@@ -67,6 +68,7 @@ from ._errors import (
     TemplateMismatchError,
 )
 from ._plan import is_stateful, key_str
+from ._rng import RNGState
 from ._types import Tagged
 
 __all__ = ["apply_template", "warned"]
@@ -74,6 +76,10 @@ __all__ = ["apply_template", "warned"]
 _SHOWN = 20  # keys named in a message; the error's attributes hold all of them
 # Restored first: what asyncsave cannot check (and may refuse); then checked objects.
 _UNCHECKED, _OBJECT, _TENSOR = 0, 1, 2
+# asyncsave's own objects whose loader checks what it is given: RNGState restores
+# the CUDA devices both runs have (their number may differ), so its state is no
+# template of what it loads.
+_OWN_LOADER = (RNGState,)
 
 
 @dataclass
@@ -433,7 +439,7 @@ def _optimizer_state(fit: _Fit, value: Any, current: Any, where: tuple[Any, ...]
 def _stateful(fit: _Fit, value: Any, obj: Any, where: tuple[Any, ...]) -> Any:
     """An object with its own ``state_dict()`` / ``load_state_dict()``: its state
     now is the template of what it is given (see the module docstring)."""
-    current = _current_state(fit, obj, where)
+    current = None if isinstance(obj, _OWN_LOADER) else _current_state(fit, obj, where)
     if not _holds_state(current):  # nothing to check: the object's own loader decides
         if not fit.in_place:
             return value

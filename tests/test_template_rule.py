@@ -779,3 +779,24 @@ def test_generated_trees_behind_a_wrapper_follow_the_same_rule(
         asyncsave.load(path, {"app": TreeState(template)})
     assert _fits(template, saved)
     assert all(_at(template, p)[p[-1]] is t for p, t in tensors.items())  # filled in place
+
+
+class RNGOfTwoDevices(asyncsave.RNGState):
+    """The RNG state as a machine with two CUDA devices saves it."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "cuda": [torch.get_rng_state(), torch.get_rng_state()]}
+
+
+def test_rng_state_of_another_device_count_is_left_to_its_own_loader(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RNGState restores the CUDA devices both runs have: the states of devices
+    this machine lacks are no unexpected items of a template."""
+    torch.manual_seed(7)
+    path = save(tmp_path, {"rng": RNGOfTwoDevices()})
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    asyncsave.load(path, {"rng": asyncsave.RNGState()})
+    assert torch.equal(torch.rand(3), expected)
+    assert "saved 2 CUDA device states" in caplog.text
