@@ -224,73 +224,20 @@ def _self_checksum_ok(raw: bytes, doc: dict[str, Any], digest: Any) -> bool:
 
 
 def _parse(raw: bytes, path: Path) -> Manifest:
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError too
-        raise _fail(path, f"not JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise _fail(path, "top level is not an object")
-    if doc.get("format") != FORMAT:
-        raise _fail(path, f"format is {doc.get('format')!r}, not {FORMAT!r}")
-    version = doc.get("format_version")
-    if type(version) is int and version > READ_VERSION:
-        raise UnsupportedFormatError(
-            f"{path} has format_version {version}; this asyncsave reads up to "
-            f"{READ_VERSION}: upgrade asyncsave",
-            path=path,
-        )
-    if type(version) is not int or not 1 <= version <= READ_VERSION:
-        raise _fail(path, f"format_version {version!r} is not 1..{READ_VERSION}")
-    digest = doc.pop(SELF_CHECKSUM, None)
-    if not _self_checksum_ok(raw, doc, digest):
-        raise _fail(path, "its own checksum does not match (edited or damaged)")
-    if doc.get("checksum") != CHECKSUM:
-        raise _fail(path, f"checksum algorithm {doc.get('checksum')!r} is unknown")
+    """Check a manifest's fields in the order they are read through: the header
+    (format, version, own checksum, step), then files, entries, tensors and the
+    tree; the first wrong field is the error."""
+    doc = _decoded(raw, path)
+    version = _check_header(raw, doc, path)
     step, world_size = doc.get("step"), doc.get("world_size")
     if not _int(step):
         raise _fail(path, f"step {step!r} is not a non-negative int")
     if not _int(world_size, 1, 1 << 24):
         raise _fail(path, f"world_size {world_size!r} is not a positive int")
     assert isinstance(step, int) and isinstance(world_size, int)
-
-    files = doc.get("files")
-    if not isinstance(files, list):
-        raise _fail(path, "files is not a list")
-    names = set()
-    for i, f in enumerate(files):
-        if not isinstance(f, dict) or not _safe_file_name(f.get("name")):
-            raise _fail(path, f"files[{i}] has no safe plain file name")
-        if not _int(f.get("nbytes")):
-            raise _fail(path, f"files[{i}].nbytes is not a non-negative int")
-        if f["name"] in names:
-            raise _fail(path, f"files[{i}] repeats {f['name']!r}")
-        names.add(f["name"])
-
-    entries = doc.get("entries")
-    if not isinstance(entries, list):
-        raise _fail(path, "entries is not a list")
-    for i, e in enumerate(entries):
-        if not isinstance(e, dict):
-            raise _fail(path, f"entries[{i}] is not an object")
-        if not isinstance(e.get("name"), str):
-            raise _fail(path, f"entries[{i}] has no name")
-        if not _int(e.get("file"), 0, len(files) - 1):
-            raise _fail(path, f"entries[{i}].file is not an index into files")
-        if not _int(e.get("offset")) or not _int(e.get("nbytes")):
-            raise _fail(path, f"entries[{i}] offset/nbytes are not non-negative ints")
-        if e["offset"] + e["nbytes"] > files[e["file"]]["nbytes"]:
-            raise _fail(path, f"entries[{i}] runs past the end of its file")
-        if not isinstance(e.get(CHECKSUM), str) or not _HEX16.match(e[CHECKSUM]):
-            raise _fail(path, f"entries[{i}] has no {CHECKSUM} checksum")
-
-    tensors = doc.get("tensors")
-    if not isinstance(tensors, list):
-        raise _fail(path, "tensors is not a list")
-    for i, t in enumerate(tensors):
-        _check_tensor(path, i, t, entries)  # first: it checks that t is an object
-        if "chunks" in t and version < CHUNKS_VERSION:
-            raise _fail(path, f"tensors[{i}] has chunks in a format_version {version} manifest")
-
+    files = _checked_files(doc.get("files"), path)
+    entries = _checked_entries(doc.get("entries"), files, path)
+    tensors = _checked_tensors(doc.get("tensors"), entries, version, path)
     tree = doc.get("tree")
     if not isinstance(tree, dict):
         raise _fail(path, "tree is not an object")
@@ -314,6 +261,92 @@ def _parse(raw: bytes, path: Path) -> Manifest:
         training_info=training_info,
         created_unix_s=_finite(doc.get("created_unix_s")),
     )
+
+
+def _decoded(raw: bytes, path: Path) -> dict[str, Any]:
+    """The JSON object of ``raw``."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError too
+        raise _fail(path, f"not JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise _fail(path, "top level is not an object")
+    return doc
+
+
+def _check_header(raw: bytes, doc: dict[str, Any], path: Path) -> int:
+    """Check the format, its version (a newer one is :class:`UnsupportedFormatError`),
+    the manifest's own checksum (popped from ``doc``) and the checksum algorithm.
+
+    :returns: the format version."""
+    if doc.get("format") != FORMAT:
+        raise _fail(path, f"format is {doc.get('format')!r}, not {FORMAT!r}")
+    version = doc.get("format_version")
+    if type(version) is int and version > READ_VERSION:
+        raise UnsupportedFormatError(
+            f"{path} has format_version {version}; this asyncsave reads up to "
+            f"{READ_VERSION}: upgrade asyncsave",
+            path=path,
+        )
+    if type(version) is not int or not 1 <= version <= READ_VERSION:
+        raise _fail(path, f"format_version {version!r} is not 1..{READ_VERSION}")
+    digest = doc.pop(SELF_CHECKSUM, None)
+    if not _self_checksum_ok(raw, doc, digest):
+        raise _fail(path, "its own checksum does not match (edited or damaged)")
+    if doc.get("checksum") != CHECKSUM:
+        raise _fail(path, f"checksum algorithm {doc.get('checksum')!r} is unknown")
+    return version
+
+
+def _checked_files(files: Any, path: Path) -> list[dict[str, Any]]:
+    """``files``: a list of objects, each a safe plain file name of its own and a size."""
+    if not isinstance(files, list):
+        raise _fail(path, "files is not a list")
+    names = set()
+    for i, f in enumerate(files):
+        if not isinstance(f, dict) or not _safe_file_name(f.get("name")):
+            raise _fail(path, f"files[{i}] has no safe plain file name")
+        if not _int(f.get("nbytes")):
+            raise _fail(path, f"files[{i}].nbytes is not a non-negative int")
+        if f["name"] in names:
+            raise _fail(path, f"files[{i}] repeats {f['name']!r}")
+        names.add(f["name"])
+    return files
+
+
+def _checked_entries(entries: Any, files: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    """``entries``: a list of objects, each a name, a run of bytes inside one of
+    ``files`` and a checksum."""
+    if not isinstance(entries, list):
+        raise _fail(path, "entries is not a list")
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise _fail(path, f"entries[{i}] is not an object")
+        if not isinstance(e.get("name"), str):
+            raise _fail(path, f"entries[{i}] has no name")
+        if not _int(e.get("file"), 0, len(files) - 1):
+            raise _fail(path, f"entries[{i}].file is not an index into files")
+        if not _int(e.get("offset")) or not _int(e.get("nbytes")):
+            raise _fail(path, f"entries[{i}] offset/nbytes are not non-negative ints")
+        if e["offset"] + e["nbytes"] > files[e["file"]]["nbytes"]:
+            raise _fail(path, f"entries[{i}] runs past the end of its file")
+        if not isinstance(e.get(CHECKSUM), str) or not _HEX16.match(e[CHECKSUM]):
+            raise _fail(path, f"entries[{i}] has no {CHECKSUM} checksum")
+    return entries
+
+
+def _checked_tensors(
+    tensors: Any, entries: list[dict[str, Any]], version: int, path: Path
+) -> list[dict[str, Any]]:
+    """``tensors``: a list of tensor records (:func:`_check_tensor`), chunked
+    ones only in a manifest of :data:`CHUNKS_VERSION` or newer."""
+    if not isinstance(tensors, list):
+        raise _fail(path, "tensors is not a list")
+    for i, t in enumerate(tensors):
+        _check_tensor(path, i, t, entries)  # first: it checks that t is an object
+        if "chunks" in t and version < CHUNKS_VERSION:
+            raise _fail(path, f"tensors[{i}] has chunks in a format_version {version} manifest")
+    return tensors
 
 
 def _finite(value: Any) -> float | None:
@@ -357,6 +390,15 @@ def _check_tensor(path: Path, i: int, t: Any, entries: list[dict[str, Any]]) -> 
                 f"entry holds {entry_nbytes}",
             )
         return
+    _check_strided(path, where, t, itemsize, entry_nbytes)
+
+
+def _check_strided(
+    path: Path, where: str, t: dict[str, Any], itemsize: int, entry_nbytes: int
+) -> None:
+    """A strided tensor (a view stored with its storage's bytes): a stride per
+    dimension, an offset of whole elements, every element inside its entry."""
+    shape, stride = t["shape"], t["stride"]
     if (
         not isinstance(stride, list)
         or len(stride) != len(shape)
@@ -365,7 +407,7 @@ def _check_tensor(path: Path, i: int, t: Any, entries: list[dict[str, Any]]) -> 
         raise _fail(path, f"{where}.stride does not match its shape")
     if t["offset"] % itemsize:
         raise _fail(path, f"{where}.offset is not a multiple of its element size")
-    if numel:
+    if math.prod(shape):
         last = sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
         if t["offset"] + (last + 1) * itemsize > entry_nbytes:
             raise _fail(path, f"{where} ({t.get('key')!r}) reaches past its entry")
