@@ -442,74 +442,100 @@ def _copy_following(
     on_staged: Any,
 ) -> None:
     dst_of = _views(buffer, entries, views)
-    piece = FOLLOW_PIECE_BYTES
-    plans: list[list[_Step]] = []
-    for fl in layouts:
-        steps = [_Step()]
-        pos = fl.staging_offset
-        in_order = True  # entries back to back from the file's start
-        for i in fl.entries:
-            e = entries[i]
-            src = e.source
-            in_order = in_order and e.staging_offset == pos
-            pos = e.staging_offset + e.nbytes
-            if src is None:  # nothing to copy (as stage_entries)
-                continue
-            step = steps[-1]
-            if e.is_blob or e.dtype not in _PLAIN_DTYPES:
-                step.others.append(i)
-                step.nbytes += e.nbytes
-            elif e.nbytes > piece and src.is_contiguous():
-                # In byte pieces: the writer of its file starts after the first.
-                flat_dst = buffer[e.staging_offset : pos]
-                flat_src = flat_bytes(src)
-                for lo in range(0, e.nbytes, piece):
-                    hi = min(lo + piece, e.nbytes)
-                    step = steps[-1]
-                    step.dsts.append(flat_dst[lo:hi])
-                    step.srcs.append(flat_src[lo:hi])
-                    step.nbytes += hi - lo
-                    step.upto = e.staging_offset + hi
-                    if step.nbytes >= piece:
-                        steps.append(_Step())
-                continue
-            else:
-                step.dsts.append(dst_of[i])
-                step.srcs.append(src)
-                step.nbytes += e.nbytes
-            step.upto = pos
-            if step.nbytes >= piece:
-                steps.append(_Step())
-        if len(steps) > 1 and not (steps[-1].dsts or steps[-1].others):
-            steps.pop()
-        if not in_order:  # no prefix is known to be staged before the last byte
-            whole = _Step()
-            for step in steps:
-                whole.dsts += step.dsts
-                whole.srcs += step.srcs
-                whole.others += step.others
-                whole.nbytes += step.nbytes
-            steps = [whole]
-        steps[-1].upto = fl.staging_offset + fl.data_nbytes
-        plans.append(steps)
+    plans = [_file_steps(buffer, entries, fl, dst_of) for fl in layouts]
     # A step of each file in turn: every file's writer starts early.
     for k in range(max((len(steps) for steps in plans), default=0)):
         for fl, steps in zip(layouts, plans, strict=True):
             if k >= len(steps):
                 continue
             step = steps[k]
-            for i in step.others:
-                e = entries[i]
-                if e.is_blob:
-                    _copy_blob(dst_of[i], e, non_blocking=False)
-                else:
-                    assert e.source is not None
-                    as_bits(dst_of[i]).copy_(as_bits(e.source))
-            if step.dsts:
-                torch._foreach_copy_(step.dsts, step.srcs)
+            _copy_step(step, entries, dst_of)
             mark.advance(fl.index, step.upto)
             if on_staged is not None:
                 on_staged(step.nbytes)
+
+
+def _file_steps(
+    buffer: torch.Tensor, entries: list[Entry], fl: Any, dst_of: list[torch.Tensor]
+) -> list[_Step]:
+    """File ``fl``'s entries cut into steps of about :data:`FOLLOW_PIECE_BYTES`,
+    each saying how far the file is staged once it is copied; one step for the
+    whole file where its entries are not back to back from its start."""
+    piece = FOLLOW_PIECE_BYTES
+    steps = [_Step()]
+    pos = fl.staging_offset
+    in_order = True  # entries back to back from the file's start
+    for i in fl.entries:
+        e = entries[i]
+        src = e.source
+        in_order = in_order and e.staging_offset == pos
+        pos = e.staging_offset + e.nbytes
+        if src is None:  # nothing to copy (as stage_entries)
+            continue
+        step = steps[-1]
+        if e.is_blob or e.dtype not in _PLAIN_DTYPES:
+            step.others.append(i)
+            step.nbytes += e.nbytes
+        elif e.nbytes > piece and src.is_contiguous():
+            _add_in_pieces(steps, buffer[e.staging_offset : pos], flat_bytes(src), e.staging_offset)
+            continue
+        else:
+            step.dsts.append(dst_of[i])
+            step.srcs.append(src)
+            step.nbytes += e.nbytes
+        step.upto = pos
+        if step.nbytes >= piece:
+            steps.append(_Step())
+    if len(steps) > 1 and not (steps[-1].dsts or steps[-1].others):
+        steps.pop()
+    if not in_order:  # no prefix is known to be staged before the last byte
+        steps = [_merged(steps)]
+    steps[-1].upto = fl.staging_offset + fl.data_nbytes
+    return steps
+
+
+def _add_in_pieces(
+    steps: list[_Step], flat_dst: torch.Tensor, flat_src: torch.Tensor, offset: int
+) -> None:
+    """An entry larger than a step (its bytes ``flat_src`` to ``flat_dst``, at
+    buffer ``offset``) added to ``steps`` in byte pieces: the writer of its file
+    starts after the first."""
+    piece = FOLLOW_PIECE_BYTES
+    nbytes = flat_dst.numel()
+    for lo in range(0, nbytes, piece):
+        hi = min(lo + piece, nbytes)
+        step = steps[-1]
+        step.dsts.append(flat_dst[lo:hi])
+        step.srcs.append(flat_src[lo:hi])
+        step.nbytes += hi - lo
+        step.upto = offset + hi
+        if step.nbytes >= piece:
+            steps.append(_Step())
+
+
+def _merged(steps: list[_Step]) -> _Step:
+    """One step that copies what ``steps`` do."""
+    whole = _Step()
+    for step in steps:
+        whole.dsts += step.dsts
+        whole.srcs += step.srcs
+        whole.others += step.others
+        whole.nbytes += step.nbytes
+    return whole
+
+
+def _copy_step(step: _Step, entries: list[Entry], dst_of: list[torch.Tensor]) -> None:
+    """Copy one step: its other entries one by one, its plain ones by one
+    ``torch._foreach_copy_``."""
+    for i in step.others:
+        e = entries[i]
+        if e.is_blob:
+            _copy_blob(dst_of[i], e, non_blocking=False)
+        else:
+            assert e.source is not None
+            as_bits(dst_of[i]).copy_(as_bits(e.source))
+    if step.dsts:
+        torch._foreach_copy_(step.dsts, step.srcs)
 
 
 # Lazy saves copy entries up to this size before save() returns (module buffers
