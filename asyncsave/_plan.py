@@ -302,32 +302,12 @@ class _Flattener:
                 f"state tree is nested deeper than {MAX_DEPTH} levels at {key_str(path)!r}",
                 key=key_str(path),
             )
-        # Exact type checks: a subclass of int or str (an Enum) would not come back
-        # as itself from JSON.
         t = type(obj)
         if t is torch.Tensor:  # the common leaf first (states of 100,000 tensors)
             return self.tensor(obj, path, "tensor")
-        if obj is None:
-            return {"type": "none"}
-        if t is bool:
-            return {"type": "bool", "v": obj}
-        if t is int:
-            if -(2**63) <= obj < 2**64:
-                return {"type": "int", "v": obj}
-            # Past 64 bits: hex, which has no digit limit (decimal str() does).
-            return {"type": "bigint", "v": hex(obj)}
-        if t is float:
-            return {"type": "float", "v": obj.hex()}
-        if t is str:
-            return {"type": "str", "v": obj}
-        if t is bytes:
-            return {"type": "bytes", "v": base64.b64encode(obj).decode("ascii")}
-        if t is torch.dtype:
-            return {"type": "dtype", "v": str(obj).removeprefix("torch.")}
-        if t is torch.device:
-            return {"type": "device", "v": str(obj)}
-        if t is torch.Size:
-            return {"type": "size", "v": list(obj)}
+        scalar = _scalar_node(obj, t)
+        if scalar is not None:
+            return scalar
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path, "parameter" if t is torch.nn.Parameter else "tensor")
         if _is_numpy_array(obj):
@@ -347,17 +327,7 @@ class _Flattener:
         if t in (dict, OrderedDict, list, tuple) or _is_tensordict(obj):
             return self.container(obj, path, depth)
         if is_stateful(obj):
-            cls = f"{t.__module__}.{t.__qualname__}"
-            try:
-                sd = obj.state_dict() if self.call is None else self.call(obj.state_dict)
-            except Exception as exc:  # the object's own code: name where it failed
-                raise InvalidStateError(
-                    f"{cls}.state_dict() at key {key_str(path)!r} raised {exc!r}",
-                    key=key_str(path),
-                ) from exc
-            if isinstance(obj, torch.nn.Module):
-                self.buffer_storages.update(_storage_key(b) for b in obj.buffers())
-            return {"type": "stateful", "class": cls, "state": self.node(sd, path, depth + 1)}
+            return self.stateful(obj, path, depth)
         if self.allow_pickle:
             return self.pickled(obj, path)
         raise UnsupportedTypeError(
@@ -368,6 +338,22 @@ class _Flattener:
             "convert it, or pass allow_pickle=True to both save and load",
             key=key_str(path),
         )
+
+    def stateful(self, obj: Any, path: tuple[Any, ...], depth: int) -> dict[str, Any]:
+        """An object with ``state_dict()``: its class and the tree of its state
+        (an ``nn.Module``'s buffers remembered: lazy saves copy them early)."""
+        t = type(obj)
+        cls = f"{t.__module__}.{t.__qualname__}"
+        try:
+            sd = obj.state_dict() if self.call is None else self.call(obj.state_dict)
+        except Exception as exc:  # the object's own code: name where it failed
+            raise InvalidStateError(
+                f"{cls}.state_dict() at key {key_str(path)!r} raised {exc!r}",
+                key=key_str(path),
+            ) from exc
+        if isinstance(obj, torch.nn.Module):
+            self.buffer_storages.update(_storage_key(b) for b in obj.buffers())
+        return {"type": "stateful", "class": cls, "state": self.node(sd, path, depth + 1)}
 
     def container(self, obj: Any, path: tuple[Any, ...], depth: int) -> dict[str, Any]:
         if id(obj) in self._on_path:
@@ -552,6 +538,34 @@ def _encode_key(k: Any, path: tuple[Any, ...]) -> list[Any]:
         f"dict key {k!r} of type {type(k).__name__} under {key_str(path)!r} is not str or int",
         key=key_str((*path, k)),
     )
+
+
+def _scalar_node(obj: Any, t: type) -> dict[str, Any] | None:
+    """The node of a leaf stored as a JSON value (``t`` is ``type(obj)``), or
+    ``None``. Exact type checks: a subclass of int or str (an Enum) would not
+    come back as itself from JSON."""
+    if obj is None:
+        return {"type": "none"}
+    if t is bool:
+        return {"type": "bool", "v": obj}
+    if t is int:
+        if -(2**63) <= obj < 2**64:
+            return {"type": "int", "v": obj}
+        # Past 64 bits: hex, which has no digit limit (decimal str() does).
+        return {"type": "bigint", "v": hex(obj)}
+    if t is float:
+        return {"type": "float", "v": obj.hex()}
+    if t is str:
+        return {"type": "str", "v": obj}
+    if t is bytes:
+        return {"type": "bytes", "v": base64.b64encode(obj).decode("ascii")}
+    if t is torch.dtype:
+        return {"type": "dtype", "v": str(obj).removeprefix("torch.")}
+    if t is torch.device:
+        return {"type": "device", "v": str(obj)}
+    if t is torch.Size:
+        return {"type": "size", "v": list(obj)}
+    return None
 
 
 def _is_numpy_array(obj: Any) -> bool:
