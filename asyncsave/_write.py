@@ -85,20 +85,12 @@ def write_data_file(
     view = memoryview(buffer.numpy())  # type: ignore[arg-type]
     path = directory / layout.name
     follow = None if ready is None else functools.partial(ready, layout.index)
+    start = layout.staging_offset
+    end = start + layout.data_nbytes
     fd = fs.create(path)
-    dfd: int | None = None
     try:
         _write_all(fs, fd, memoryview(layout.header))
-        start = layout.staging_offset
-        end = start + layout.data_nbytes
-        bulk_end = start + layout.data_nbytes // DIRECT_ALIGN * DIRECT_ALIGN
-        if (
-            direct
-            and bulk_end > start
-            and len(layout.header) % DIRECT_ALIGN == 0
-            and (buffer.data_ptr() + start) % DIRECT_ALIGN == 0
-        ):
-            dfd = fs.open_direct(path)
+        dfd = _open_direct(fs, path, layout, buffer) if direct else None
         if dfd is None:
             buffered = functools.partial(_write_all, fs, fd)
             digests = _write_hashed(
@@ -113,43 +105,83 @@ def write_data_file(
                 ready=follow,
             )
         else:
-            fs.seek(dfd, len(layout.header))
-            fs.seek(fd, len(layout.header) + (bulk_end - start))
-            direct_fd = dfd
-
-            def sink(chunk: memoryview, pos: int) -> None:
-                split = min(max(bulk_end - pos, 0), len(chunk))
-                if split:
-                    _write_all(fs, direct_fd, chunk[:split])
-                if split < len(chunk):
-                    _write_all(fs, fd, chunk[split:])
-
-            if end - start >= HASH_APART_BYTES:
-                digests = _write_hashing_apart(
-                    view, start, end, layout.entries, entries, sink, on_written, known, follow
-                )
-            else:
-                digests = _write_hashed(
-                    view,
-                    start,
-                    end,
-                    layout.entries,
-                    entries,
-                    sink,
-                    with_pos=True,
-                    on_written=on_written,
-                    known=known,
-                    ready=follow,
-                )
-            dfd = None
-            fs.close(direct_fd)
+            digests = _write_direct(fs, fd, dfd, view, layout, entries, on_written, known, follow)
         fs.fsync(fd)
     except BaseException:
-        if dfd is not None:
-            _close_quietly(fs, dfd)
         _close_quietly(fs, fd)
         raise
     fs.close(fd)
+    return digests
+
+
+def _open_direct(
+    fs: LocalFileSystem, path: Path, layout: FileLayout, buffer: torch.Tensor
+) -> int | None:
+    """A second descriptor of ``path`` opened with ``O_DIRECT`` for the
+    4096-aligned bulk of ``layout``'s data, or ``None``: no whole block, a
+    header or a staging offset that is not aligned, or a file system that
+    refuses ``O_DIRECT``."""
+    start = layout.staging_offset
+    bulk = layout.data_nbytes // DIRECT_ALIGN * DIRECT_ALIGN
+    if (
+        bulk > 0
+        and len(layout.header) % DIRECT_ALIGN == 0
+        and (buffer.data_ptr() + start) % DIRECT_ALIGN == 0
+    ):
+        return fs.open_direct(path)
+    return None
+
+
+def _write_direct(
+    fs: LocalFileSystem,
+    fd: int,
+    dfd: int,
+    view: memoryview,
+    layout: FileLayout,
+    entries: list[Entry],
+    on_written: Any,
+    known: dict[int, str] | None,
+    ready: Any,
+) -> dict[int, str]:
+    """Write ``layout``'s data after its header (already written through ``fd``):
+    the aligned bulk through ``dfd`` (``O_DIRECT``), the last partial block
+    through ``fd``; ``dfd`` is closed before this returns or raises (``fd`` is
+    the caller's). A large file is hashed by a helper thread meanwhile."""
+    start = layout.staging_offset
+    end = start + layout.data_nbytes
+    bulk_end = start + layout.data_nbytes // DIRECT_ALIGN * DIRECT_ALIGN
+    try:
+        fs.seek(dfd, len(layout.header))
+        fs.seek(fd, len(layout.header) + (bulk_end - start))
+
+        def sink(chunk: memoryview, pos: int) -> None:
+            split = min(max(bulk_end - pos, 0), len(chunk))
+            if split:
+                _write_all(fs, dfd, chunk[:split])
+            if split < len(chunk):
+                _write_all(fs, fd, chunk[split:])
+
+        if end - start >= HASH_APART_BYTES:
+            digests = _write_hashing_apart(
+                view, start, end, layout.entries, entries, sink, on_written, known, ready
+            )
+        else:
+            digests = _write_hashed(
+                view,
+                start,
+                end,
+                layout.entries,
+                entries,
+                sink,
+                with_pos=True,
+                on_written=on_written,
+                known=known,
+                ready=ready,
+            )
+    except BaseException:
+        _close_quietly(fs, dfd)
+        raise
+    fs.close(dfd)
     return digests
 
 

@@ -24,7 +24,7 @@ export ASYNCSAVE_CRASH_BACKENDS=asyncio ASYNCSAVE_CRASH_RUNS=200
 BUGS=(
 "1|asyncsave/_atomicity.py|    fs.fsync_dir(tmp)\n    if overwrite|    if overwrite|tests/test_power_loss.py"
 "2|asyncsave/_atomicity.py|        fs.rename(tmp, final)\n    fs.fsync_dir(final.parent)|        fs.rename(tmp, final)|tests/test_power_loss.py"
-"3|asyncsave/_write.py|            fs.close(direct_fd)\n        fs.fsync(fd)\n    except BaseException:|            fs.close(direct_fd)\n    except BaseException:|tests/test_power_loss.py"
+"3|asyncsave/_write.py|            digests = _write_direct(fs, fd, dfd, view, layout, entries, on_written, known, follow)\n        fs.fsync(fd)\n    except BaseException:|            digests = _write_direct(fs, fd, dfd, view, layout, entries, on_written, known, follow)\n    except BaseException:|tests/test_power_loss.py"
 "4|asyncsave/_pipeline.py|                            committing = True\n|                            committing = True\n                            await self.track(step)\n|tests/test_crash_matrix.py -k every_call"
 "5|asyncsave/_commit.py|        if is_temp_name(name) and _remove_unless_held(|        if False and _remove_unless_held(|tests/test_crash_matrix.py -k every_call"
 "6|asyncsave/_retention.py|            fs.rename(final, doomed)\n        except OSError|            doomed = final\n        except OSError|tests/test_crash_matrix.py -k every_call"
