@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import os
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ._errors import CheckpointError
 from ._fs import LOCK_MODES, LocalFileSystem
 from ._fsspec import open_root
-from ._paths import LAYOUTS, MANIFEST_NAME, is_temp_name, temp_dir_step
+from ._paths import LAYOUTS, MANIFEST_NAME, Layout, is_temp_name, temp_dir_step
 
 if TYPE_CHECKING:
     from ._manifest import Manifest
@@ -155,8 +156,9 @@ def _missing(fs: LocalFileSystem, root: Path, step: int) -> str:
     return "which is missing"
 
 
-def _adopt(fs: LocalFileSystem, path: Path, out: TextIO) -> int:
-    """Verify one checkpoint copied without its commit marker, then commit it."""
+def cmd_adopt(fs: LocalFileSystem, path: Path, args: argparse.Namespace, out: TextIO) -> int:
+    """``asyncsave adopt PATH``: verify one checkpoint copied without its commit
+    marker, then commit it."""
     from ._atomicity import strategy_for
     from ._commit import adopt
 
@@ -176,58 +178,86 @@ def _adopt(fs: LocalFileSystem, path: Path, out: TextIO) -> int:
     return 0
 
 
-def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
-    from ._atomicity import strategy_for
-    from ._catalog import read_checkpoint, scan_steps
-    from ._track import read_tracker
-
-    layout = LAYOUTS[layout_name]
+def _check_root(fs: LocalFileSystem, root: Path, instead: Callable[[Path], str]) -> int | None:
+    """The exit status for a ROOT argument that is not a root of checkpoints, after
+    one line on stderr: 1 when it is missing or not a directory, 2 when it is one
+    checkpoint (``instead(checkpoint)`` names the command that fits); None for a root."""
     if not fs.exists(root):
         print(f"asyncsave: {root}: no such file or directory", file=sys.stderr)
         return 1
     one = _checkpoint_dir(fs, root)
     if one is not None:
         print(
-            f"asyncsave: {root} is one checkpoint, not a root of checkpoints: "
-            f"`asyncsave inspect {one}` prints its state tree, `asyncsave verify {one}` "
-            f"checks it, `asyncsave ls {one.parent}{_layout_option(one.name)}` lists the "
-            "root it is in",
+            f"asyncsave: {root} is one checkpoint, not a root of checkpoints: {instead(one)}",
             file=sys.stderr,
         )
         return 2
     if not fs.is_dir(root):
         print(f"asyncsave: {root} is not a directory", file=sys.stderr)
         return 1
-    tracked: int | None = None
-    tracker_note = "no tracker"
-    if layout.tracker_name is not None:
-        try:
-            tracked = read_tracker(fs, root / layout.tracker_name)
-            tracker_note = "no tracker" if tracked is None else f"tracker -> step {tracked}"
-        except CheckpointError as exc:
-            tracker_note = f"tracker damaged: {exc}"
-    print(f"{root}  ({tracker_note})", file=out)
+    return None
+
+
+def _tracker_note(fs: LocalFileSystem, root: Path, layout: Layout) -> tuple[int | None, str]:
+    """The step the tracker names (None: no tracker, or a damaged one) and what
+    ``ls`` says of it."""
+    from ._track import read_tracker
+
+    if layout.tracker_name is None:
+        return None, "no tracker"
+    try:
+        tracked = read_tracker(fs, root / layout.tracker_name)
+    except CheckpointError as exc:
+        return None, f"tracker damaged: {exc}"
+    return tracked, "no tracker" if tracked is None else f"tracker -> step {tracked}"
+
+
+def _ls_steps(fs: LocalFileSystem, steps: dict[int, Path], tracked: int | None, out: TextIO) -> int:
+    """One line per final-named directory (``*``: the tracked one); 1 if one of
+    them is committed but does not load."""
+    from ._atomicity import strategy_for
+    from ._catalog import read_checkpoint
+
     rc = 0
-    steps = scan_steps(fs, root, layout)
     strategy = strategy_for(fs)
     for step in sorted(steps):
         path = steps[step]
-        mark = "*" if step == tracked else " "
+        head = f" {'*' if step == tracked else ' '} {path.name:<20} step {step:>10}  "
         if not strategy.passed_commit(fs, path):
-            print(f" {mark} {path.name:<20} step {step:>10}  {_uncommitted(fs, path)}", file=out)
+            print(f"{head}{_uncommitted(fs, path)}", file=out)
             continue
         try:
             m = read_checkpoint(fs, path, expect_step=step)
-            size = m.nbytes
-            print(
-                f" {mark} {path.name:<20} step {step:>10}  {_size(size):>10}  "
-                f"{_num_tensors(fs, path, m):>6} tensors{_format_note(m)}",
-                file=out,
-            )
+            count = _num_tensors(fs, path, m)
         except CheckpointError as exc:
             rc = 1
-            print(f" {mark} {path.name:<20} step {step:>10}  NOT LOADABLE: {exc}", file=out)
-    hint = None if steps else _layout_hint(fs, root, layout_name)
+            print(f"{head}NOT LOADABLE: {exc}", file=out)
+            continue
+        print(f"{head}{_size(m.nbytes):>10}  {count:>6} tensors{_format_note(m)}", file=out)
+    return rc
+
+
+def _ls_instead(one: Path) -> str:
+    return (
+        f"`asyncsave inspect {one}` prints its state tree, `asyncsave verify {one}` "
+        f"checks it, `asyncsave ls {one.parent}{_layout_option(one.name)}` lists the "
+        "root it is in"
+    )
+
+
+def cmd_ls(fs: LocalFileSystem, root: Path, args: argparse.Namespace, out: TextIO) -> int:
+    """``asyncsave ls ROOT``: committed steps, sizes, the tracked one, stray temp dirs."""
+    from ._catalog import scan_steps
+
+    rc = _check_root(fs, root, _ls_instead)
+    if rc is not None:
+        return rc
+    layout = LAYOUTS[args.layout]
+    tracked, tracker_note = _tracker_note(fs, root, layout)
+    print(f"{root}  ({tracker_note})", file=out)
+    steps = scan_steps(fs, root, layout)
+    rc = _ls_steps(fs, steps, tracked, out)
+    hint = None if steps else _layout_hint(fs, root, args.layout)
     if hint is not None:
         # Another preset's root: its tracker names a step of that layout, not a
         # missing one of this layout.
@@ -238,6 +268,12 @@ def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
         print(f"   tracker names step {tracked}, {_missing(fs, root, tracked)}", file=out)
     if not steps:
         print("   no checkpoint here", file=out)
+    _ls_strays(fs, root, out)
+    return rc
+
+
+def _ls_strays(fs: LocalFileSystem, root: Path, out: TextIO) -> None:
+    """The temporary and moved-aside directories under ``root``."""
     for name in fs.listdir(root):
         if is_temp_name(name):
             print(
@@ -245,7 +281,6 @@ def _ls(fs: LocalFileSystem, root: Path, layout_name: str, out: TextIO) -> int:
             )
         elif name.startswith((".asyncsave-damaged-", ".asyncsave-incomplete-")):
             print(f"   {name}  (moved aside at open: not a loadable checkpoint)", file=out)
-    return rc
 
 
 class _Bar:
@@ -297,9 +332,8 @@ def _bar(enabled: bool | None, total: int, desc: str, unit: str = "B") -> Iterat
         bar.close()
 
 
-def _verify(
-    fs: LocalFileSystem, path: Path, layout_name: str, out: TextIO, progress: bool | None
-) -> int:
+def cmd_verify(fs: LocalFileSystem, path: Path, args: argparse.Namespace, out: TextIO) -> int:
+    """``asyncsave verify PATH``: every checksum of one checkpoint, or of each in a root."""
     from ._catalog import read_checkpoint, scan_steps
     from ._decode import verify
 
@@ -311,9 +345,9 @@ def _verify(
     if fs.exists(path / MANIFEST_NAME) or not fs.is_dir(path):
         targets = [path]
     else:
-        targets = [p for _, p in sorted(scan_steps(fs, path, LAYOUTS[layout_name]).items())]
+        targets = [p for _, p in sorted(scan_steps(fs, path, LAYOUTS[args.layout]).items())]
         if not targets:
-            hint = _layout_hint(fs, path, layout_name)
+            hint = _layout_hint(fs, path, args.layout)
             print(
                 f"asyncsave: no checkpoint in {path}{f': {hint}' if hint else ''}", file=sys.stderr
             )
@@ -326,7 +360,7 @@ def _verify(
             total += read_checkpoint(fs, target).nbytes
     desc = "verify" if len(targets) == 1 else f"verify {len(targets)} checkpoints"
     rc = 0
-    with _bar(progress, total, desc) as bar:
+    with _bar(args.progress, total, desc) as bar:
         for target in targets:
             try:
                 info = verify(target, filesystem=fs, progress=bar.update)
@@ -427,7 +461,8 @@ def _describe_dcp(fs: LocalFileSystem, path: Path, out: TextIO) -> None:
         print(f"  {key}: {what}", file=out)
 
 
-def _inspect(fs: LocalFileSystem, path: Path, out: TextIO, progress: bool | None) -> int:
+def cmd_inspect(fs: LocalFileSystem, path: Path, args: argparse.Namespace, out: TextIO) -> int:
+    """``asyncsave inspect PATH``: the state tree of one checkpoint."""
     from ._catalog import read_checkpoint
 
     if not fs.exists(path):
@@ -451,7 +486,7 @@ def _inspect(fs: LocalFileSystem, path: Path, out: TextIO, progress: bool | None
     try:
         # The bar counts data files whose size is checked (a request each on an
         # object store); the tree is printed after it closes.
-        with _bar(progress, 0, "check files", unit="file") as bar:
+        with _bar(args.progress, 0, "check files", unit="file") as bar:
             m = read_checkpoint(
                 fs,
                 path,
@@ -494,52 +529,31 @@ def _rule(args: argparse.Namespace) -> Any:
     return combined
 
 
-def _prune(fs: LocalFileSystem, root: Path, args: argparse.Namespace, out: TextIO) -> int:
-    """Apply a retention rule to ``root`` once, as a ``Checkpointer`` does after
-    each commit (``_retention.apply_retention``), under the root's saver lock."""
-    from ._commit import hold_root
-    from ._errors import LockUnavailableError, RootInUseError
-    from ._retention import apply_retention, retention_plan
+def _unrecorded_metric(fs: LocalFileSystem, root: Path, args: argparse.Namespace) -> str | None:
+    """The refusal for a ``--keep-best`` metric that no checkpoint of ``root``
+    records (a typo, another name): it would rank nothing, and the rule would keep
+    only what other rules keep. None when every metric is recorded somewhere."""
+    from ._listing import checkpoints
+
+    infos = checkpoints(root, layout=args.layout, filesystem=fs)
+    seen = {k for c in infos for k in (c.training_info or {})}
+    for metric, _ in args.keep_best or ():
+        if infos and metric not in seen:
+            return (
+                f"no checkpoint in {root} records {metric!r} in its training_info "
+                f"(recorded: {', '.join(sorted(seen)) or 'nothing'}); nothing deleted"
+            )
+    return None
+
+
+def _protected(fs: LocalFileSystem, root: Path, layout: Layout) -> Callable[[], set[int]]:
+    """What ``prune`` never deletes, asked again by each pass: the tracked step
+    (what resume loads) and every step with a save in flight (a temporary
+    directory: a standalone DCP writer writes one without the root's lock). The
+    newest committed step is kept by the rule's pass."""
     from ._track import read_tracker
 
-    layout = LAYOUTS[args.layout]
-    if not fs.exists(root):
-        print(f"asyncsave: {root}: no such file or directory", file=sys.stderr)
-        return 1
-    one = _checkpoint_dir(fs, root)
-    if one is not None:
-        print(
-            f"asyncsave: {root} is one checkpoint, not a root of checkpoints: "
-            f"`asyncsave prune {one.parent}{_layout_option(one.name)} ...` prunes the root "
-            "it is in",
-            file=sys.stderr,
-        )
-        return 2
-    if not fs.is_dir(root):
-        print(f"asyncsave: {root} is not a directory", file=sys.stderr)
-        return 1
-    rule = _rule(args)
-    if args.keep_best:
-        # A metric no checkpoint records (a typo, another name) ranks nothing, and
-        # the rule would keep only what other rules keep: refuse instead.
-        from ._listing import checkpoints
-
-        infos = checkpoints(root, layout=args.layout, filesystem=fs)
-        seen = {k for c in infos for k in (c.training_info or {})}
-        for metric, _ in args.keep_best:
-            if infos and metric not in seen:
-                print(
-                    f"asyncsave: no checkpoint in {root} records {metric!r} in its "
-                    f"training_info (recorded: {', '.join(sorted(seen)) or 'nothing'}); "
-                    "nothing deleted",
-                    file=sys.stderr,
-                )
-                return 2
-
     def protected() -> set[int]:
-        # The tracked step (what resume loads) and every step with a save in
-        # flight (a temporary directory: a standalone DCP writer writes one without
-        # the root's lock). The newest committed step is kept by the rule's pass.
         steps = {s for name in fs.listdir(root) if (s := temp_dir_step(name)) is not None}
         if layout.tracker_name is not None:
             with contextlib.suppress(CheckpointError):  # damaged: newest is kept anyway
@@ -548,17 +562,55 @@ def _prune(fs: LocalFileSystem, root: Path, args: argparse.Namespace, out: TextI
                     steps.add(tracked)
         return steps
 
-    def names(steps: Sequence[int]) -> str:
-        return ", ".join(layout.dir_name(s) for s in steps) or "none"
+    return protected
 
+
+def _prune_instead(one: Path) -> str:
+    return f"`asyncsave prune {one.parent}{_layout_option(one.name)} ...` prunes the root it is in"
+
+
+def cmd_prune(fs: LocalFileSystem, root: Path, args: argparse.Namespace, out: TextIO) -> int:
+    """``asyncsave prune ROOT``: apply a retention rule to ``root`` once, as a
+    ``Checkpointer`` does after each commit (``_retention.apply_retention``), under
+    the root's saver lock (``--dry-run``: without it, deleting nothing)."""
+    from ._retention import retention_plan
+
+    rc = _check_root(fs, root, _prune_instead)
+    if rc is not None:
+        return rc
+    rule = _rule(args)
+    refusal = _unrecorded_metric(fs, root, args) if args.keep_best else None
+    if refusal is not None:
+        print(f"asyncsave: {refusal}", file=sys.stderr)
+        return 2
+    layout = LAYOUTS[args.layout]
+    protected = _protected(fs, root, layout)
     print(f"{root}: prune with {rule!r}", file=out)
-    if args.dry_run:
-        # No lock: a preview, which a running Checkpointer does not block.
-        doomed = retention_plan(fs, root, layout, rule, protected)
-        for step in doomed:
-            print(f"  would delete {layout.dir_name(step)}", file=out)
-        print(f"{len(doomed)} would be deleted (dry run: nothing changed)", file=out)
-        return 0
+    if not args.dry_run:
+        return _prune_locked(fs, root, layout, rule, protected, args, out)
+    # No lock: a preview, which a running Checkpointer does not block.
+    doomed = retention_plan(fs, root, layout, rule, protected)
+    for step in doomed:
+        print(f"  would delete {layout.dir_name(step)}", file=out)
+    print(f"{len(doomed)} would be deleted (dry run: nothing changed)", file=out)
+    return 0
+
+
+def _prune_locked(
+    fs: LocalFileSystem,
+    root: Path,
+    layout: Layout,
+    rule: Any,
+    protected: Callable[[], set[int]],
+    args: argparse.Namespace,
+    out: TextIO,
+) -> int:
+    """``prune``'s deleting pass under the root's saver lock: 1 when the lock is
+    held or unavailable (nothing deleted) or when a planned step stayed."""
+    from ._commit import hold_root
+    from ._errors import LockUnavailableError, RootInUseError
+    from ._retention import apply_retention, retention_plan
+
     try:
         with hold_root(fs, root, timeout_s=args.lock_timeout, lock=args.lock):
             planned = retention_plan(fs, root, layout, rule, protected)
@@ -575,11 +627,11 @@ def _prune(fs: LocalFileSystem, root: Path, args: argparse.Namespace, out: TextI
         return 1
     for step in retired:
         print(f"  deleted {layout.dir_name(step)}", file=out)
-    failed = [s for s in planned if s not in retired]
+    failed = [layout.dir_name(s) for s in planned if s not in retired]
     print(f"{len(retired)} deleted", file=out)
     if failed:
         print(
-            f"asyncsave: could not delete {names(failed)} (see the warnings above); "
+            f"asyncsave: could not delete {', '.join(failed)} (see the warnings above); "
             "the next prune or commit retries",
             file=sys.stderr,
         )
@@ -618,119 +670,183 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
-    """Entry point of the ``asyncsave`` command; returns the exit status."""
-    out = out or sys.stdout
-    parser = argparse.ArgumentParser(
-        prog="asyncsave", description="List, verify, inspect and prune asyncsave checkpoints."
+Handler = Callable[[LocalFileSystem, Path, argparse.Namespace, TextIO], int]
+
+
+def _layout_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layout", default="asyncsave", choices=sorted(LAYOUTS))
+
+
+def _progress_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show a progress bar on stderr (default: on a terminal, after 0.5 s)",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_ls = sub.add_parser("ls", help="list committed checkpoints under ROOT")
-    p_ls.add_argument("root")
-    p_ver = sub.add_parser(
-        "verify", help="check every checksum of a checkpoint (or of all in a ROOT)"
+
+
+def _storage_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--storage-options",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help='for URLs: fsspec keyword arguments, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
     )
-    p_ver.add_argument("path")
-    p_ins = sub.add_parser("inspect", help="print the state tree of a checkpoint")
-    p_ins.add_argument("path")
-    p_ad = sub.add_parser(
-        "adopt",
-        help="commit a checkpoint copied without its commit marker, after a full verify",
-        description="A checkpoint copied into an object store file by file (aws s3 sync, "
-        "gsutil rsync, rclone) has no commit_success.txt, and readers do not count it. "
-        "This verifies every byte of PATH (as verify does), then writes its marker. "
-        "Nothing is deleted; run it once the copy is complete.",
-    )
-    p_ad.add_argument("path")
-    p_pr = sub.add_parser(
-        "prune",
-        help="delete the committed checkpoints of ROOT that a retention rule does not keep",
-        description="Delete the committed checkpoints under ROOT that no rule keeps "
-        "(rules combine: a checkpoint any rule keeps stays). Never deleted: the tracked "
-        "step, the newest committed step, a step with a save in flight. Takes the root's "
-        "saver lock: refused while a Checkpointer has ROOT open.",
-    )
-    p_pr.add_argument("root")
-    p_pr.add_argument(
+
+
+def _prune_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
         "--keep-last", type=_positive, action="append", metavar="N", help="keep the N newest"
     )
-    p_pr.add_argument(
+    p.add_argument(
         "--keep-every",
         type=_positive,
         action="append",
         metavar="K",
         help="keep every step that is a multiple of K",
     )
-    p_pr.add_argument(
+    p.add_argument(
         "--keep-best",
         nargs=2,
         action="append",
         metavar=("METRIC", "N"),
         help="keep the N best by METRIC in training_info",
     )
-    p_pr.add_argument(
+    p.add_argument(
         "--mode", choices=("max", "min"), default="max", help="for --keep-best (default max)"
     )
-    p_pr.add_argument(
+    p.add_argument(
         "--dry-run", action="store_true", help="print what would be deleted; delete nothing"
     )
-    p_pr.add_argument(
+    p.add_argument(
         "--lock-timeout",
         type=float,
         default=10.0,
         metavar="S",
         help="seconds to wait for the root's lock (default 10)",
     )
-    p_pr.add_argument(
+    p.add_argument(
         "--lock",
         choices=LOCK_MODES,
         default="flock",
         help="'none': take no lock, for file systems without flock (Lustre without "
         "-o flock); only while no Checkpointer or writer uses ROOT (default flock)",
     )
-    for p in (p_ls, p_ver, p_pr):
-        p.add_argument("--layout", default="asyncsave", choices=sorted(LAYOUTS))
-    for p in (p_ver, p_ins):
-        p.add_argument(
-            "--progress",
-            action=argparse.BooleanOptionalAction,
-            default=None,
-            help="show a progress bar on stderr (default: on a terminal, after 0.5 s)",
-        )
-    for p in (p_ls, p_ver, p_ins, p_pr, p_ad):
-        p.add_argument(
-            "--storage-options",
-            type=_json_object,
-            default=None,
-            metavar="JSON",
-            help='for URLs: fsspec keyword arguments, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
-        )
-    args = parser.parse_args(argv)
-    if args.command == "prune":
-        if not (args.keep_last or args.keep_every or args.keep_best):
-            p_pr.error("give a rule: --keep-last N, --keep-every K or --keep-best METRIC N")
-        for _, n in args.keep_best or ():
-            try:
-                _positive(n)
-            except argparse.ArgumentTypeError as exc:
-                p_pr.error(f"--keep-best N: {exc}")
-    where = args.root if args.command in ("ls", "prune") else args.path
+
+
+def _check_prune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot say of ``prune``'s options: a rule is given, and each
+    ``--keep-best`` N is a positive integer (``parser.error``: exit status 2)."""
+    if not (args.keep_last or args.keep_every or args.keep_best):
+        parser.error("give a rule: --keep-last N, --keep-every K or --keep-best METRIC N")
+    for _, n in args.keep_best or ():
+        try:
+            _positive(n)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--keep-best N: {exc}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    """One subcommand: its name, its handler, its one positional argument (a root
+    of checkpoints or one checkpoint), its help, and the options it takes beyond
+    ``--storage-options`` (which every subcommand takes, last)."""
+
+    name: str
+    run: Handler
+    target: str
+    help: str
+    description: str | None = None
+    options: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()
+    check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] | None = None
+
+
+# The table of subcommands, in the order ``asyncsave --help`` lists them.
+COMMANDS = (
+    _Command(
+        "ls", cmd_ls, "root", "list committed checkpoints under ROOT", None, (_layout_options,)
+    ),
+    _Command(
+        "verify",
+        cmd_verify,
+        "path",
+        "check every checksum of a checkpoint (or of all in a ROOT)",
+        None,
+        (_layout_options, _progress_options),
+    ),
+    _Command(
+        "inspect",
+        cmd_inspect,
+        "path",
+        "print the state tree of a checkpoint",
+        None,
+        (_progress_options,),
+    ),
+    _Command(
+        "adopt",
+        cmd_adopt,
+        "path",
+        "commit a checkpoint copied without its commit marker, after a full verify",
+        "A checkpoint copied into an object store file by file (aws s3 sync, "
+        "gsutil rsync, rclone) has no commit_success.txt, and readers do not count it. "
+        "This verifies every byte of PATH (as verify does), then writes its marker. "
+        "Nothing is deleted; run it once the copy is complete.",
+    ),
+    _Command(
+        "prune",
+        cmd_prune,
+        "root",
+        "delete the committed checkpoints of ROOT that a retention rule does not keep",
+        "Delete the committed checkpoints under ROOT that no rule keeps "
+        "(rules combine: a checkpoint any rule keeps stays). Never deleted: the tracked "
+        "step, the newest committed step, a step with a save in flight. Takes the root's "
+        "saver lock: refused while a Checkpointer has ROOT open.",
+        (_prune_options, _layout_options),
+        _check_prune,
+    ),
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The ``asyncsave`` parser, one subparser per row of :data:`COMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="asyncsave",
+        description="List, verify, inspect, adopt and prune asyncsave checkpoints.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help, description=command.description)
+        p.add_argument(command.target)
+        for add in command.options:
+            add(p)
+        _storage_options(p)
+        p.set_defaults(spec=command, subparser=p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
+    """Entry point of the ``asyncsave`` command; returns the exit status."""
+    args = _parser().parse_args(argv)
+    command: _Command = args.spec
+    if command.check is not None:
+        command.check(args.subparser, args)
+    return _run(command, args, out or sys.stdout)
+
+
+def _run(command: _Command, args: argparse.Namespace, out: TextIO) -> int:
+    """Open the root of ``command``'s argument and run its handler: the one error
+    boundary, where a bad URL is exit status 2 and a CheckpointError or OSError
+    (a root that cannot be locked, written or listed) one line on stderr and 1."""
     try:
-        fs, path = open_root(where, storage_options=args.storage_options)
+        fs, path = open_root(getattr(args, command.target), storage_options=args.storage_options)
     except (ValueError, ImportError) as exc:
         print(f"asyncsave: {exc}", file=sys.stderr)
         return 2
     try:
-        if args.command == "ls":
-            return _ls(fs, path, args.layout, out)
-        if args.command == "verify":
-            return _verify(fs, path, args.layout, out, args.progress)
-        if args.command == "prune":
-            return _prune(fs, path, args, out)
-        if args.command == "adopt":
-            return _adopt(fs, path, out)
-        return _inspect(fs, path, out, args.progress)
+        return command.run(fs, path, args, out)
     except BrokenPipeError:
         # `asyncsave inspect PATH | head`: the reader left; not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -738,7 +854,7 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     except (CheckpointError, OSError) as exc:
         # A root that cannot be locked or written (read-only, not ours), or listed:
         # one line that says what and where, never a traceback.
-        print(f"asyncsave {args.command}: {exc}", file=sys.stderr)
+        print(f"asyncsave {command.name}: {exc}", file=sys.stderr)
         return 1
 
 

@@ -173,3 +173,29 @@ def test_ls_of_one_checkpoint_of_another_layout_names_its_layout(
         mp.setattr(sys, "stderr", err)
         assert run("ls", str(final))[0] == 2
     assert f"asyncsave ls {tmp_path} --layout {layout}`" in err.getvalue()
+
+
+# What each subcommand does, in the words of the top-level description.
+VERBS = {"ls": "list", "verify": "verify", "inspect": "inspect", "adopt": "adopt", "prune": "prune"}
+
+
+def test_the_top_level_help_names_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    usage, description = text.split("\n\n")[:2]
+    listed = usage[usage.index("{") + 1 : usage.index("}")].split(",")
+    assert sorted(listed) == sorted(VERBS)  # a new subcommand gets its verb here
+    assert [v for v in VERBS.values() if v not in description.lower()] == []
+
+
+@pytest.mark.parametrize("command", sorted(VERBS))
+def test_every_subcommand_is_one_line_and_status_1_on_a_missing_path(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rule = ["--keep-last", "1"] if command == "prune" else []
+    rc, text = run(command, str(tmp_path / "nothing"), *rule)
+    err = capsys.readouterr().err
+    assert rc == 1 and text == ""
+    assert err.count("\n") == 1 and "nothing" in err
