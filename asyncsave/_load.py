@@ -37,6 +37,7 @@ __all__ = ["load", "load_tensors"]
 
 logger = logging.getLogger(__name__)
 
+
 def _check_required(state: Any, required: Iterable[str | Sequence[Any]], path: Path) -> None:
     missing = []
     for req in required:
@@ -156,10 +157,7 @@ def load(
     :raises KindMismatchError: a :class:`Tagged` kind differs from the template's.
     :raises UnsafeLoadError: a pickled leaf without ``allow_pickle``.
     """
-    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
-    target = _device(device)
-    manifest = read_checkpoint(fs, p, expect_step=step_of_name(p))
-    refuse_other_format(manifest, p)
+    fs, p, manifest, target = _open_checkpoint(path, device, filesystem, storage_options)
     raw = _read(fs, p, manifest, verify=verify, device=target)
     with gc_paused():  # 10,000s of tensors and tree nodes made at once
         tensors = _build_tensors(manifest, raw, target)
@@ -200,15 +198,25 @@ def load_tensors(
     ``path``, ``filesystem`` and ``storage_options`` as for :func:`load` (on an
     object store only the selected entries' bytes are read too).
     """
-    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
-    target = _device(device)
-    manifest = read_checkpoint(fs, p, expect_step=step_of_name(p))
-    refuse_other_format(manifest, p)
+    fs, p, manifest, target = _open_checkpoint(path, device, filesystem, storage_options)
+    chosen = _select_tensors(manifest, keys, p)
+    entries = {j for ri in chosen for j in record_entries(manifest.tensors[ri])}
+    raw = _read(fs, p, manifest, verify=verify, device=target, only=entries)
+    tensors = _build_tensors(manifest, raw, target, only=chosen)
+    return {manifest.tensors[ri]["key"]: tensors[ri] for ri in sorted(chosen)}
+
+
+def _select_tensors(manifest: Manifest, keys: Iterable[str], p: Path) -> set[int]:
+    """The indices of the tensor records that ``keys`` name (each key a record's
+    key path or a prefix of some), in the manifest of the checkpoint at ``p``.
+
+    :raises MissingItemError: a key that names no tensor.
+    :raises InvalidKeyError: a key path that two records flatten to.
+    """
     if isinstance(keys, str):
         raise TypeError("keys must be an iterable of key paths, not one str")
-    wanted = list(dict.fromkeys(keys))
     chosen: set[int] = set()
-    for k in wanted:
+    for k in dict.fromkeys(keys):
         hit = {
             ri
             for ri, rec in enumerate(manifest.tensors)
@@ -229,10 +237,24 @@ def load_tensors(
                 key=key,
             )
         seen[key] = ri
-    entries = {j for ri in chosen for j in record_entries(manifest.tensors[ri])}
-    raw = _read(fs, p, manifest, verify=verify, device=target, only=entries)
-    tensors = _build_tensors(manifest, raw, target, only=chosen)
-    return {manifest.tensors[ri]["key"]: tensors[ri] for ri in sorted(chosen)}
+    return chosen
+
+
+def _open_checkpoint(
+    path: str | os.PathLike[str],
+    device: str | torch.device,
+    filesystem: LocalFileSystem | None,
+    storage_options: Mapping[str, Any] | None,
+) -> tuple[LocalFileSystem, Path, Manifest, torch.device]:
+    """What :func:`load` and :func:`load_tensors` read first: the checkpoint's
+    file system and directory, its manifest (from the catalog, checked against
+    the step its name gives) and the device to load to; a checkpoint of another
+    format is refused here, before any data file is read."""
+    fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
+    target = _device(device)
+    manifest = read_checkpoint(fs, p, expect_step=step_of_name(p))
+    refuse_other_format(manifest, p)
+    return fs, p, manifest, target
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -245,5 +267,3 @@ def _device(device: str | torch.device) -> torch.device:
     if target.type not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: asyncsave loads to cpu or cuda")
     return target
-
-

@@ -130,30 +130,19 @@ def read_entries(
     :raises CorruptCheckpointError: an entry past the end of its file, or a header
         that disagrees; :class:`ChecksumMismatchError` for altered bytes.
     """
-    wanted = set(range(len(manifest.entries))) if only is None else set(only)
     out: list[torch.Tensor | None] = [None] * len(manifest.entries)
-    per_file: dict[int, list[tuple[int, dict[str, Any]]]] = {}
-    counts: dict[int, int] = {}
-    for ei, e in enumerate(manifest.entries):
-        counts[e["file"]] = counts.get(e["file"], 0) + 1
-        if ei in wanted:
-            per_file.setdefault(e["file"], []).append((ei, e))
+    per_file, counts = _by_file(manifest, only)
+
+    def read(fi: int, mine: list[tuple[int, dict[str, Any]]], bounce: _Bounce | None) -> None:
+        _read_file(
+            path, manifest, fi, mine, counts[fi], verify, out, bounce, check_header, progress
+        )
+
     if device.type == "cuda":
         bounce = _Bounce(device) if per_file else None
         try:
             for fi, mine in per_file.items():
-                _read_file(
-                    path,
-                    manifest,
-                    fi,
-                    mine,
-                    counts[fi],
-                    verify,
-                    out,
-                    bounce,
-                    check_header,
-                    progress,
-                )
+                read(fi, mine, bounce)
         finally:
             if bounce is not None:
                 bounce.close()
@@ -163,30 +152,28 @@ def read_entries(
     jobs = list(per_file.items())
     if len(jobs) <= 1:
         for fi, mine in jobs:
-            _read_file(
-                path, manifest, fi, mine, counts[fi], verify, out, None, check_header, progress
-            )
+            read(fi, mine, None)
         return out
     with concurrent.futures.ThreadPoolExecutor(min(len(jobs), _READ_THREADS)) as pool:
-        futures = [
-            pool.submit(
-                _read_file,
-                path,
-                manifest,
-                fi,
-                mine,
-                counts[fi],
-                verify,
-                out,
-                None,
-                check_header,
-                progress,
-            )
-            for fi, mine in jobs
-        ]
+        futures = [pool.submit(read, fi, mine, None) for fi, mine in jobs]
         for f in futures:
             f.result()  # the first failure, in file order
     return out
+
+
+def _by_file(
+    manifest: Manifest, only: Iterable[int] | None
+) -> tuple[dict[int, list[tuple[int, dict[str, Any]]]], dict[int, int]]:
+    """The entries to read grouped by data file (``only``: their indices; None:
+    all), and the number of entries each file holds in all."""
+    wanted = set(range(len(manifest.entries))) if only is None else set(only)
+    per_file: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+    counts: dict[int, int] = {}
+    for ei, e in enumerate(manifest.entries):
+        counts[e["file"]] = counts.get(e["file"], 0) + 1
+        if ei in wanted:
+            per_file.setdefault(e["file"], []).append((ei, e))
+    return per_file, counts
 
 
 def _read_file(
