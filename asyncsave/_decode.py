@@ -227,6 +227,10 @@ def _build_tensor(
     return t
 
 
+# What :meth:`_Decoder.leaf` answers for a node that is not a plain leaf.
+_NOT_A_LEAF = object()
+
+
 class _Decoder:
     def __init__(
         self,
@@ -261,50 +265,48 @@ class _Decoder:
             raise self.bad(where, "nested too deep")
         if not isinstance(node, dict) or not isinstance(node.get("type"), str):
             raise self.bad(where, "node is not an object with a type")
-        kind, v = node["type"], node.get("v")
+        kind = node["type"]
         try:
-            if kind == "none":
-                return None
-            if kind == "bool" and type(v) is bool:
-                return v
-            if kind == "int" and type(v) is int:
-                return v
-            if kind == "bigint" and type(v) is str and len(v) < 1 << 20:
-                return int(v, 16)
-            if kind == "float" and type(v) is str:
-                return float.fromhex(v)
-            if kind == "str" and type(v) is str:
-                return v
-            if kind == "bytes" and type(v) is str:
-                return base64.b64decode(v, validate=True)
-            if kind == "dtype" and torch_dtype(v) is not None:
-                return torch_dtype(v)
-            if kind == "device" and type(v) is str:
-                return torch.device(v)
-            if kind == "size" and isinstance(v, list) and all(type(n) is int for n in v):
-                return torch.Size(v)
-            if kind == "np_scalar" and type(v) is str:
-                import numpy as np
-
-                return np.frombuffer(
-                    base64.b64decode(v, validate=True), dtype=np.dtype(node["dtype"])
-                )[0]
+            value = self.leaf(kind, node.get("v"), node)
         except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
             raise self.bad(where, f"bad {kind} value") from exc
+        return self.branch(kind, node, where) if value is _NOT_A_LEAF else value
+
+    @staticmethod
+    def leaf(kind: str, v: Any, node: dict[str, Any]) -> Any:
+        """The value of a plain leaf (``v`` of the kind's type), or
+        :data:`_NOT_A_LEAF` for any other node."""
+        if kind == "none":
+            return None
+        if (kind == "bool" and type(v) is bool) or (kind == "int" and type(v) is int):
+            return v
+        if kind == "bigint" and type(v) is str and len(v) < 1 << 20:
+            return int(v, 16)
+        if kind == "float" and type(v) is str:
+            return float.fromhex(v)
+        if kind == "str" and type(v) is str:
+            return v
+        if kind == "bytes" and type(v) is str:
+            return base64.b64decode(v, validate=True)
+        if kind == "dtype" and torch_dtype(v) is not None:
+            return torch_dtype(v)
+        if kind == "device" and type(v) is str:
+            return torch.device(v)
+        if kind == "size" and isinstance(v, list) and all(type(n) is int for n in v):
+            return torch.Size(v)
+        if kind == "np_scalar" and type(v) is str:
+            import numpy as np
+
+            raw = base64.b64decode(v, validate=True)
+            return np.frombuffer(raw, dtype=np.dtype(node["dtype"]))[0]
+        return _NOT_A_LEAF
+
+    def branch(self, kind: str, node: dict[str, Any], where: tuple[Any, ...]) -> Any:
+        """A node that is not a plain leaf: a tensor, a pickled leaf, a container."""
         if kind == "tensor":
             return self.tensors[self.index(node, where)]
         if kind == "pickle":
-            i = self.index(node, where)
-            if not self.unpickle:
-                return None
-            if not self.allow_pickle:
-                raise UnsafeLoadError(
-                    f"the leaf at {key_str(where)!r} in {self.path} is pickled; pass "
-                    "allow_pickle=True to load() only if you trust this checkpoint",
-                    path=self.path,
-                    key=key_str(where),
-                )
-            return pickle.loads(self.tensors[i].numpy().tobytes())
+            return self.pickled(node, where)
         if kind == "dict":
             return self.mapping(node, where)
         if kind in ("list", "tuple"):
@@ -324,6 +326,19 @@ class _Decoder:
         if kind == "dcp" and not self.unpickle and not where:
             return None  # verify(): a DCP checkpoint's entries are checked, no tree
         raise self.bad(where, f"unknown node type {kind!r}")
+
+    def pickled(self, node: dict[str, Any], where: tuple[Any, ...]) -> Any:
+        i = self.index(node, where)
+        if not self.unpickle:
+            return None
+        if not self.allow_pickle:
+            raise UnsafeLoadError(
+                f"the leaf at {key_str(where)!r} in {self.path} is pickled; pass "
+                "allow_pickle=True to load() only if you trust this checkpoint",
+                path=self.path,
+                key=key_str(where),
+            )
+        return pickle.loads(self.tensors[i].numpy().tobytes())
 
     def mapping(self, node: dict[str, Any], where: tuple[Any, ...]) -> Any:
         items = node.get("items")
@@ -448,4 +463,3 @@ def verify_data(
     tensors = _build_tensors(manifest, raw, torch.device("cpu"))
     decoder = _Decoder(tensors, manifest.tensors, path=path, allow_pickle=False, unpickle=False)
     decoder.node(manifest.tree)
-
