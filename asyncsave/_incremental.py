@@ -45,10 +45,10 @@ import torch
 import xxhash
 
 from ._bits import flat_bytes
+from ._catalog import read_checkpoint, scan_steps
 from ._errors import CheckpointError
 from ._format import FileLayout, layout_buckets
 from ._fs import LocalFileSystem
-from ._catalog import read_checkpoint, scan_steps
 from ._manifest import CHECKSUM, Manifest, record_entries, torch_dtype
 from ._paths import Layout
 from ._plan import Entry, Plan
@@ -145,7 +145,9 @@ class Base:
 
 @dataclasses.dataclass
 class Report:
-    """What one incremental save wrote and shared (the manifest's ``incremental``)."""
+    """What one incremental save wrote and shared (the manifest's ``incremental``).
+    Counted from the save's writer threads (the ``count_*`` methods are
+    thread-safe)."""
 
     base: str | None = None
     bytes_written: int = 0
@@ -154,9 +156,30 @@ class Report:
     files_shared: int = 0
     bytes_verified: int = 0  # base bytes read back to check them before sharing
     prelinked: list[int] = dataclasses.field(default_factory=list)  # files shared at staging
+    _lock: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, repr=False, compare=False
+    )
+
+    def count_written(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_written += nbytes
+            self.files_written += 1
+
+    def count_shared(self, nbytes: int, *, at_staging: int | None = None) -> None:
+        """One file of ``nbytes`` shared; ``at_staging``: its index, shared
+        while the save was staged (:meth:`Reuse.prelink`)."""
+        with self._lock:
+            self.bytes_shared += nbytes
+            self.files_shared += 1
+            if at_staging is not None:
+                self.prelinked.append(at_staging)
+
+    def count_verified(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_verified += nbytes
 
     def as_doc(self) -> dict[str, Any]:
-        doc = dataclasses.asdict(self)
+        doc = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "_lock"}
         doc["files_shared_at_staging"] = len(doc.pop("prelinked"))
         return doc
 
@@ -178,45 +201,17 @@ def _chunkable(e: Entry) -> bool:
     )
 
 
-class Reuse:
-    """The incremental state of one checkpointer: the identities of data files
-    this process wrote or verified, with their header hash and entry checksums.
+class RowChunks:
+    """Growing tensors: the row chunks of each tensor of the last save planned
+    (see :meth:`split`). Used at plan time, in the caller's thread."""
 
-    Methods are blocking (worker threads) and thread-safe.
-    """
-
-    def __init__(self, root: Path, layout: Layout) -> None:
-        self.root = root
-        self.layout = layout
-        # file identity -> (header hash, entry checksums) of a file this process
-        # wrote, shared or checked; and per header hash (one per data file of a
-        # tree: it names the file's tensors, shapes and offsets) the latest such
-        # file: (checksums, path, identity). Bounded by the files of one state:
-        # a file's newer content replaces the older one.
-        self._known: dict[tuple[Any, ...], tuple[str, tuple[str, ...]]] = {}
-        self._by_header: dict[str, tuple[tuple[str, ...], Path, tuple[Any, ...]]] = {}
-        # Header hashes whose file changed at the last save: not hashed while
-        # staging (the caller waits for that) until a save shares them again.
-        self._changing: set[str] = set()
-        self._told: set[str] = set()
-        self._lock = threading.Lock()
+    def __init__(self) -> None:
         # entry name -> ((dtype, row shape), row boundaries) of the last save planned
         self._rows: dict[str, tuple[tuple[Any, ...], list[int]]] = {}
 
-    # -- growing tensors (plan time, in the caller's thread) ----------------------------
-    def split_rows(self, plan: Plan) -> set[int]:
+    def split(self, plan: Plan) -> set[int]:
         """Store each tensor that grew along its first dimension since the last
-        save planned here as row chunks: the previous save's chunks, then one
-        chunk of the new rows. The first chunk keeps the tensor's own entry name,
-        so a tensor saved whole last time shares its file with the first chunk;
-        each further chunk is an entry ``<key>#rows=<start>:<end>`` in a file of
-        its own, whatever its size. Unchanged chunks are then shared like any
-        unchanged file, a rewritten row makes its chunk written again, a
-        reordered tensor has every chunk written, and a tensor that shrank or
-        changed dtype or row shape is written whole (one chunk); past
-        :data:`MAX_CHUNKS` chunks the tensor is written whole once. Pure
-        bookkeeping: no bytes are read here (the checksums of the staged chunks
-        decide what is shared).
+        save planned here as row chunks (see :meth:`Reuse.split_rows`).
 
         :returns: the indices (in the new ``plan.entries``) of the chunks.
         """
@@ -255,28 +250,15 @@ class Reuse:
         self._rows = rows_of
         if len(entries) == len(plan.entries):
             return set()
-        plan.entries = entries
-        plan.remember_smallest_entry()  # a new-rows chunk may be small (lazy saves)
-        # New record dicts: a reused plan's records are its template's, shared with
-        # every save of the same structure (one still writing its manifest, too).
-        plan.records = [
-            {**rec, "entry": new[0], **({"chunks": new} if len(new) > 1 else {})}
-            for rec in plan.records
-            for new in (moved[rec["entry"]],)
-        ]
+        _replace_entries(plan, entries, moved)
         return {j for new in moved.values() if len(new) > 1 for j in new}
 
-    def seed(self, fs: LocalFileSystem) -> None:
-        """At open: take the row chunks of the newest committed checkpoint as the
-        last save planned, so that the first save after a restart continues them
-        (a replay buffer resumed from it writes only its new rows). Best effort:
-        a root without a readable checkpoint seeds nothing."""
-        base = self.find_base(fs, None)
-        if base is None:
-            return
+    def seed(self, manifest: Manifest) -> None:
+        """Take the row chunks of the checkpoint of ``manifest`` as the last save
+        planned."""
         rows_of: dict[str, tuple[tuple[Any, ...], list[int]]] = {}
-        entries = base.manifest.entries
-        for rec in base.manifest.tensors:
+        entries = manifest.entries
+        for rec in manifest.tensors:
             dtype = torch_dtype(rec["dtype"])
             shape = rec["shape"]
             if dtype is None or rec["stride"] is not None or not shape or not shape[0]:
@@ -303,6 +285,258 @@ class Reuse:
         if len(bounds) - 1 > MAX_CHUNKS:
             return [0, rows]
         return bounds
+
+
+def _replace_entries(plan: Plan, entries: list[Entry], moved: dict[int, list[int]]) -> None:
+    """Give ``plan`` the entries of its tensors cut into chunks: ``moved`` maps
+    each old entry index to its new ones."""
+    plan.entries = entries
+    plan.remember_smallest_entry()  # a new-rows chunk may be small (lazy saves)
+    # New record dicts: a reused plan's records are its template's, shared with
+    # every save of the same structure (one still writing its manifest, too).
+    plan.records = [
+        {**rec, "entry": new[0], **({"chunks": new} if len(new) > 1 else {})}
+        for rec in plan.records
+        for new in (moved[rec["entry"]],)
+    ]
+
+
+#: What a remembered data file holds: (header hash, entry checksums in file order).
+Contents = tuple[str, tuple[str, ...]]
+
+
+class KnownFiles:
+    """The data files this process wrote, shared or checked: per file identity
+    (see :func:`_identity`) its header hash and entry checksums, and per header
+    hash (one per data file of a tree: it names the file's tensors, shapes and
+    offsets) the latest such file. Bounded by the files of one state: a file's
+    newer content replaces the older one. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[Any, ...], Contents] = {}
+        self._by_header: dict[str, tuple[tuple[str, ...], Path, tuple[Any, ...]]] = {}
+        # Header hashes whose file changed at the last save: not hashed while
+        # staging (the caller waits for that) until a save shares them again.
+        self._changing: set[str] = set()
+        self._lock = threading.Lock()
+
+    def any(self) -> bool:
+        with self._lock:
+            return bool(self._by_header)
+
+    def remember(
+        self, fs: LocalFileSystem, path: Path, header: bytes, digests: tuple[str, ...]
+    ) -> None:
+        """Record that the file at ``path`` holds ``header`` and entries of
+        ``digests`` (in file order): it was just written from staged bytes, or
+        read back and checked."""
+        try:
+            ident = _identity(fs, path)
+        except OSError:
+            return
+        if ident is not None:
+            header_hash = xxhash.xxh3_64_hexdigest(header)
+            with self._lock:
+                old = self._by_header.get(header_hash)
+                if old is not None and old[2] != ident:
+                    self._known.pop(old[2], None)
+                self._by_header[header_hash] = (digests, path, ident)
+                self._known[ident] = (header_hash, digests)
+
+    def keep_only(self, layouts: list[FileLayout]) -> None:
+        """Forget the files of headers that ``layouts`` does not have."""
+        keep = {xxhash.xxh3_64_hexdigest(fl.header) for fl in layouts}
+        with self._lock:
+            for header_hash in [h for h in self._by_header if h not in keep]:
+                del self._by_header[header_hash]
+            live = {ident for _, _, ident in self._by_header.values()}
+            for ident in [i for i in self._known if i not in live]:
+                del self._known[ident]
+            self._changing &= keep
+
+    def holds(self, fs: LocalFileSystem, path: Path, want: Contents) -> bool:
+        """Whether the file at ``path`` is one remembered with contents ``want``,
+        its identity unchanged."""
+        return self.identity_holding(fs, path, want) is not None
+
+    def identity_holding(
+        self, fs: LocalFileSystem, path: Path, want: Contents
+    ) -> tuple[Any, ...] | None:
+        """The identity of the file at ``path`` if it is one remembered with
+        contents ``want``, else ``None``."""
+        ident = _identity(fs, path)
+        if ident is None:
+            return None
+        with self._lock:
+            return ident if self._known.get(ident) == want else None
+
+    def settled(self, header_hash: str) -> bool:
+        """Whether a file of ``header_hash`` is remembered and did not change at
+        its last try."""
+        with self._lock:
+            return header_hash in self._by_header and header_hash not in self._changing
+
+    def latest(self, header_hash: str) -> tuple[tuple[str, ...], Path] | None:
+        """The checksums and path of the latest file of ``header_hash``, or
+        ``None`` where there is none or it changed at its last try."""
+        with self._lock:
+            known = self._by_header.get(header_hash)
+            if known is None or header_hash in self._changing:
+                return None
+            return known[0], known[1]
+
+    def changed(self, header_hash: str) -> None:
+        """The file of ``header_hash`` changed: not hashed at staging from now."""
+        with self._lock:
+            self._changing.add(header_hash)
+
+    def shared(self, header_hash: str) -> None:
+        """A file of ``header_hash`` was shared: hashed at staging again."""
+        with self._lock:
+            self._changing.discard(header_hash)
+
+    def moved(
+        self, header_hash: str, digests: tuple[str, ...], path: Path, ident: tuple[Any, ...]
+    ) -> None:
+        """The latest file of ``header_hash`` is now found at ``path`` (a link of
+        the remembered one, identity ``ident``)."""
+        with self._lock:
+            self._by_header[header_hash] = (digests, path, ident)
+
+
+def _identity(fs: LocalFileSystem, path: Path) -> tuple[Any, ...] | None:
+    """What changes whenever the file's bytes may have: (device, inode, size,
+    mtime_ns) locally; (ETag, size) on an object store; ``None`` when the
+    store gives nothing to tell (the file is then always read and hashed)."""
+    inner = getattr(fs, "fs", None)
+    if inner is None:
+        st = os.stat(path)
+        return ("local", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    p = fs._p(path)  # type: ignore[attr-defined]
+    inner.invalidate_cache(p)
+    info = inner.info(p)
+    etag = info.get("ETag") or info.get("etag")
+    if not etag:
+        return None
+    return ("object", etag, info.get("size"))
+
+
+def _base_file_intact(
+    fs: LocalFileSystem, path: Path, base: Base, f: int, header: bytes, report: Report
+) -> bool:
+    """Read the file at ``path`` (base file ``f`` or a link to it) and compare
+    its header and each entry's checksum with the base manifest's."""
+    name = base.path / base.manifest.files[f]["name"]  # what the logs name
+    entries = sorted(
+        (base.manifest.entries[j] for j in base.file_entries[f]), key=lambda e: e["offset"]
+    )
+    mv = memoryview(bytearray(_READ_CHUNK))
+    with fs.open_read(path) as fh:
+        got = fh.read(len(header))
+        if got != header:
+            logger.info("incremental save: %s has another header: not shared", name)
+            return False
+        pos = len(header)
+        for e in entries:
+            if e["offset"] != pos:
+                return False
+            digest = _hash_read(fh, mv, e["nbytes"])
+            if digest is None:
+                return False
+            pos += e["nbytes"]
+            report.count_verified(e["nbytes"])
+            if digest != e[CHECKSUM]:
+                logger.warning(
+                    "incremental save: %s entry %r does not match its checksum "
+                    "(damaged base): written in full",
+                    name,
+                    e["name"],
+                )
+                return False
+    return True
+
+
+def _hash_read(fh: Any, mv: memoryview, nbytes: int) -> str | None:
+    """XXH3-64 of the next ``nbytes`` of ``fh``, read through ``mv``; ``None``
+    where the file ends first."""
+    h = xxhash.xxh3_64()
+    left = nbytes
+    while left:
+        n = fh.readinto(mv[: min(left, _READ_CHUNK)])
+        if not n:
+            return None
+        h.update(mv[:n])
+        left -= n
+    return h.hexdigest()
+
+
+def _same_as_base(
+    layout: FileLayout,
+    entries: list[Entry],
+    buffer: torch.Tensor,
+    base: Base,
+    digests: dict[int, str],
+) -> bool:
+    """Whether each of ``layout``'s entries, hashed (XXH3-64) from its staged
+    bytes in ``buffer`` into ``digests``, equals the base manifest's checksum of
+    its name; stops at the first that differs (``digests`` keeps what was
+    hashed: the writer takes it as it is)."""
+    view = memoryview(buffer.numpy())  # type: ignore[arg-type]
+    for i in layout.entries:
+        e = entries[i]
+        if i not in digests:
+            digests[i] = xxhash.xxh3_64_hexdigest(
+                view[e.staging_offset : e.staging_offset + e.nbytes]
+            )
+        if digests[i] != base.by_name[e.name][3]:
+            return False
+    return True
+
+
+class Reuse:
+    """The incremental state of one checkpointer: the row chunks of growing
+    tensors (:class:`RowChunks`) and the data files this process wrote or
+    verified (:class:`KnownFiles`); it decides per data file whether a save
+    shares it or writes it.
+
+    Methods are blocking (worker threads) and thread-safe, but for
+    :meth:`split_rows` (plan time, the caller's thread).
+    """
+
+    def __init__(self, root: Path, layout: Layout) -> None:
+        self.root = root
+        self.layout = layout
+        self.rows = RowChunks()
+        self.files = KnownFiles()
+        self._told: set[str] = set()
+
+    # -- growing tensors (plan time, in the caller's thread) ----------------------------
+    def split_rows(self, plan: Plan) -> set[int]:
+        """Store each tensor that grew along its first dimension since the last
+        save planned here as row chunks: the previous save's chunks, then one
+        chunk of the new rows. The first chunk keeps the tensor's own entry name,
+        so a tensor saved whole last time shares its file with the first chunk;
+        each further chunk is an entry ``<key>#rows=<start>:<end>`` in a file of
+        its own, whatever its size. Unchanged chunks are then shared like any
+        unchanged file, a rewritten row makes its chunk written again, a
+        reordered tensor has every chunk written, and a tensor that shrank or
+        changed dtype or row shape is written whole (one chunk); past
+        :data:`MAX_CHUNKS` chunks the tensor is written whole once. Pure
+        bookkeeping: no bytes are read here (the checksums of the staged chunks
+        decide what is shared).
+
+        :returns: the indices (in the new ``plan.entries``) of the chunks.
+        """
+        return self.rows.split(plan)
+
+    def seed(self, fs: LocalFileSystem) -> None:
+        """At open: take the row chunks of the newest committed checkpoint as the
+        last save planned, so that the first save after a restart continues them
+        (a replay buffer resumed from it writes only its new rows). Best effort:
+        a root without a readable checkpoint seeds nothing."""
+        base = self.find_base(fs, None)
+        if base is not None:
+            self.rows.seed(base.manifest)
 
     def written_in_full(self, why: str) -> None:
         """Say once per reason that ``incremental=True`` does not apply to a save:
@@ -340,105 +574,12 @@ class Reuse:
                 break
         return None
 
-    # -- identities --------------------------------------------------------------------
-    def _identity(self, fs: LocalFileSystem, path: Path) -> tuple[Any, ...] | None:
-        """What changes whenever the file's bytes may have: (device, inode, size,
-        mtime_ns) locally; (ETag, size) on an object store; ``None`` when the
-        store gives nothing to tell (the file is then always read and hashed)."""
-        inner = getattr(fs, "fs", None)
-        if inner is None:
-            st = os.stat(path)
-            return ("local", st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        p = fs._p(path)  # type: ignore[attr-defined]
-        inner.invalidate_cache(p)
-        info = inner.info(p)
-        etag = info.get("ETag") or info.get("etag")
-        if not etag:
-            return None
-        return ("object", etag, info.get("size"))
-
-    def remember(
-        self, fs: LocalFileSystem, path: Path, header: bytes, digests: tuple[str, ...]
-    ) -> None:
-        """Record that the file at ``path`` holds ``header`` and entries of
-        ``digests`` (in file order): it was just written from staged bytes, or
-        read back and checked."""
-        try:
-            ident = self._identity(fs, path)
-        except OSError:
-            return
-        if ident is not None:
-            header_hash = xxhash.xxh3_64_hexdigest(header)
-            with self._lock:
-                old = self._by_header.get(header_hash)
-                if old is not None and old[2] != ident:
-                    self._known.pop(old[2], None)
-                self._by_header[header_hash] = (digests, path, ident)
-                self._known[ident] = (header_hash, digests)
-
     def keep_only(self, layouts: list[FileLayout]) -> None:
         """Forget the files of headers that ``layouts`` (the save just written)
         does not have, so that what is remembered stays the size of one state's
         files over any number of saves (a growing tensor's new chunk, or a packed
         small tensor that grew, has a new header at every save)."""
-        keep = {xxhash.xxh3_64_hexdigest(fl.header) for fl in layouts}
-        with self._lock:
-            for header_hash in [h for h in self._by_header if h not in keep]:
-                del self._by_header[header_hash]
-            live = {ident for _, _, ident in self._by_header.values()}
-            for ident in [i for i in self._known if i not in live]:
-                del self._known[ident]
-            self._changing &= keep
-
-    def _known_as(self, fs: LocalFileSystem, path: Path, want: tuple[str, tuple[str, ...]]) -> bool:
-        """Whether the file at ``path`` is one this process wrote, linked or
-        checked with header hash and checksums ``want``, its identity unchanged."""
-        ident = self._identity(fs, path)
-        if ident is None:
-            return False
-        with self._lock:
-            return self._known.get(ident) == want
-
-    def _check_file(
-        self, fs: LocalFileSystem, path: Path, base: Base, f: int, header: bytes, report: Report
-    ) -> bool:
-        """Read the file at ``path`` (base file ``f`` or a link to it) and compare
-        its header and each entry's checksum with the base manifest's."""
-        name = base.path / base.manifest.files[f]["name"]  # what the logs name
-        entries = sorted(
-            (base.manifest.entries[j] for j in base.file_entries[f]), key=lambda e: e["offset"]
-        )
-        buf = bytearray(_READ_CHUNK)
-        mv = memoryview(buf)
-        with fs.open_read(path) as fh:
-            got = fh.read(len(header))
-            if got != header:
-                logger.info("incremental save: %s has another header: not shared", name)
-                return False
-            pos = len(header)
-            for e in entries:
-                if e["offset"] != pos:
-                    return False
-                h = xxhash.xxh3_64()
-                left = e["nbytes"]
-                while left:
-                    n = fh.readinto(mv[: min(left, _READ_CHUNK)])
-                    if not n:
-                        return False
-                    h.update(mv[:n])
-                    left -= n
-                    pos += n
-                with self._lock:
-                    report.bytes_verified += e["nbytes"]
-                if h.hexdigest() != e[CHECKSUM]:
-                    logger.warning(
-                        "incremental save: %s entry %r does not match its checksum "
-                        "(damaged base): written in full",
-                        name,
-                        e["name"],
-                    )
-                    return False
-        return True
+        self.files.keep_only(layouts)
 
     # -- one data file -------------------------------------------------------------------
     def write_file(
@@ -464,31 +605,29 @@ class Reuse:
         # did not link): what the manifest records is what the file holds.
         digests: dict[int, str] = {}
         f = None if base is None else base.match(layout, entries)
-        if base is not None and f is not None:
-            view = memoryview(buffer.numpy())  # type: ignore[arg-type]
-            same = True
-            for i in layout.entries:
-                e = entries[i]
-                if i not in digests:
-                    digests[i] = xxhash.xxh3_64_hexdigest(
-                        view[e.staging_offset : e.staging_offset + e.nbytes]
-                    )
-                if digests[i] != base.by_name[e.name][3]:
-                    same = False
-                    break
-            if same and self._shared(base, f, report, fs, directory, layout):
-                if on_written is not None:
-                    on_written(layout.nbytes)
-                return digests
+        if (
+            base is not None
+            and f is not None
+            and _same_as_base(layout, entries, buffer, base, digests)
+            and self._shared(base, f, report, fs, directory, layout)
+        ):
+            if on_written is not None:
+                on_written(layout.nbytes)
+            return digests
         digests = write_data_file(
-            fs, directory, layout, entries, buffer, direct=direct, on_written=on_written, known=digests
+            fs,
+            directory,
+            layout,
+            entries,
+            buffer,
+            direct=direct,
+            on_written=on_written,
+            known=digests,
         )
-        self.remember(
+        self.files.remember(
             fs, directory / layout.name, layout.header, tuple(digests[i] for i in layout.entries)
         )
-        with self._lock:
-            report.bytes_written += layout.nbytes
-            report.files_written += 1
+        report.count_written(layout.nbytes)
         return digests
 
     def _shared(
@@ -509,20 +648,21 @@ class Reuse:
         of its step, a retention pass) can never be shared unchecked."""
         src = base.path / base.manifest.files[f]["name"]
         dst = directory / layout.name
-        want = (xxhash.xxh3_64_hexdigest(layout.header), base.digests(f))
+        header_hash = xxhash.xxh3_64_hexdigest(layout.header)
+        want = (header_hash, base.digests(f))
         try:
             # On an object store the copy gets an identity of its own (an ETag a
             # store may make anew): the source's, known before the copy and the
             # same after it, says the copy read that object.
-            copied_known = getattr(fs, "fs", None) is not None and self._known_as(fs, src, want)
+            copied_known = getattr(fs, "fs", None) is not None and self.files.holds(fs, src, want)
             fs.link(src, dst)
             intact = (
-                self._known_as(fs, dst, want)
-                or (copied_known and self._known_as(fs, src, want))
-                or self._check_file(fs, dst, base, f, layout.header, report)
+                self.files.holds(fs, dst, want)
+                or (copied_known and self.files.holds(fs, src, want))
+                or _base_file_intact(fs, dst, base, f, layout.header, report)
             )
             if intact:
-                self.remember(fs, dst, layout.header, base.digests(f))
+                self.files.remember(fs, dst, layout.header, base.digests(f))
             else:
                 _unlink_quietly(fs, dst)
                 return False
@@ -533,27 +673,22 @@ class Reuse:
             logger.log(level, "incremental save: sharing %s failed (%r): written in full", src, exc)
             _unlink_quietly(fs, dst)  # else the create below fails, and the save with it
             return False
-        with self._lock:
-            report.bytes_shared += layout.nbytes
-            report.files_shared += 1
-            self._changing.discard(xxhash.xxh3_64_hexdigest(layout.header))
+        report.count_shared(layout.nbytes)
+        self.files.shared(header_hash)
         return True
 
     # -- at staging time: files equal to one this process wrote --------------------------
     def knows_files(self) -> bool:
-        with self._lock:
-            return bool(self._by_header)
+        return self.files.any()
 
     def worth_prelinking(self, layout: FileLayout, entries: list[Entry]) -> bool:
         """Whether :meth:`prelink` would hash ``layout``'s sources: host tensors,
         contiguous, of a header this process wrote before that did not change at
         its last try. The others are staged and written at once, while these are
-        hashed (see ``_jobs.PlainJob.stage``). Cheap: no byte is read."""
+        hashed (see ``_jobs.IncrementalJob``). Cheap: no byte is read."""
         if not layout.entries or not all(_host_contiguous(entries[i]) for i in layout.entries):
             return False
-        header_hash = xxhash.xxh3_64_hexdigest(layout.header)
-        with self._lock:
-            return header_hash in self._by_header and header_hash not in self._changing
+        return self.files.settled(xxhash.xxh3_64_hexdigest(layout.header))
 
     def prelink(
         self,
@@ -580,51 +715,53 @@ class Reuse:
         second hashing, overlapped with their writes.
 
         The file linked need not be committed: it was fsynced whole before it was
-        remembered (:meth:`remember`), its identity (inode, size, ``mtime_ns``) is
-        unchanged since, and the link keeps its bytes whatever becomes of the save
-        that wrote it. Blocking (a worker thread).
+        remembered (:meth:`KnownFiles.remember`), its identity (inode, size,
+        ``mtime_ns``) is unchanged since, and the link keeps its bytes whatever
+        becomes of the save that wrote it. Blocking (a worker thread).
 
         :returns: whether the file was linked.
         """
         if not self.worth_prelinking(layout, entries):
             return False
         header_hash = xxhash.xxh3_64_hexdigest(layout.header)
-        with self._lock:
-            known = self._by_header.get(header_hash)
-            if known is None or header_hash in self._changing:
-                return False
+        known = self.files.latest(header_hash)
+        if known is None:
+            return False
         digests = tuple(_hash_source(entries[i]) for i in layout.entries)
         if digests != known[0]:
-            with self._lock:
-                self._changing.add(header_hash)
+            self.files.changed(header_hash)
             return False
         src = self._located(fs, known[1])
         if src is None:
             return False
         dst = tmp / layout.name
-        try:
-            # Linked first, then the link's identity checked: a file put in
-            # ``src``'s place meanwhile (an overwrite of its step) is never taken.
-            fs.link(src, dst)
-            ident = self._identity(fs, dst)
-            with self._lock:
-                ok = ident is not None and self._known.get(ident) == (header_hash, digests)
-            if not ok or ident is None:
-                _unlink_quietly(fs, dst)
-                return False
-        except OSError as exc:
-            logger.info("incremental save: sharing %s while staging failed (%r)", src, exc)
-            _unlink_quietly(fs, dst)
+        ident = self._link_known(fs, src, dst, (header_hash, digests))
+        if ident is None:
             return False
         for i, digest in zip(layout.entries, digests, strict=True):
             entries[i].digest = digest  # the linked file's bytes: the manifest's checksums
-        with self._lock:
-            report.bytes_shared += layout.nbytes
-            report.files_shared += 1
-            report.prelinked.append(layout.index)
-            # Found here from now on: the save that wrote it may be retired first.
-            self._by_header[header_hash] = (digests, tmp / layout.name, ident)
+        report.count_shared(layout.nbytes, at_staging=layout.index)
+        # Found here from now on: the save that wrote it may be retired first.
+        self.files.moved(header_hash, digests, dst, ident)
         return True
+
+    def _link_known(
+        self, fs: LocalFileSystem, src: Path, dst: Path, want: Contents
+    ) -> tuple[Any, ...] | None:
+        """Link ``src`` as ``dst`` and return the link's identity if it is a file
+        remembered with contents ``want``; else ``None``, nothing left behind.
+        Linked first, then the link's identity checked: a file put in ``src``'s
+        place meanwhile (an overwrite of its step) is never taken."""
+        try:
+            fs.link(src, dst)
+            ident = self.files.identity_holding(fs, dst, want)
+        except OSError as exc:
+            logger.info("incremental save: sharing %s while staging failed (%r)", src, exc)
+            _unlink_quietly(fs, dst)
+            return None
+        if ident is None:
+            _unlink_quietly(fs, dst)
+        return ident
 
     def _located(self, fs: LocalFileSystem, path: Path) -> Path | None:
         """Where a remembered file is now: where it was written, or (its save

@@ -516,7 +516,7 @@ async def test_what_is_remembered_stays_bounded_over_many_saves(tmp_path: Path) 
             buf, small = torch.cat([buf, torch.randn(4, 1024)]), torch.cat([small, small[:1]])
             await (await ckpt.save(step, {"rb": buf, "small": small}))
             files = len(manifest(tmp_path / f"step_{step}")["files"])
-            remembered = ckpt._reuse._by_header, ckpt._reuse._known
+            remembered = ckpt._reuse.files._by_header, ckpt._reuse.files._known
             assert max(len(r) for r in remembered) <= files, (step, files)
     assert_equal_tree(asyncsave.load(tmp_path / "step_12"), {"rb": buf, "small": small})
 
