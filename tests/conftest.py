@@ -35,11 +35,13 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -244,6 +246,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _module_of(item: pytest.Item) -> str:
     return item.nodeid.partition("::")[0]
+
+
+_ALL_SLOW = re.compile(r"^pytestmark = .*\bpytest\.mark\.slow\b", re.M)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The fast tier (``-m "not slow"``) does not even import a test module whose
+    every test is slow (a module-level ``pytestmark = pytest.mark.slow``): it would
+    select none of them, and importing some (lightning, megatron-core) takes seconds
+    in every worker."""
+    if not collection_path.name.startswith("test_") or collection_path.suffix != ".py":
+        return None
+    if "".join(str(config.getoption("markexpr")).split()) != "notslow":
+        return None
+    return True if _ALL_SLOW.search(collection_path.read_text(encoding="utf-8")) else None
 
 
 _COUNTS_KEY = "asyncsave_reliability_counts"

@@ -164,3 +164,17 @@ def test_the_fuzz_profile_holds_for_settings_made_as_a_module_is_imported(
     """
     out = _passed(_session(tmp_path, {"test_fuzz.py": fuzz}, "-n", "0"))
     assert "2 passed" in out, out
+
+
+def test_the_fast_tier_does_not_import_a_module_whose_every_test_is_slow(tmp_path: Path) -> None:
+    files = {
+        "test_all_slow.py": (
+            "import pytest\npytestmark = pytest.mark.slow\n"
+            "raise RuntimeError('imported')\ndef test_x(): pass\n"
+        ),
+        "test_fast.py": "def test_y(): pass\n",
+    }
+    ini = "[pytest]\nmarkers =\n    slow: slow\n"
+    out = _passed(_session(tmp_path, files, "-m", "not slow", "-n", "0", ini=ini))
+    assert "1 passed" in out, out
+    assert _session(tmp_path, files, "-n", "0", ini=ini).returncode != 0  # imported otherwise
