@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import torch
 import torch.nn.functional as F
@@ -292,7 +293,7 @@ async def kill_while_writing(root: Path, handle: asyncsave.SaveHandle) -> None:
         if handle.done():
             how = "after it committed (the write finished before it was seen)"
             break
-        await anyio.sleep(0)  # poll as fast as the event loop allows
+        await anyio.lowlevel.checkpoint()  # poll as fast as the event loop allows
     print(f"crash-at: SIGKILL at step {handle.step}, {how}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
