@@ -50,7 +50,7 @@ Rules (docs/decisions.md, "Tiers"):
   part under ``root/rank{r}/`` as a checkpoint of one rank (``Saver.per_rank``);
   at open the ranks agree on the local steps every rank has (the others are moved
   aside); every rank copies its own part and rank 0 commits the merged N-rank
-  checkpoint (:meth:`Persister._copy_ranks`); resume loads each rank's own part.
+  checkpoint (:meth:`Copier._copy_ranks`); resume loads each rank's own part.
 
 Sources: Orbax's emergency checkpointing (local and persistent managers), NVIDIA
 Resiliency Extension's local checkpointing, Gemini (SOSP'23): checkpoints kept
@@ -64,6 +64,7 @@ import dataclasses
 import functools
 import json
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
@@ -231,9 +232,10 @@ def _copy_named(
 
 
 class Persister:
-    """The persistent tier of one checkpointer: admits saves due to persist,
-    copies them in order, resumes from the nearest tier. Created by the
-    checkpointer; see the module docstring for the rules.
+    """The persistent tier of one checkpointer: opens and closes its root,
+    admits saves due to persist and hands them, in order, to its :class:`Copier`
+    (``copier``). Created by the checkpointer; see the module docstring for the
+    rules.
 
     Call sequence (the checkpointer's): :meth:`open` after the local root is
     open; :meth:`dispatch` around each ``save()``'s dispatch; close waits on
@@ -275,9 +277,8 @@ class Persister:
                 f"layout={self.layout.name!r} has no tracker, which a persistent tier on "
                 f"{self.fs!r} (commit by marker) needs"
             )
-        self.coord: Coordinator = Solo()
-        self.tracker: TrackerWriter | None = None
-        self.committed: dict[int, Path] = {}
+        # The copy to this root, its commit, tracker and retention.
+        self.copier = Copier(tier, saver, self.fs, self.root, self.strategy, self.final_lock)
         self._lock_fd: int | None = None
         self._slots: anyio.Semaphore | None = None
         self._reserved: set[int] = set()  # slots taken by reserve(), for dispatch()
@@ -349,12 +350,12 @@ class Persister:
             # The other ranks wait in a broadcast while rank 0 copies: the bound is
             # the copy's (a dead rank 0 is still seen at once, by the heartbeats).
             timeout_s = max(self.saver.options.dist_timeout_s, self.tier.timeout_s)
-            self.coord = await GlooGroup.create(timeout_s)
-        committed, tracked = await self.coord.open_root(self._open_root, self.root)
-        self.committed = {s: self.root / self.layout.dir_name(s) for s in committed}
-        if self.layout.tracker_name is not None and self.coord.leader:
+            self.copier.coord = await GlooGroup.create(timeout_s)
+        committed, tracked = await self.copier.coord.open_root(self._open_root, self.root)
+        self.copier.committed = {s: self.root / self.layout.dir_name(s) for s in committed}
+        if self.layout.tracker_name is not None and self.copier.coord.leader:
             baseline = max([s for s in (tracked, *committed) if s is not None], default=None)
-            self.tracker = TrackerWriter(self.fs, self.root / self.layout.tracker_name, baseline)
+            self.copier.tracker = TrackerWriter(self.fs, self.root / self.layout.tracker_name, baseline)
 
     def catch_up(self) -> list[int]:
         """Persist the local checkpoints a previous run left due but not persisted
@@ -365,7 +366,7 @@ class Persister:
 
         :returns: the steps queued.
         """
-        newest = max(self.committed, default=-1)
+        newest = max(self.copier.committed, default=-1)
         policy = self.tier.policy
         due = [
             s
@@ -418,7 +419,7 @@ class Persister:
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             self.fs.unlock(fd)
-        self.coord.close()
+        self.copier.coord.close()
 
     # -- saving -------------------------------------------------------------------
     async def reserve(self, step: int) -> None:
@@ -489,7 +490,7 @@ class Persister:
                     local = handle.result()  # raises the local save's own error
                     assert local is not None
                     with anyio.fail_after(self.tier.timeout_s):
-                        path = await self._copy(step, local.path, overwrite, check)
+                        path = await self.copier.copy(step, local.path, overwrite, check)
                     if path is not None:
                         info = dataclasses.replace(local, path=path)
                 except SaveFailedError as exc:
@@ -542,7 +543,38 @@ class Persister:
             event, self._turn_changed = self._turn_changed, anyio.Event()
             event.set()
 
-    async def _copy(self, step: int, src: Path, overwrite: bool, check: bool) -> Path | None:
+class Copier:
+    """The copy of committed local checkpoints to the persistent root, in the
+    order the :class:`Persister` hands them over, and what follows each commit
+    there: that tier's tracker and retention. One save at a time; rank 0 copies
+    a checkpoint of a shared local root, every rank its own part of a node-local
+    one (:meth:`_copy_ranks`); every rank hears the outcome.
+
+    ``coord``, ``tracker`` and ``committed`` (the persistent steps) are set by
+    :meth:`Persister.open`.
+    """
+
+    def __init__(
+        self,
+        tier: Tier,
+        saver: Saver,
+        fs: LocalFileSystem,
+        root: Path,
+        strategy: CommitStrategy,
+        final_lock: threading.Lock,
+    ) -> None:
+        self.tier = tier
+        self.saver = saver
+        self.fs = fs
+        self.root = root
+        self.layout = saver.layout
+        self.strategy = strategy
+        self.final_lock = final_lock
+        self.coord: Coordinator = Solo()
+        self.tracker: TrackerWriter | None = None
+        self.committed: dict[int, Path] = {}
+
+    async def copy(self, step: int, src: Path, overwrite: bool, check: bool) -> Path | None:
         """Rank 0 copies and commits, moves the tracker, applies retention; every
         rank hears the outcome. ``None``: not copied (``check`` found ``src``
         damaged; logged)."""
