@@ -115,6 +115,37 @@ def rewrite_item(
     :raises CorruptCheckpointError: the committed checkpoint does not read.
     :raises OSError: an I/O step failed (the committed checkpoint is untouched).
     """
+    step, doc, slot = _read_item(fs, final, key)
+    old_data, kept_data = _splice(doc, slot, key, plan, layouts)
+    tmp = strategy.begin(fs, root, step, final)
+    try:
+        for name in fs.listdir(final):
+            # Data files still referenced, and files that are not data files (a
+            # layout's training_info.json); the manifest is new.
+            if name != MANIFEST_NAME and (name in kept_data or name not in old_data):
+                fs.link(final / name, tmp / name)
+        digests: dict[int, str] = {}
+        for fl in layouts:
+            if fl.name in kept_data:
+                digests.update(write_data_file(fs, tmp, fl, plan.entries, buffer))
+        _add_checksums(doc, plan, digests, old_data)
+        write_bytes(fs, tmp / MANIFEST_NAME, encode_manifest(doc))
+        read_checkpoint(fs, tmp, expect_step=step)  # the new manifest parses
+        strategy.commit(fs, tmp, final, overwrite=True)
+    except BaseException:
+        discard(fs, tmp)
+        raise
+    return sum(e["nbytes"] for e in doc["entries"]), len(doc["tensors"])
+
+
+def _read_item(fs: LocalFileSystem, final: Path, key: str) -> tuple[int, dict[str, Any], int]:
+    """The committed checkpoint at ``final`` (validated first): its step, its
+    manifest without the self-checksum, and the position of top-level item
+    ``key`` in its tree.
+
+    :raises ProtectedCheckpointError: ``final`` is a symlink.
+    :raises MissingItemError: the checkpoint has no top-level item ``key``.
+    """
     step = read_checkpoint(fs, final).step  # validates everything first
     if fs.is_link(final):
         raise ProtectedCheckpointError(
@@ -136,6 +167,17 @@ def rewrite_item(
         raise MissingItemError(
             f"{final} has no top-level item {key!r} to update", path=final, step=step, key=key
         )
+    return step, doc, slot
+
+
+def _splice(
+    doc: dict[str, Any], slot: int, key: str, plan: Plan, layouts: list[FileLayout]
+) -> tuple[set[str], set[str]]:
+    """Put the item planned in ``plan`` at ``slot`` of ``doc``'s tree, its files
+    (named now), entries and tensors appended, then compact ``doc``.
+
+    :returns: the names of the data files before, and of those kept after.
+    """
     new_node = plan.tree["items"][0][1]
     n_entries, n_tensors, n_files = len(doc["entries"]), len(doc["tensors"]), len(doc["files"])
     for fl in layouts:
@@ -147,80 +189,34 @@ def rewrite_item(
         )
     for rec in plan.records:
         doc["tensors"].append(renumbered(rec, lambda j: j + n_entries))
-    items[slot] = [["s", key], _remap_leaves(new_node, lambda i: i + n_tensors)]
+    doc["tree"]["items"][slot] = [["s", key], _remap_leaves(new_node, lambda i: i + n_tensors)]
     old_data = {f["name"] for f in doc["files"][:n_files]}
     _compact(doc)
-    kept_data = {f["name"] for f in doc["files"]}
+    return old_data, {f["name"] for f in doc["files"]}
 
-    tmp = strategy.begin(fs, root, step, final)
-    try:
-        for name in fs.listdir(final):
-            # Data files still referenced, and files that are not data files (a
-            # layout's training_info.json); the manifest is new.
-            if name != MANIFEST_NAME and (name in kept_data or name not in old_data):
-                fs.link(final / name, tmp / name)
-        digests: dict[int, str] = {}
-        for fl in layouts:
-            if fl.name in kept_data:
-                digests.update(write_data_file(fs, tmp, fl, plan.entries, buffer))
-        by_name = {e.name: i for i, e in enumerate(plan.entries)}
-        new_files = {f["name"] for f in doc["files"]} - old_data
-        for f_index, f in enumerate(doc["files"]):
-            if f["name"] not in new_files:
-                continue
-            for e in doc["entries"]:
-                if e["file"] == f_index and CHECKSUM not in e:
-                    e[CHECKSUM] = digests[by_name[e["name"]]]
-        write_bytes(fs, tmp / MANIFEST_NAME, encode_manifest(doc))
-        read_checkpoint(fs, tmp, expect_step=step)  # the new manifest parses
-        strategy.commit(fs, tmp, final, overwrite=True)
-    except BaseException:
-        discard(fs, tmp)
-        raise
-    return sum(e["nbytes"] for e in doc["entries"]), len(doc["tensors"])
+
+def _add_checksums(
+    doc: dict[str, Any], plan: Plan, digests: dict[int, str], old_data: set[str]
+) -> None:
+    """Give each entry of a new data file the checksum its write computed
+    (``digests``, by index into ``plan.entries``)."""
+    by_name = {e.name: i for i, e in enumerate(plan.entries)}
+    new_files = {f["name"] for f in doc["files"]} - old_data
+    for f_index, f in enumerate(doc["files"]):
+        if f["name"] not in new_files:
+            continue
+        for e in doc["entries"]:
+            if e["file"] == f_index and CHECKSUM not in e:
+                e[CHECKSUM] = digests[by_name[e["name"]]]
 
 
 async def update(saver: Saver, step: int, key: str, value: Any) -> CheckpointInfo:
     """The body of :meth:`asyncsave.Checkpointer.update` (see there)."""
     saver.check_usable()
     path = saver.root / saver.layout.dir_name(step)
-    if saver.coord.world_size > 1:
-        raise CheckpointError(
-            f"update() on several ranks is refused: the checkpoint's items are per rank "
-            f"(its tree is keyed by rank), so replacing one would need every rank's new "
-            f"value and a collective rewrite, which asyncsave does not do; save step "
-            f"{step} again with overwrite=True instead",
-            step=step,
-            path=path,
-        )
-    if not saver.strategy.can_overwrite:
-        raise CheckpointError(
-            f"update() swaps directories atomically, which {saver.fs!r} cannot; "
-            "save the step under a new number instead",
-            step=step,
-            path=path,
-        )
-    if type(key) is not str:
-        raise InvalidKeyError(f"update() needs a str key, got {key!r}", key=repr(key))
-    if step == saver.resumed_step:
-        raise ProtectedCheckpointError(
-            f"step {step} is the checkpoint this run resumed from; it is never rewritten",
-            step=step,
-            path=path,
-        )
+    _refuse(saver, step, key, path)
     await saver.queue_behind(step, "update")
-    old = saver.committed.get(step)
-    if old is None and not await anyio.to_thread.run_sync(saver.fs.exists, path):
-        raise CheckpointNotFoundError(
-            f"there is no checkpoint of step {step} to update ({path})", step=step, path=path
-        )
-    if old is None or old.committed_s is None:
-        raise ProtectedCheckpointError(
-            f"step {step} was not saved by this checkpointer; update() rewrites only "
-            "checkpoints this run wrote",
-            step=step,
-            path=path,
-        )
+    old = await _written_here(saver, step, path)
     plan = make_plan({key: value}, allow_pickle=saver.options.allow_pickle)
     layouts = layout_files(plan.entries, rank=0, max_files=1)
     handle = SaveHandle(step)
@@ -265,3 +261,57 @@ async def update(saver: Saver, step: int, key: str, value: Any) -> CheckpointInf
             del saver.pending[step]
         with anyio.CancelScope(shield=True):
             await pool.aclose()
+
+
+def _refuse(saver: Saver, step: int, key: Any, path: Path) -> None:
+    """Refuse an update() this checkpointer can never make, before it waits.
+
+    :raises CheckpointError: several ranks, or a root that cannot swap directories.
+    :raises InvalidKeyError: ``key`` is not a ``str``.
+    :raises ProtectedCheckpointError: ``step`` is the step this run resumed from.
+    """
+    if saver.coord.world_size > 1:
+        raise CheckpointError(
+            f"update() on several ranks is refused: the checkpoint's items are per rank "
+            f"(its tree is keyed by rank), so replacing one would need every rank's new "
+            f"value and a collective rewrite, which asyncsave does not do; save step "
+            f"{step} again with overwrite=True instead",
+            step=step,
+            path=path,
+        )
+    if not saver.strategy.can_overwrite:
+        raise CheckpointError(
+            f"update() swaps directories atomically, which {saver.fs!r} cannot; "
+            "save the step under a new number instead",
+            step=step,
+            path=path,
+        )
+    if type(key) is not str:
+        raise InvalidKeyError(f"update() needs a str key, got {key!r}", key=repr(key))
+    if step == saver.resumed_step:
+        raise ProtectedCheckpointError(
+            f"step {step} is the checkpoint this run resumed from; it is never rewritten",
+            step=step,
+            path=path,
+        )
+
+
+async def _written_here(saver: Saver, step: int, path: Path) -> CheckpointInfo:
+    """The info of step ``step`` as this checkpointer committed it.
+
+    :raises CheckpointNotFoundError: there is no checkpoint of ``step``.
+    :raises ProtectedCheckpointError: this checkpointer did not save ``step``.
+    """
+    old = saver.committed.get(step)
+    if old is None and not await anyio.to_thread.run_sync(saver.fs.exists, path):
+        raise CheckpointNotFoundError(
+            f"there is no checkpoint of step {step} to update ({path})", step=step, path=path
+        )
+    if old is None or old.committed_s is None:
+        raise ProtectedCheckpointError(
+            f"step {step} was not saved by this checkpointer; update() rewrites only "
+            "checkpoints this run wrote",
+            step=step,
+            path=path,
+        )
+    return old
