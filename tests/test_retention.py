@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from faults import PROCEED, FaultyFS, block, pause
+from faults import FaultyFS, block, pause
 
 import asyncsave
 from asyncsave._retention import Candidate
@@ -31,23 +31,9 @@ def _state(step: int) -> dict[str, Any]:
     return {"w": torch.full((64,), float(step)), "step": step}
 
 
-class RetireFS(FaultyFS):
-    """FaultyFS that also sees ``remove_tree`` (retention's delete) and
-    ``exchange`` (an overwrite's commit)."""
-
-    def exchange(self, a: Path, b: Path) -> None:
-        if self._hit("exchange", b):
-            r = self.action()
-            if r is not PROCEED:
-                return r
-        super().exchange(a, b)
-
-    def remove_tree(self, path: Path) -> None:
-        if self._hit("remove_tree", path):
-            r = self.action()
-            if r is not PROCEED:
-                return r
-        super().remove_tree(path)
+# ``remove_tree`` (retention's delete) and ``exchange`` (an overwrite's commit) are
+# operations of the fault-injecting file system like any other.
+RetireFS = FaultyFS
 
 
 # -- the rules on their own ------------------------------------------------------

@@ -136,16 +136,8 @@ async def test_repeated_updates_keep_only_what_the_tree_references(tmp_path: Pat
     asyncsave.verify(final)
 
 
-class _ExchangeFS(FaultyFS):
-    def exchange(self, a: Path, b: Path) -> None:
-        if self._hit("exchange", b):
-            self.action()
-        super().exchange(a, b)
-
-    def remove_tree(self, path: Path) -> None:
-        if self._hit("remove_tree", path):
-            self.action()
-        super().remove_tree(path)
+# (sees ``exchange`` and ``remove_tree`` too: every operation of the file layer)
+_ExchangeFS = FaultyFS
 
 
 def _update_then_die(root: str, op: str) -> None:

@@ -1,0 +1,477 @@
+"""Helpers for testing code that saves with asyncsave, and for asyncsave's own tests.
+
+A test that needs a disk to fail, a save to stop half-way, or a small save to take
+the path of a large one uses these instead of patching asyncsave's private
+modules: the helpers live next to the code they reach into, so a restructuring of
+the library moves them with it and leaves the tests alone (the idea of httpx's
+``MockTransport``: a backend seam plus a mock shipped in the library).
+
+- :class:`FaultyFileSystem` is a :class:`~asyncsave.LocalFileSystem` that runs an
+  action (:func:`raise_errno`, :func:`block`, :func:`pause`, :func:`kill`) instead
+  of the ``n``-th call of one operation; pass it as ``Checkpointer(root,
+  filesystem=fs)`` (or ``Tier(..., filesystem=fs)``).
+- :func:`pause_at` stops one save at a named phase (:data:`PHASES`) until the test
+  releases it.
+- :func:`thresholds` lowers the sizes above which a save changes its strategy
+  (written while staged, a file per tensor, several files), so that a few KiB of
+  test state exercise the same code as GiBs.
+- :func:`leftover_temp_names` lists the temporary entries a save left in a root.
+
+Everything here is for tests: the patching helpers change module-level settings
+of the process while their ``with`` block runs, so they are not thread-safe
+against a second test running in the same process at the same time.
+
+A fake coordinator of several ranks is not provided: the engine picks its
+coordinator from ``torch.distributed``; tests of several ranks start real
+processes (a gloo group over a ``FileStore``).
+
+Example (a full disk at the first data write)::
+
+    fs = FaultyFileSystem("write", raise_errno(errno.ENOSPC))
+    async with asyncsave.Checkpointer(root, filesystem=fs) as ckpt:
+        handle = await ckpt.save(1, state)
+        with pytest.raises(asyncsave.SaveFailedError):
+            await handle
+    assert leftover_temp_names(root) == []
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from ._fs import LocalFileSystem
+from ._paths import LAYOUTS, is_retired_name, is_temp_name
+
+__all__ = [
+    "FILE_OPS",
+    "PHASES",
+    "PROCEED",
+    "FaultyFileSystem",
+    "Pause",
+    "block",
+    "is_temp_name",
+    "kill",
+    "leftover_temp_names",
+    "pause",
+    "pause_at",
+    "raise_errno",
+    "thresholds",
+]
+
+#: Returned by an action of :class:`FaultyFileSystem`: the real call goes ahead.
+PROCEED: Any = object()
+
+#: The operations of :class:`FaultyFileSystem` an action can replace.
+FILE_OPS = (
+    "create",
+    "write",
+    "fsync",
+    "close",
+    "makedirs",
+    "mkdir",
+    "fsync_dir",
+    "rename",
+    "replace",
+    "exchange",
+    "remove_tree",
+    "link",
+    "unlink",
+)
+
+
+class FaultyFileSystem(LocalFileSystem):
+    """A local file system that runs ``action`` instead of the ``n``-th call
+    (1-based) of ``op`` whose path satisfies ``where``; every other call goes
+    through unchanged.
+
+    The path ``where`` sees is the file's for ``create``, ``write``, ``fsync`` and
+    ``close`` (descriptors are mapped back to the path they were opened with), the
+    destination for ``rename``, ``replace``, ``link`` and ``exchange`` (its second
+    argument), and the argument otherwise. The action runs in the worker thread of
+    the call: it raises (the call fails), blocks, or returns :data:`PROCEED` (the
+    real call then goes ahead); anything else it returns is what the call returns.
+
+    :param op: one of :data:`FILE_OPS`.
+    :param action: called with no argument at the chosen call.
+    :param n: which matching call (1 = the first).
+    :param where: which paths count (default: all).
+    :raises ValueError: ``op`` is not one of :data:`FILE_OPS`, or ``n < 1``.
+
+    ``fired`` is set once the action has been called; ``seen`` counts the matching
+    calls so far.
+    """
+
+    def __init__(
+        self,
+        op: str,
+        action: Callable[[], Any],
+        *,
+        n: int = 1,
+        where: Callable[[str], bool] = lambda path: True,
+    ) -> None:
+        if op not in FILE_OPS:
+            raise ValueError(f"op={op!r} is not one of {FILE_OPS}")
+        if n < 1:
+            raise ValueError(f"n={n} counts calls from 1")
+        self.op, self.action, self.n, self.where = op, action, n, where
+        self.seen = 0
+        self.fired = threading.Event()
+        self._fd_paths: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def _hit(self, op: str, path: Any) -> bool:
+        """Whether this call of ``op`` on ``path`` is the chosen one."""
+        if op != self.op or not self.where(str(path)):
+            return False
+        with self._lock:
+            self.seen += 1
+            if self.seen != self.n:
+                return False
+        self.fired.set()
+        return True
+
+    def _run(self, op: str, path: Any, real: Callable[..., Any], *args: Any) -> Any:
+        """The action instead of ``real(*args)`` if this is the chosen call."""
+        if self._hit(op, path):
+            result = self.action()
+            if result is not PROCEED:
+                return result
+        return real(*args)
+
+    # -- files -------------------------------------------------------------------
+    def create(self, path: Path) -> int:
+        fd: int = self._run("create", path, super().create, path)
+        self._fd_paths[fd] = str(path)
+        return fd
+
+    def open_direct(self, path: Path) -> int | None:
+        fd = super().open_direct(path)
+        if fd is not None:
+            self._fd_paths[fd] = str(path)
+        return fd
+
+    def write(self, fd: int, data: memoryview) -> int:
+        path = self._fd_paths.get(fd, "")
+        written: int = self._run("write", path, super().write, fd, data)
+        return written
+
+    def fsync(self, fd: int) -> None:
+        self._run("fsync", self._fd_paths.get(fd, ""), super().fsync, fd)
+
+    def close(self, fd: int) -> None:
+        path = self._fd_paths.pop(fd, "")
+        if self._hit("close", path):
+            result = self.action()
+            if result is not PROCEED:
+                os.close(fd)  # the descriptor is never leaked, whatever the action
+                return
+        super().close(fd)
+
+    # -- directories and names ---------------------------------------------------
+    def makedirs(self, path: Path) -> None:
+        self._run("makedirs", path, super().makedirs, path)
+
+    def mkdir(self, path: Path) -> None:
+        self._run("mkdir", path, super().mkdir, path)
+
+    def fsync_dir(self, path: Path) -> None:
+        self._run("fsync_dir", path, super().fsync_dir, path)
+
+    def rename(self, src: Path, dst: Path) -> None:
+        self._run("rename", dst, super().rename, src, dst)
+
+    def replace(self, src: Path, dst: Path) -> None:
+        self._run("replace", dst, super().replace, src, dst)
+
+    def exchange(self, a: Path, b: Path) -> None:
+        self._run("exchange", b, super().exchange, a, b)
+
+    def remove_tree(self, path: Path) -> None:
+        self._run("remove_tree", path, super().remove_tree, path)
+
+    def link(self, src: Path, dst: Path) -> None:
+        self._run("link", dst, super().link, src, dst)
+
+    def unlink(self, path: Path) -> None:
+        self._run("unlink", path, super().unlink, path)
+
+
+# -- actions -------------------------------------------------------------------------
+
+
+def raise_errno(code: int) -> Callable[[], Any]:
+    """An action that raises ``OSError(code)`` (e.g. ``errno.ENOSPC``, ``errno.EIO``)."""
+
+    def action() -> Any:
+        raise OSError(code, os.strerror(code))
+
+    return action
+
+
+def block(event: threading.Event) -> Callable[[], Any]:
+    """An action that waits until ``event`` is set, then raises ``OSError(EIO)``:
+    a call that hangs (a stuck NFS server) and fails once it is let go."""
+
+    def action() -> Any:
+        event.wait()
+        raise OSError(errno.EIO, "released after blocking")
+
+    return action
+
+
+def pause(event: threading.Event, timeout_s: float = 60.0) -> Callable[[], Any]:
+    """An action that waits until ``event`` is set (or ``timeout_s`` seconds have
+    passed), then lets the call go ahead."""
+
+    def action() -> Any:
+        event.wait(timeout_s)
+        return PROCEED
+
+    return action
+
+
+def kill() -> Callable[[], Any]:
+    """An action that SIGKILLs this process (for crash tests run in a child)."""
+
+    def action() -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return action
+
+
+# -- leftovers -----------------------------------------------------------------------
+
+
+def leftover_temp_names(root: str | os.PathLike[str]) -> list[str]:
+    """The names directly under ``root`` that are asyncsave's temporary entries (a
+    save in flight, or one that failed and was not cleaned up), sorted; ``[]``
+    when there are none or ``root`` does not exist."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if is_temp_name(n))
+
+
+# -- thresholds ----------------------------------------------------------------------
+
+# Each setting of :func:`thresholds`: the module-level constants it sets.
+_THRESHOLDS: dict[str, tuple[tuple[str, str], ...]] = {
+    "follow_min_bytes": (("asyncsave._jobs", "FOLLOW_MIN_BYTES"),),
+    "follow_piece_bytes": (("asyncsave._stage", "FOLLOW_PIECE_BYTES"),),
+    "own_file_bytes": (("asyncsave._incremental", "OWN_FILE_BYTES"),),
+    "min_file_bytes": (("asyncsave._format", "MIN_FILE_BYTES"),),
+    "chunk_bytes": (("asyncsave._write", "CHUNK_BYTES"), ("asyncsave._stream", "CHUNK_BYTES")),
+}
+
+
+class _Patches:
+    """Attributes set for a while, each put back by :meth:`undo` (last first)."""
+
+    def __init__(self) -> None:
+        self._old: list[tuple[Any, str, Any]] = []
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        self._old.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def undo(self) -> None:
+        while self._old:
+            owner, name, value = self._old.pop()
+            setattr(owner, name, value)
+
+
+@contextmanager
+def thresholds(
+    *,
+    follow_min_bytes: int | None = None,
+    follow_piece_bytes: int | None = None,
+    own_file_bytes: int | None = None,
+    min_file_bytes: int | None = None,
+    chunk_bytes: int | None = None,
+) -> Iterator[None]:
+    """Lower asyncsave's size thresholds while the block runs (``None``: unchanged).
+
+    :param follow_min_bytes: staging bytes from which a save of host tensors is
+        written while it is staged (``overlap_writes``); ``0``: every such save.
+    :param follow_piece_bytes: bytes of one step of that copy (the writers follow
+        it step by step).
+    :param own_file_bytes: an incremental save gives a tensor of at least this
+        many bytes a file of its own.
+    :param min_file_bytes: bytes per data file below which a save writes fewer
+        files than it has writer threads.
+    :param chunk_bytes: bytes of one ``write`` call of a data file.
+    :raises ValueError: a value is negative (or not above 0 for the step and
+        chunk sizes).
+    """
+    given = {
+        "follow_min_bytes": follow_min_bytes,
+        "follow_piece_bytes": follow_piece_bytes,
+        "own_file_bytes": own_file_bytes,
+        "min_file_bytes": min_file_bytes,
+        "chunk_bytes": chunk_bytes,
+    }
+    patches = _Patches()
+    try:
+        for setting, value in given.items():
+            if value is None:
+                continue
+            least = 1 if setting in ("follow_piece_bytes", "chunk_bytes", "min_file_bytes") else 0
+            if value < least:
+                raise ValueError(f"thresholds({setting}={value}): must be at least {least}")
+            for module, name in _THRESHOLDS[setting]:
+                patches.set(importlib.import_module(module), name, value)
+        yield
+    finally:
+        patches.undo()
+
+
+# -- pausing a save at a phase ------------------------------------------------------
+
+#: The phases :func:`pause_at` can stop a save at, in the order a save meets them:
+#: ``"staging"`` (before the copy of its tensors into host buffers),
+#: ``"following"`` (after the first step of a copy whose files are written while
+#: it runs; the save needs ``pause.options``), ``"writing"`` (at its first data
+#: file write), ``"committing"`` (at the rename that publishes it on a local
+#: root), ``"tracking"`` (at the replace of the tracker file), ``"retiring"`` (at
+#: the rename by which retention retires an older checkpoint).
+PHASES = ("staging", "following", "writing", "committing", "tracking", "retiring")
+
+
+class Pause:
+    """One stop of a save: the first time a save reaches the point while the pause
+    is armed, the save's worker waits there until :meth:`release` (or
+    ``timeout_s`` seconds, after which it goes on).
+
+    ``reached`` (a :class:`threading.Event`) is set when a save stops;
+    ``filesystem`` is the :class:`FaultyFileSystem` to pass to the checkpointer
+    for the phases met in the file layer (``None`` otherwise); ``options`` are the
+    checkpointer options the phase needs (e.g. ``{"overlap_writes": True}``).
+    """
+
+    def __init__(self, *, armed: bool = True, timeout_s: float = 60.0) -> None:
+        self.armed, self.reached = threading.Event(), threading.Event()
+        self._released = threading.Event()
+        self.timeout_s = timeout_s
+        self.filesystem: FaultyFileSystem | None = None
+        self.options: dict[str, Any] = {}
+        if armed:
+            self.armed.set()
+
+    def arm(self) -> None:
+        """From now on, the next save that reaches the point stops there."""
+        self.armed.set()
+
+    def release(self) -> None:
+        """Let the stopped save (and any later one) go on."""
+        self._released.set()
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    async def wait_reached(self, timeout_s: float | None = None) -> bool:
+        """Wait (in a worker thread, the event loop free) until a save stopped;
+        ``False`` if none did within ``timeout_s`` (default: ``self.timeout_s``)."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        return await anyio.to_thread.run_sync(self.reached.wait, limit)
+
+    def hold(self) -> Any:
+        """Called at the point, in a worker thread: stop there if this is the
+        first arrival since :meth:`arm`; returns :data:`PROCEED` (usable as an
+        action of :class:`FaultyFileSystem`)."""
+        if self.armed.is_set() and not self.reached.is_set():
+            self.reached.set()
+            self._released.wait(self.timeout_s)
+        return PROCEED
+
+    def _when_armed(self, where: Callable[[Path], bool]) -> Callable[[str], bool]:
+        return lambda path: self.armed.is_set() and where(Path(path))
+
+
+def _tracker_names() -> set[str]:
+    return {layout.tracker_name for layout in LAYOUTS.values() if layout.tracker_name}
+
+
+def _is_data_write(path: Path) -> bool:
+    return path.suffix == ".safetensors" and is_temp_name(path.parent.name)
+
+
+def _is_publish(path: Path) -> bool:
+    """A rename whose destination is a final name: not a temporary, retired or
+    moved-aside entry, nor a file inside a save in flight."""
+    names = (path.name, path.parent.name)
+    return not any(is_temp_name(n) or n.startswith(".asyncsave-") for n in names)
+
+
+# phase -> (operation of the file layer, which of its paths)
+_FILE_PHASES: dict[str, tuple[str, Callable[[Path], bool]]] = {
+    "writing": ("write", _is_data_write),
+    "committing": ("rename", _is_publish),
+    "tracking": ("replace", lambda path: path.name in _tracker_names()),
+    "retiring": ("rename", lambda path: is_retired_name(path.name)),
+}
+
+
+def _hold_staging(p: Pause, patches: _Patches) -> None:
+    jobs = importlib.import_module("asyncsave._jobs")
+    real = jobs.stage_entries
+
+    async def stage_entries(*args: Any, **kwargs: Any) -> Any:
+        await anyio.to_thread.run_sync(p.hold)
+        return await real(*args, **kwargs)
+
+    patches.set(jobs, "stage_entries", stage_entries)
+
+
+def _hold_following(p: Pause, patches: _Patches) -> None:
+    mark = importlib.import_module("asyncsave._stage").StagedMark
+    real = mark.advance
+
+    def advance(self: Any, index: int, upto: int) -> None:
+        real(self, index, upto)
+        p.hold()
+
+    patches.set(mark, "advance", advance)
+    patches.set(importlib.import_module("asyncsave._jobs"), "FOLLOW_MIN_BYTES", 0)
+    p.options = {"overlap_writes": True}
+
+
+@contextmanager
+def pause_at(phase: str, *, armed: bool = True, timeout_s: float = 60.0) -> Iterator[Pause]:
+    """Stop the first save that reaches ``phase`` (one of :data:`PHASES`) while
+    the returned :class:`Pause` is armed, until the test calls ``release()``.
+
+    Pass ``pause.filesystem`` (when not ``None``) and ``pause.options`` to the
+    checkpointer. ``armed=False`` lets earlier saves through until ``arm()``.
+    Leaving the block releases the pause and undoes what it changed.
+
+    :raises ValueError: ``phase`` is not one of :data:`PHASES`.
+    """
+    if phase not in PHASES:
+        raise ValueError(f"phase={phase!r} is not one of {PHASES}")
+    p = Pause(armed=armed, timeout_s=timeout_s)
+    patches = _Patches()
+    try:
+        if phase in _FILE_PHASES:
+            op, where = _FILE_PHASES[phase]
+            p.filesystem = FaultyFileSystem(op, p.hold, where=p._when_armed(where))
+        elif phase == "staging":
+            _hold_staging(p, patches)
+        else:
+            _hold_following(p, patches)
+        yield p
+    finally:
+        p.release()
+        patches.undo()
