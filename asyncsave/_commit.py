@@ -336,14 +336,34 @@ def recover(
 
 def _recover(fs: LocalFileSystem, root: Path, layout: Layout, forward: bool) -> Recovered:
     fs.makedirs(root)
-    removed: list[Path] = []
     names = fs.listdir(root)
+    removed = _remove_temps(fs, root, names)
+    steps = scan_steps(fs, root, layout)
+    removed += _move_non_directories(fs, root, layout, names, steps)
+    committed, damaged = _check_steps(fs, root, steps, removed)
+    if removed or damaged:
+        fs.fsync_dir(root)
+    tracked = _track_forward(fs, root, layout, committed, forward)
+    return Recovered(committed=committed, tracked=tracked, removed=removed, damaged=damaged)
+
+
+def _remove_temps(fs: LocalFileSystem, root: Path, names: list[str]) -> list[Path]:
+    """Remove what is under a temporary name (unless a live writer holds it);
+    the paths removed."""
+    removed: list[Path] = []
     for name in names:
         # Files, directories and symlinks alike: a symlink is unlinked, never
         # followed. One that cannot be removed is logged and left for the next open.
         if is_temp_name(name) and _remove_unless_held(fs, root / name):
             removed.append(root / name)
-    steps = scan_steps(fs, root, layout)
+    return removed
+
+
+def _move_non_directories(
+    fs: LocalFileSystem, root: Path, layout: Layout, names: list[str], steps: dict[int, Path]
+) -> list[Path]:
+    """Move aside what is under a final name and not a step directory; the paths moved."""
+    removed: list[Path] = []
     for name in names:
         step = layout.parse_dir_name(name)
         if step is not None and step not in steps and fs.lexists(root / name):
@@ -352,6 +372,14 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout, forward: bool) -> 
             # aside (the link itself, never its target), like a partial step directory.
             if move_aside(fs, root, root / name, "incomplete", step, "it is not a directory"):
                 removed.append(root / name)
+    return removed
+
+
+def _check_steps(
+    fs: LocalFileSystem, root: Path, steps: dict[int, Path], removed: list[Path]
+) -> tuple[dict[int, Path], list[Path]]:
+    """The committed steps among ``steps`` (by step), and where the damaged ones
+    were moved; what is not a checkpoint is moved aside and added to ``removed``."""
     committed: dict[int, Path] = {}
     damaged: list[Path] = []
     strategy = strategy_for(fs)
@@ -378,27 +406,33 @@ def _recover(fs: LocalFileSystem, root: Path, layout: Layout, forward: bool) -> 
                 damaged.append(aside)
             continue
         committed[step] = path
-    if removed or damaged:
-        fs.fsync_dir(root)
+    return committed, damaged
 
+
+def _track_forward(
+    fs: LocalFileSystem, root: Path, layout: Layout, committed: dict[int, Path], forward: bool
+) -> int | None:
+    """The step the tracker names, moved forward to the newest of ``committed``
+    first if it names an older one or none (``forward``)."""
+    if layout.tracker_name is None:
+        return None
     tracked: int | None = None
-    if layout.tracker_name is not None:
-        tracker = root / layout.tracker_name
-        if fs.is_dir(tracker):
-            raise CorruptCheckpointError(
-                f"tracker {tracker} is a directory; move it away to save here", path=tracker
-            )
-        try:
-            tracked = read_tracker(fs, tracker)
-        except CorruptCheckpointError as exc:
-            logger.warning("%s; it will be rewritten at the next commit", exc)
-        newest = max(committed, default=None)
-        if forward and newest is not None and (tracked is None or tracked < newest):
-            logger.warning(
-                "%s but step %d is committed; moving it forward",
-                "there is no tracker" if tracked is None else f"the tracker names step {tracked}",
-                newest,
-            )
-            write_tracker(fs, tracker, newest)
-            tracked = newest
-    return Recovered(committed=committed, tracked=tracked, removed=removed, damaged=damaged)
+    tracker = root / layout.tracker_name
+    if fs.is_dir(tracker):
+        raise CorruptCheckpointError(
+            f"tracker {tracker} is a directory; move it away to save here", path=tracker
+        )
+    try:
+        tracked = read_tracker(fs, tracker)
+    except CorruptCheckpointError as exc:
+        logger.warning("%s; it will be rewritten at the next commit", exc)
+    newest = max(committed, default=None)
+    if forward and newest is not None and (tracked is None or tracked < newest):
+        logger.warning(
+            "%s but step %d is committed; moving it forward",
+            "there is no tracker" if tracked is None else f"the tracker names step {tracked}",
+            newest,
+        )
+        write_tracker(fs, tracker, newest)
+        tracked = newest
+    return tracked
