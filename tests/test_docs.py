@@ -6,7 +6,7 @@
   or a ``# value`` line right after the print). Every other Python block is marked
   ``<!-- fragment -->``, so no block that looks runnable is silently left unrun.
 - The API reference names every public name of ``asyncsave``, ``asyncsave.dcp``,
-  ``asyncsave.megatron`` and ``asyncsave.lightning``; ``mkdocs build --strict`` (in
+  ``asyncsave.megatron``, ``asyncsave.lightning`` and ``asyncsave.testing``; ``mkdocs build --strict`` (in
   ``.ci/run``) fails on a name that no longer exists.
 - No internal tracking number (a scenario id such as ``S13``, an ``issue 11``) is
   left in the library, the examples, the benchmarks, the README or the docs.
@@ -154,7 +154,13 @@ def _all_of(module: str) -> list[str]:
 
 
 _DIRECTIVE = re.compile(r"^::: ([\w.]+)", re.M)
-PUBLIC_MODULES = ("asyncsave", "asyncsave.dcp", "asyncsave.megatron", "asyncsave.lightning")
+PUBLIC_MODULES = (
+    "asyncsave",
+    "asyncsave.dcp",
+    "asyncsave.megatron",
+    "asyncsave.lightning",
+    "asyncsave.testing",
+)
 
 
 @pytest.mark.parametrize("module", PUBLIC_MODULES)

@@ -1,0 +1,206 @@
+"""``asyncsave.testing``: the helpers the suite uses instead of patching private
+modules. Each helper is checked against what it promises, through the public API
+only, so that a restructuring that moves the code a helper reaches into fails
+here, by name, rather than as a silently weaker test elsewhere."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import asyncsave
+from asyncsave.testing import (
+    PHASES,
+    FaultyFileSystem,
+    block,
+    leftover_temp_names,
+    pause,
+    pause_at,
+    raise_errno,
+    thresholds,
+)
+
+pytestmark = pytest.mark.anyio
+
+HANG_GUARD_S = 60
+
+
+def state_of(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {f"t{i}": torch.randn(4096, generator=g) for i in range(4)} | {"step": step}
+
+
+def committed(root: Path) -> list[int]:
+    return [info.step for info in asyncsave.checkpoints(root)]
+
+
+# -- the fault-injecting file system ------------------------------------------------
+
+# The operations a plain local save makes, each with a path it makes it on.
+SAVE_OPS = {
+    "create": lambda p: p.endswith(".safetensors"),
+    "write": lambda p: p.endswith(".safetensors"),
+    "fsync": lambda p: p.endswith(".safetensors"),
+    "mkdir": lambda p: True,
+    "fsync_dir": lambda p: True,
+    "rename": lambda p: p.endswith("step_1"),
+    "replace": lambda p: p.endswith(".txt"),
+}
+
+
+@pytest.mark.parametrize("op", sorted(SAVE_OPS))
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+async def test_a_fault_at_any_operation_fails_the_save_with_that_errno(
+    tmp_path: Path, op: str, code: int
+) -> None:
+    fs = FaultyFileSystem(op, raise_errno(code), where=SAVE_OPS[op])
+    with anyio.fail_after(HANG_GUARD_S), pytest.raises(asyncsave.SaveFailedError) as failed:
+        async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+            await (await ckpt.save(1, state_of(1)))
+    assert fs.fired.is_set() and fs.seen >= 1
+    cause = failed.value.__cause__
+    assert isinstance(cause, OSError) and cause.errno == code
+    assert leftover_temp_names(tmp_path) == []
+
+
+async def test_only_the_nth_matching_call_fails(tmp_path: Path) -> None:
+    """``n=2``: the first save's data file is created, the second save's is not
+    (a small save writes one data file)."""
+    fs = FaultyFileSystem(
+        "create", raise_errno(errno.EIO), n=2, where=lambda p: p.endswith(".safetensors")
+    )
+    with anyio.fail_after(HANG_GUARD_S), pytest.raises(asyncsave.SaveFailedError):
+        async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+            await (await ckpt.save(1, state_of(1)))
+            assert committed(tmp_path) == [1] and not fs.fired.is_set()
+            await (await ckpt.save(2, state_of(2)))
+    assert fs.fired.is_set() and committed(tmp_path) == [1]
+
+
+async def test_a_blocked_call_holds_the_save_until_released_then_fails(tmp_path: Path) -> None:
+    gate = threading.Event()
+    fs = FaultyFileSystem("rename", block(gate), where=lambda p: p.endswith("step_1"))
+    try:
+        with anyio.fail_after(HANG_GUARD_S), pytest.raises(asyncsave.SaveFailedError) as failed:
+            async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+                handle = await ckpt.save(1, state_of(1))
+                assert await anyio.to_thread.run_sync(fs.fired.wait, HANG_GUARD_S)
+                assert not handle.done() and committed(tmp_path) == []
+                gate.set()
+                await handle
+    finally:
+        gate.set()
+    assert isinstance(failed.value.__cause__, OSError)
+    assert committed(tmp_path) == [] and leftover_temp_names(tmp_path) == []
+
+
+async def test_a_paused_call_goes_ahead_once_released(tmp_path: Path) -> None:
+    gate = threading.Event()
+    fs = FaultyFileSystem("replace", pause(gate), where=lambda p: p.endswith(".txt"))
+    try:
+        with anyio.fail_after(HANG_GUARD_S):
+            async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+                handle = await ckpt.save(1, state_of(1))
+                assert await anyio.to_thread.run_sync(fs.fired.wait, HANG_GUARD_S)
+                assert not handle.done()
+                gate.set()
+                info = await handle
+    finally:
+        gate.set()
+    assert info is not None and info.step == 1
+    latest = asyncsave.latest(tmp_path)
+    assert latest is not None and latest.step == 1
+
+
+def test_bad_arguments_are_refused_naming_them() -> None:
+    with pytest.raises(ValueError, match="read"):
+        FaultyFileSystem("read", raise_errno(errno.EIO))
+    with pytest.raises(ValueError, match="n=0"):
+        FaultyFileSystem("write", raise_errno(errno.EIO), n=0)
+    with pytest.raises(ValueError, match="flushing"), pause_at("flushing"):
+        pass
+    with pytest.raises(ValueError, match="chunk_bytes=0"), thresholds(chunk_bytes=0):
+        pass
+
+
+# -- pausing a save at a phase ------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", PHASES)
+async def test_pause_at_each_phase_holds_one_save_until_released(
+    tmp_path: Path, phase: str
+) -> None:
+    """Step 1 goes through (the pause is not armed yet); step 2 stops at ``phase``
+    and is not finished until the pause is released; then it commits."""
+    handles: list[asyncsave.SaveHandle] = []
+    with pause_at(phase, armed=False, timeout_s=HANG_GUARD_S) as stop:
+        options = dict(stop.options, retention=asyncsave.KeepLast(1))
+        with anyio.fail_after(HANG_GUARD_S):
+            async with asyncsave.Checkpointer(
+                tmp_path, filesystem=stop.filesystem, **options
+            ) as ckpt:
+                await (await ckpt.save(1, state_of(1)))
+                stop.arm()
+                async with anyio.create_task_group() as tg:
+
+                    async def second() -> None:
+                        handles.append(await ckpt.save(2, state_of(2)))
+
+                    tg.start_soon(second)
+                    assert await stop.wait_reached()
+                    await anyio.sleep(0.05)  # the paused save makes no progress meanwhile
+                    if phase != "retiring":  # a handle is done once tracked
+                        assert not any(h.done() for h in handles)
+                    assert 2 not in committed(tmp_path) or phase in ("tracking", "retiring")
+                    stop.release()
+                info = await handles[0]
+    assert info is not None and info.step == 2
+    assert committed(tmp_path) == [2]
+    restored = asyncsave.load(tmp_path / "step_2")
+    assert all(torch.equal(restored[k], v) for k, v in state_of(2).items() if k != "step")
+
+
+async def test_leaving_pause_at_releases_a_save_still_stopped(tmp_path: Path) -> None:
+    with anyio.fail_after(HANG_GUARD_S):
+        async with asyncsave.Checkpointer(tmp_path) as ckpt:
+            with pause_at("staging") as stop:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(ckpt.save, 1, state_of(1))
+                    assert await stop.wait_reached()
+                    stop.release()
+            assert stop.released
+            await ckpt.wait()
+    assert committed(tmp_path) == [1]
+
+
+# -- thresholds and leftovers -------------------------------------------------------
+
+
+def data_files(step_dir: Path) -> int:
+    return len(list(step_dir.glob("*.safetensors")))
+
+
+async def test_thresholds_apply_inside_the_block_only(tmp_path: Path) -> None:
+    """Below ``min_file_bytes`` per file a save writes one data file; with it
+    lowered to one byte, one per writer thread; afterwards one again."""
+    async with asyncsave.Checkpointer(tmp_path, writer_threads=4) as ckpt:
+        with thresholds(min_file_bytes=1):
+            await (await ckpt.save(1, state_of(1)))
+        await (await ckpt.save(2, state_of(2)))
+    assert data_files(tmp_path / "step_1") == 4
+    assert data_files(tmp_path / "step_2") == 1
+
+
+def test_leftover_temp_names_lists_only_temporary_entries(tmp_path: Path) -> None:
+    assert leftover_temp_names(tmp_path / "missing") == []
+    (tmp_path / "step_1").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    assert leftover_temp_names(tmp_path) == []
+    (tmp_path / ".asyncsave-tmp-2-0123456789ab").mkdir()
+    assert leftover_temp_names(tmp_path) == [".asyncsave-tmp-2-0123456789ab"]
