@@ -74,6 +74,7 @@ def test_inspect_of_a_non_checkpoint_fails_cleanly(
     assert "no manifest.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_installed_command_runs(tmp_path: Path) -> None:
     make_root(tmp_path)
     proc = subprocess.run(
@@ -112,6 +113,7 @@ def test_version_prints_the_installed_distributions_version(command: list[str]) 
     assert importlib.metadata.version("asyncsave") == asyncsave.__version__
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["step_2", "step_2/manifest.json"])
 def test_ls_of_one_checkpoint_names_inspect_verify_and_the_root(
     tmp_path: Path, command: list[str], target: str
@@ -125,6 +127,7 @@ def test_ls_of_one_checkpoint_names_inspect_verify_and_the_root(
     assert f"asyncsave ls {tmp_path}`" in proc.stderr
 
 
+@pytest.mark.slow
 def test_inspect_of_a_root_names_ls_and_its_newest_checkpoint(
     tmp_path: Path, command: list[str]
 ) -> None:

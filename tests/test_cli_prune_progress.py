@@ -85,6 +85,7 @@ def test_help_and_version_do_not_import_torch(argv: list[str], how: str) -> None
     assert "asyncsave" in proc.stdout
 
 
+@pytest.mark.slow
 def test_import_asyncsave_loads_torch_only_on_first_use() -> None:
     code = (
         "import sys, asyncsave; assert 'torch' not in sys.modules; "
@@ -106,6 +107,7 @@ def bar_total(stderr: str) -> str:
     return "/".join(frames[-1])
 
 
+@pytest.mark.slow
 def test_verify_of_a_root_shows_the_bytes_hashed_of_the_total(tmp_path: Path) -> None:
     make_root(tmp_path, [1, 2, 3], numel=4096)
     total = sum(asyncsave.verify(tmp_path / f"step_{s}").nbytes for s in (1, 2, 3))
@@ -121,6 +123,7 @@ def test_verify_of_a_root_shows_the_bytes_hashed_of_the_total(tmp_path: Path) ->
         assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
 
 
+@pytest.mark.slow
 def test_verify_with_a_bar_still_reports_each_failure(tmp_path: Path) -> None:
     make_root(tmp_path, [1, 2], numel=4096)
     data = sorted((tmp_path / "step_1").glob("*.safetensors"))[0]
@@ -136,6 +139,7 @@ def test_verify_with_a_bar_still_reports_each_failure(tmp_path: Path) -> None:
     assert "checksum" in proc.stdout and "100%" in proc.stderr  # every byte was hashed
 
 
+@pytest.mark.slow
 def test_inspect_shows_the_data_files_checked(tmp_path: Path) -> None:
     make_root(tmp_path, [1])
     m = asyncsave.verify(tmp_path / "step_1")
@@ -167,6 +171,7 @@ def test_verify_progress_adds_up_to_the_checkpoints_bytes(tmp_path: Path, where:
 # -- prune ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_prune_dry_run_changes_nothing_then_prune_deletes_the_same(tmp_path: Path) -> None:
     losses = {1: 0.5, 2: 0.9, 3: 0.1, 4: 0.8, 5: 0.7, 6: 0.6}
     make_root(tmp_path, list(losses), info=losses)
@@ -185,6 +190,7 @@ def test_prune_dry_run_changes_nothing_then_prune_deletes_the_same(tmp_path: Pat
     assert asyncsave.latest(tmp_path).step == 6  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_prune_never_deletes_the_tracked_step_or_one_in_flight(tmp_path: Path) -> None:
     make_root(tmp_path, [1, 2, 3, 4, 5])
     # The tracker behind the newest commit (a crash between commit and tracker
@@ -199,6 +205,7 @@ def test_prune_never_deletes_the_tracked_step_or_one_in_flight(tmp_path: Path) -
     assert (in_flight / "data-r00000-000.safetensors").read_bytes() == b"partial"
 
 
+@pytest.mark.slow
 def test_prune_respects_the_root_lock_but_dry_run_does_not_need_it(tmp_path: Path) -> None:
     make_root(tmp_path, [1, 2, 3])
     with asyncsave.SyncCheckpointer(tmp_path):
@@ -212,6 +219,7 @@ def test_prune_respects_the_root_lock_but_dry_run_does_not_need_it(tmp_path: Pat
     assert final_steps(tmp_path) == [1, 2, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -101,6 +101,7 @@ async def _save(root: Path, steps: list[int], fs: Any = None) -> None:
             await (await ckpt.save(step, _state(step)))
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_verl_finds_the_last_commit_at_rest_and_with_a_save_in_flight(
     tmp_path: Path, verl: Verl
@@ -133,6 +134,7 @@ def _crashing_saver(root: str) -> None:
     anyio.run(_save, Path(root), [1, 2, 3], fs)
 
 
+@pytest.mark.slow
 def test_verl_finds_the_last_commit_after_a_crash_before_commit(tmp_path: Path, verl: Verl) -> None:
     child = mp.get_context("fork").Process(target=_crashing_saver, args=(str(tmp_path),))
     child.start()
@@ -150,6 +152,7 @@ def test_verl_finds_the_last_commit_after_a_crash_before_commit(tmp_path: Path, 
     _loads_as(found, 3)
 
 
+@pytest.mark.slow
 def test_verl_finds_nothing_in_a_fresh_root(tmp_path: Path, verl: Verl) -> None:
     assert verl.find_latest_ckpt_path(tmp_path) is None
 

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import harness
 
 
+@pytest.mark.slow
 def test_bench_workload_measures_every_figure(tmp_path: Path) -> None:
     state = {"a": torch.randn(1 << 16), "b": {"c": torch.arange(100)}}
     peers = ["asyncsave eager", "asyncsave lazy", "torch.save", "safetensors"]

@@ -294,6 +294,7 @@ def _leftovers(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith(".asyncsave-tmp"))
 
 
+@pytest.mark.slow
 async def test_a_second_member_of_the_group_saves_into_the_root_s21(
     team: _Team, anyio_backend: tuple[str, dict[str, Any]]
 ) -> None:
@@ -329,6 +330,7 @@ async def test_a_second_member_of_the_group_saves_into_the_root_s21(
     assert (root / ".asyncsave.lock").stat().st_uid == team.alice.uid
 
 
+@pytest.mark.slow
 async def test_under_umask_022_a_second_member_resumes_but_cannot_save(
     team: _Team, anyio_backend: tuple[str, dict[str, Any]]
 ) -> None:
@@ -353,6 +355,7 @@ async def test_under_umask_022_a_second_member_resumes_but_cannot_save(
     assert asyncsave.latest(root).step == 2  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 async def test_the_lock_excludes_a_second_member_without_write_permission_on_it(
     team: _Team, anyio_backend: tuple[str, dict[str, Any]]
 ) -> None:
