@@ -647,13 +647,7 @@ class StorageWriter(_DcpStorageWriter):
     ) -> None:
         """:meth:`finish` proper; appends the directory it creates to ``temps``."""
         fs, root, step = self.filesystem, save.root, save.step
-        located: list[list[WriteResult]] = []
-        for rank_results in results:
-            located.append([])
-            for wr in rank_results:
-                if not isinstance(wr.storage_data, _Written):
-                    raise CheckpointError(f"write result {wr.index} has no asyncsave location")
-                located[-1].append(dataclasses.replace(wr, storage_data=wr.storage_data.loc))
+        located = _located(results)
         metadata.storage_data = {wr.index: wr.storage_data for rr in located for wr in rr}
         metadata.storage_meta = StorageMeta(
             checkpoint_id=os.fspath(self._final(save)), save_id=save.save_id
@@ -669,9 +663,21 @@ class StorageWriter(_DcpStorageWriter):
         final = root / layout.dir_name(step)
         if fs.exists(final):
             raise _exists(final, step)
+        tmp = self._gather(save, temps)
+        write_bytes(fs, tmp / DCP_METADATA_NAME, blob)
+        write_bytes(fs, tmp / MANIFEST_NAME, encode_manifest(doc))
+        self._publish(root, tmp, final, step)
+        for other in temps:
+            if other != tmp:
+                discard(fs, other)  # another rank's, emptied above
+
+    def _gather(self, save: _Save, temps: list[Path]) -> Path:
+        """The temporary directory that commits, every rank's files moved into it
+        (made now if this rank wrote nothing, and appended to ``temps``)."""
+        fs, root = self.filesystem, save.root
         if save.tmp is None:  # this rank wrote nothing
             fs.makedirs(root)
-            made, fd = make_held_temp_dir(fs, root, step, lock=self.lock)
+            made, fd = make_held_temp_dir(fs, root, save.step, lock=self.lock)
             if fd is not None:
                 save.held.append(fd)
             temps.append(made)
@@ -680,8 +686,16 @@ class StorageWriter(_DcpStorageWriter):
             if other != tmp:  # another rank's directory: its files move in
                 for name in fs.listdir(other):
                     fs.rename(other / name, tmp / name)
-        write_bytes(fs, tmp / DCP_METADATA_NAME, blob)
-        write_bytes(fs, tmp / MANIFEST_NAME, encode_manifest(doc))
+        return tmp
+
+    def _publish(self, root: Path, tmp: Path, final: Path, step: int) -> None:
+        """Rename ``tmp`` to ``final`` and move the tracker, under the root's lock.
+
+        :raises CheckpointError: ``final`` exists; or it is committed but its
+            rename or the tracker could not be made durable (the next open
+            finishes that).
+        """
+        fs, layout = self.filesystem, LAYOUTS[self.layout]
         with hold_root(fs, root, timeout_s=self.lock_timeout_s, lock=self.lock):
             if fs.exists(final):
                 raise _exists(final, step)
@@ -707,13 +721,25 @@ class StorageWriter(_DcpStorageWriter):
                         step=step,
                         path=final,
                     ) from exc
-        for other in temps:
-            if other != tmp:
-                discard(fs, other)  # another rank's, emptied above
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # never picked automatically: construct it explicitly
+
+
+def _located(results: list[list[WriteResult]]) -> list[list[WriteResult]]:
+    """Every rank's write results with their asyncsave location as storage data.
+
+    :raises CheckpointError: a result was not written by this storage writer.
+    """
+    located: list[list[WriteResult]] = []
+    for rank_results in results:
+        located.append([])
+        for wr in rank_results:
+            if not isinstance(wr.storage_data, _Written):
+                raise CheckpointError(f"write result {wr.index} has no asyncsave location")
+            located[-1].append(dataclasses.replace(wr, storage_data=wr.storage_data.loc))
+    return located
 
 
 def _release_all(fs: LocalFileSystem, handed: dict[str, int]) -> None:
