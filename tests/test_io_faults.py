@@ -37,9 +37,7 @@ from fstrace import TracingFS
 from reliability import record
 
 import asyncsave
-import asyncsave._jobs
-from asyncsave._paths import is_temp_name
-from asyncsave._stage import StagedMark
+from asyncsave.testing import leftover_temp_names, pause_at
 
 pytestmark = pytest.mark.anyio
 
@@ -99,7 +97,7 @@ def check_after_failure(root: Path, expect_cause_errno: int) -> None:
     assert 1 in final_dirs(root), "the previous checkpoint is gone"
     tracked = int((root / TRACKER).read_text())
     assert tracked in final_dirs(root)
-    leftovers = [p.name for p in root.iterdir() if is_temp_name(p.name)]
+    leftovers = leftover_temp_names(root)
     assert not leftovers, leftovers
 
 
@@ -150,23 +148,16 @@ async def test_a_fault_at_every_write_site_is_raised_typed_and_loses_nothing(
 @pytest.mark.parametrize("kind", ["ENOSPC", "EIO", "short-write"])
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_fault_at_every_write_site_of_a_save_written_while_staged(
-    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The same, with the data files written while the snapshot is copied
     (``overlap_writes=True``: the temporary directory made and the files'
     writers started before the copy; the state is small, so each file is one
     step of the copy)."""
-    monkeypatch.setattr(asyncsave._jobs, "FOLLOW_MIN_BYTES", 0)
-    followed = [0]
-    real = StagedMark.advance
-
-    def advance(self: StagedMark, index: int, upto: int) -> None:
-        followed[0] += 1
-        real(self, index, upto)
-
-    monkeypatch.setattr(StagedMark, "advance", advance)
-    await fault_at_every_site(tmp_path, kind, caplog, overlap_writes=True)
-    assert followed[0] > 0
+    with pause_at("following") as followed:
+        followed.release()  # only seen, never held
+        await fault_at_every_site(tmp_path, kind, caplog, **followed.options)
+    assert followed.reached.is_set()
 
 
 async def fault_at_every_site(
@@ -238,7 +229,7 @@ async def test_a_failed_clean_up_leaves_the_temp_dir_to_the_next_open(
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         restored = await ckpt.load_latest()
         assert restored is not None and restored.info.step == 1
-    assert not [p for p in tmp_path.iterdir() if is_temp_name(p.name)]
+    assert not leftover_temp_names(tmp_path)
 
 
 async def test_a_retention_delete_that_fails_keeps_the_save_and_retries(
@@ -269,7 +260,7 @@ async def test_a_retention_delete_that_fails_keeps_the_save_and_retries(
     assert sorted(final_dirs(tmp_path)) == [3]
     async with asyncsave.Checkpointer(tmp_path):
         pass
-    assert not [p for p in tmp_path.iterdir() if is_temp_name(p.name)]
+    assert not leftover_temp_names(tmp_path)
 
 
 # -- a real full file system ------------------------------------------------------
@@ -327,7 +318,7 @@ async def test_a_full_tmpfs_is_enospc_end_to_end(small_fs: Path) -> None:
     # the previous checkpoint is intact, the half-written save is gone
     assert same_state(asyncsave.load(root / "step_1"), big_state(1))
     assert (root / TRACKER).read_text() == "1"
-    assert not [p for p in root.iterdir() if is_temp_name(p.name)]
+    assert not leftover_temp_names(root)
     assert not (root / "step_2").exists()
     # free the space: a new checkpointer goes on from step 1
     filler.unlink()
