@@ -1,0 +1,555 @@
+"""The phases of one save, on this rank: stage → write → gather → commit → track → retain.
+
+:class:`Pipeline` runs one admitted and staged save (a :class:`Save`) through the
+phases that ``asyncsave._pipeline`` describes, served by its checkpointer's
+:class:`Host` (its root, its coordinator, its worker threads, its commit
+strategy, its tracker and retention):
+
+1. :meth:`Pipeline.write`: phase A (the temporary directory, made by the leader
+   and agreed by every rank) and phase B (this rank's files, then every rank's
+   outcome); in a root of each rank's own (``per_rank``) both in one step;
+2. :meth:`Pipeline.finalize`: the job's own finishing steps, if it has any;
+3. :meth:`Pipeline.commit`: phase C (manifest, then the commit protocol's rename
+   or marker, then the tracker; every rank hears the outcome);
+4. :meth:`Pipeline.record`: the committed info, retention, the handle resolved.
+
+A failure at any phase fails the handle and the checkpointer once
+(:meth:`Pipeline.failed`); whatever happens, :meth:`Pipeline.clean_up` ends the
+save's turn and releases what it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import anyio
+import anyio.abc
+import torch
+
+from ._atomicity import CommitStrategy
+from ._coord import Coordinator
+from ._errors import (
+    CheckpointError,
+    CheckpointTimeoutError,
+    RankFailedError,
+    SaveFailedError,
+)
+from ._handle import SaveHandle
+from ._jobs import Job, Services
+from ._manifest import encode_manifest
+from ._paths import MANIFEST_NAME
+from ._types import CheckpointInfo
+from ._write import write_bytes
+
+__all__ = ["Host", "Pipeline", "Save", "as_save_error"]
+
+logger = logging.getLogger(__name__)
+
+# What the leader (or, with ``per_rank``, each rank) tells of its commit: None when
+# it committed and tracked; else ("committed" or "failed", repr(error), timed out).
+Outcome = tuple[str, str, bool] | None
+
+
+class Host(Services, Protocol):
+    """What a save's pipeline and its staging use of their checkpointer (the one
+    implementation: ``asyncsave._pipeline.Saver``), beyond what a job uses."""
+
+    coord: Coordinator
+    strategy: CommitStrategy  # the root's commit protocol
+    per_rank: bool  # every rank commits in a root of its own
+    accepting: bool  # the task group takes new pipelines
+    tg: anyio.abc.TaskGroup | None
+    scopes: dict[int, anyio.CancelScope]  # step -> its pipeline's scope
+    committed: dict[int, CheckpointInfo | None]
+    lazy: dict[int, SaveHandle]  # lazy saves not yet staged
+
+    @property
+    def owns_root(self) -> bool: ...
+
+    async def make_tmp(self, step: int) -> Path: ...
+
+    async def discard(self, tmp: Path | None) -> None: ...
+
+    async def track(self, step: int) -> None: ...
+
+    async def retain(self, step: int) -> None: ...
+
+    def under_final_lock(self, func: Any, *args: Any) -> Any: ...
+
+    def set_failure(self, error: SaveFailedError) -> None: ...
+
+    def fail(self, handle: SaveHandle, error: SaveFailedError) -> None: ...
+
+    def abandoned_error(self, step: int, path: Path | None) -> SaveFailedError: ...
+
+
+@dataclasses.dataclass
+class Save:
+    """One save, from its admission to its pipeline."""
+
+    handle: SaveHandle
+    job: Job | BaseException  # an exception: this rank failed before its snapshot
+    ticket: int
+    t0: float
+    ready: dict[torch.device, Any] | None
+    overwrite: bool
+    lazy: bool
+    training_info: dict[str, Any]
+    tmp: Path | None = None  # the temporary directory, if made before the turn
+    private: Path | None = None  # this rank's own directory for streamed rounds
+    stage_seq: int = 0  # staging runs one save at a time, in save() order
+    blocked_s: float | None = None  # lazy: how long save() held the caller
+
+
+class Pipeline:
+    """One save's run through phases A to C and what follows, on this rank.
+
+    Shielded from the caller's cancellation, bounded by ``save_timeout_s``. Once
+    the commit thread may rename (``committing``), the temporary directory is
+    never removed under it (a thread abandoned at the deadline leaves it to the
+    next open).
+    """
+
+    def __init__(self, saver: Host, save: Save, staged_s: float) -> None:
+        self.saver, self.save, self.coord = saver, save, saver.coord
+        self.handle, self.job, self.step = save.handle, save.job, save.handle.step
+        self.staged_s = staged_s
+        self.blocked_s = staged_s if save.blocked_s is None else save.blocked_s
+        self.final = saver.root / saver.layout.dir_name(self.step)
+        self.tmp = save.tmp
+        self.written_s = float("nan")
+        self.committing = False  # the leader's commit thread may be renaming
+        self.committed = False  # renamed (or marked): only what follows can fail
+        # Every rank's outcome of phase B and the parts of the manifest in it:
+        # emptied at the end (a manifest of 100,000s of tensors), before the
+        # job's settle releases what holds the garbage collector.
+        self.outcomes: list[Any] = []
+        self.parts: list[dict[str, Any]] = []
+
+    async def run(self) -> None:
+        saver, step = self.saver, self.step
+        with anyio.CancelScope(shield=True) as scope:
+            saver.scopes[step] = scope
+            try:
+                with anyio.fail_after(saver.options.save_timeout_s):
+                    await self.coord.wait_turn(self.save.ticket)
+                    await self.write()
+                    await self.finalize()
+                    await self.commit()
+                await self.record()
+            except Exception as exc:
+                await self.failed(self.error_of(exc))
+            except anyio.get_cancelled_exc_class():
+                await self.failed(saver.abandoned_error(step, self.tmp))
+                raise
+            finally:
+                await self.clean_up()
+
+    # -- phases A and B ---------------------------------------------------------------
+    async def write(self) -> None:
+        """Phases A and B; raise (on every rank) if any rank failed, and then the
+        leader removes the temporary directory."""
+        local_error = self.job if isinstance(self.job, BaseException) else None
+        if self.saver.per_rank:  # every rank in its own root
+            local_error = await self._write_own(local_error)
+        else:
+            local_error = await self._write_shared(local_error)
+        raise_failure(self.coord, "save of", self.step, self.outcomes, local_error, self.tmp)
+        assert isinstance(self.job, Job) and self.tmp is not None
+        self.parts = [o[1] for o in self.outcomes]
+
+    async def _agree_tmp(self, local_error: BaseException | None) -> tuple[str, BaseException | None]:
+        """Phase A: the temporary directory's name (agreed before the turn for a
+        streamed save and for Megatron's prepare), or ``"error: "`` and the
+        leader's error."""
+        coord, name = self.coord, None if self.tmp is None else self.tmp.name
+        if self.tmp is None:
+            if coord.leader and local_error is None:
+                try:
+                    self.tmp = await self.saver.make_tmp(self.step)
+                    name = self.tmp.name
+                except Exception as exc:
+                    local_error = exc
+            if coord.leader and local_error is not None:
+                name = f"error: {local_error!r}"
+            name = await coord.broadcast("temp-dir", name, self.step)
+        assert isinstance(name, str)
+        return name, local_error
+
+    async def _write_shared(self, local_error: BaseException | None) -> BaseException | None:
+        """Phases A and B in the root every rank shares; returns this rank's error."""
+        coord, step = self.coord, self.step
+        name, local_error = await self._agree_tmp(local_error)
+        if name.startswith("error: "):
+            self.outcomes = [name.removeprefix("error: ")] + [None] * (coord.world_size - 1)
+            return local_error
+        self.tmp = tmp = self.saver.root / name
+        # B: this rank's files, then everyone's outcome.
+        if local_error is None and not self.saver.strategy.same_save(name, step, self.final):
+            local_error = CheckpointError(
+                f"rank {coord.rank} saved step {step} while rank 0 saved "
+                f"another step ({name}): every rank must call save() with "
+                "the same steps in the same order",
+                step=step,
+                rank=coord.rank,
+            )
+        part: dict[str, Any] | None = None
+        if local_error is None:
+            assert isinstance(self.job, Job)
+            try:
+                part = await self.job.write(self.saver, coord, tmp)
+                self.handle._progress.all_written(self.job.nbytes)
+            except Exception as exc:
+                local_error = exc
+        self.written_s = time.perf_counter() - self.save.t0
+        self.outcomes = await coord.all_gather(
+            "files-durable",
+            repr(local_error) if local_error is not None else ("ok", part),
+            step,
+        )
+        return local_error
+
+    async def _write_own(self, local_error: BaseException | None) -> BaseException | None:
+        """Phases A and B in a root of this rank's own (``per_rank``): its own
+        temporary directory and files, then every rank's outcome (with its step,
+        so that ranks saving different steps all fail). Returns this rank's
+        error; its temporary directory is removed after it."""
+        saver, step, job = self.saver, self.step, self.job
+        if local_error is None and not (isinstance(job, Job) and job.per_rank_root):
+            local_error = CheckpointError(
+                f"step {step}: Tier(local_scope='rank') saves plain state trees only; "
+                f"a {type(job).__name__} (DTensor state, a Megatron request) needs a "
+                "local root every rank shares (local_scope='shared')",
+                step=step,
+                rank=self.coord.rank,
+            )
+        part: dict[str, Any] | None = None
+        try:
+            if local_error is not None:
+                raise local_error
+            if self.tmp is None:
+                self.tmp = await saver.make_tmp(step)
+            assert isinstance(job, Job)
+            part = await job.write(saver, self.coord, self.tmp)
+            self.handle._progress.all_written(job.nbytes)
+        except Exception as exc:
+            local_error = exc
+        self.written_s = time.perf_counter() - self.save.t0
+        mine = repr(local_error) if local_error is not None else ("ok", part, step)
+        outcomes = await self.coord.all_gather("files-durable", mine, step)
+        self.outcomes = [
+            f"saved step {o[2]}, not {step}: every rank must call save() with the same "
+            "steps in the same order"
+            if not isinstance(o, str) and o[2] != step
+            else o
+            for o in outcomes
+        ]
+        if local_error is not None:
+            await saver.discard(self.tmp)
+            self.tmp = None
+        return local_error
+
+    async def finalize(self) -> None:
+        """The integration's own finishing steps, after every rank's files are
+        durable and before the commit and the tracker (a job without any skips)."""
+        job = self.job
+        assert isinstance(job, Job) and self.tmp is not None
+        if type(job).finalize is Job.finalize:
+            return
+        local_error: Exception | None = None
+        try:
+            await job.finalize(self.saver, self.coord, self.tmp, self.parts)
+        except Exception as exc:
+            local_error = exc
+        finalized = await self.coord.all_gather(
+            "finalized", None if local_error is None else repr(local_error), self.step
+        )
+        raise_failure(self.coord, "finalizing", self.step, finalized, local_error, self.tmp)
+
+    # -- phase C ----------------------------------------------------------------------
+    async def commit(self) -> None:
+        """Phase C: the leader (every rank, ``per_rank``) commits and moves the
+        tracker; everyone hears the outcome, and raises unless it committed."""
+        outcome: Outcome = None
+        commit_error: Exception | None = None
+        if self.saver.owns_root:
+            outcome, commit_error = await self._publish()
+        if self.saver.per_rank:
+            await self._agree_committed(outcome, commit_error)
+            # Only a step every rank committed is tracked: a part some
+            # ranks lack is moved aside at the next open.
+            await self.saver.track(self.step)
+        elif self.coord.world_size > 1:
+            outcome = await self._hear_commit(outcome)
+        self._raise_outcome(outcome, commit_error)
+        self.committed, self.tmp = True, None
+
+    async def _publish(self) -> tuple[Outcome, Exception | None]:
+        """Manifest, then the commit strategy's rename or marker, then (one root)
+        the tracker; returns what failed, if anything."""
+        saver = self.saver
+        assert isinstance(self.job, Job) and self.tmp is not None
+        try:
+            await self._write_manifest(self.job, self.tmp)
+            # From here on a thread abandoned at the deadline may still
+            # rename: the temp dir is left to the next open, never
+            # removed under its feet.
+            self.committing = True
+            await saver.run(
+                saver.under_final_lock,
+                functools.partial(saver.strategy.commit, overwrite=self.save.overwrite),
+                saver.fs,
+                self.tmp,
+                self.final,
+            )
+            self.committing, self.committed, self.tmp = False, True, None
+            if not saver.per_rank:  # per_rank: once every rank committed
+                await saver.track(self.step)
+        except Exception as exc:
+            self.committing = False  # the thread finished: nothing runs on
+            failed = "committed" if self.committed else "failed"
+            return (failed, repr(exc), isinstance(exc, TimeoutError)), exc
+        return None, None
+
+    async def _write_manifest(self, job: Job, tmp: Path) -> None:
+        """The merged manifest (with the save's costs and training info), and the
+        layout's info file if it has one."""
+        saver, step, info = self.saver, self.step, self.save.training_info
+        costs = {"blocked_s": self.blocked_s, "staged_s": self.staged_s}
+        costs["written_s"] = self.written_s
+        own = [self.parts[self.coord.rank]] if saver.per_rank else self.parts
+        doc = await saver.run(job.manifest, tmp, step, own)
+        doc["costs"] = {k: v for k, v in costs.items() if math.isfinite(v)}
+        doc["training_info"] = info
+        if saver.layout.info_name is not None:
+            info_doc = {**info, "step": step}
+            await saver.run(
+                write_bytes,
+                saver.fs,
+                tmp / saver.layout.info_name,
+                json.dumps(info_doc, indent=1).encode(),
+            )
+        # Encoding is CPU work (about 60 ms for 10,000 tensors): in
+        # the worker thread with the write, never on the event loop.
+        await saver.run(_write_manifest, saver.fs, tmp / MANIFEST_NAME, doc)
+
+    async def _hear_commit(self, outcome: Outcome) -> Outcome:
+        """Every rank hears the leader's outcome."""
+        try:
+            result: Outcome = await self.coord.broadcast("commit", outcome, self.step)
+        except RankFailedError:
+            if not self.coord.leader and await self._committed_on_disk():
+                self.committed = True
+            raise
+        return result
+
+    def _raise_outcome(self, outcome: Outcome, commit_error: Exception | None) -> None:
+        step = self.step
+        if commit_error is not None and (self.coord.world_size == 1 or self.committed):
+            raise commit_error
+        if outcome is None:
+            return
+        if outcome[0] == "committed":
+            self.committed = True
+            kind = CheckpointTimeoutError if outcome[2] else SaveFailedError
+            raise kind(f"rank 0: {outcome[1]}", step=step, rank=0)
+        # Not committed: the leader's error, named on every rank.
+        failed = RankFailedError(
+            f"rank 0 could not commit step {step}: {outcome[1]}",
+            step=step,
+            rank=0,
+            ranks={0: outcome[1]},
+        )
+        failed.__cause__ = commit_error
+        raise failed
+
+    async def _agree_committed(self, outcome: Outcome, error: Exception | None) -> None:
+        """Every rank committed its own part (``per_rank``), or raise naming those
+        that did not (a part committed on some ranks only is never resumed: resume
+        takes a local step only when every rank has it)."""
+        step, coord = self.step, self.coord
+        views = await coord.all_gather("commit", outcome, step)
+        failed = {r: o[1] for r, o in enumerate(views) if o is not None}
+        if not failed:
+            return
+        if error is not None and coord.world_size == 1:
+            raise error
+        failure = RankFailedError(
+            f"the local commit of step {step} failed on rank(s) {sorted(failed)}: "
+            + "; ".join(f"rank {r}: {cause}" for r, cause in sorted(failed.items())),
+            step=step,
+            rank=min(failed),
+            ranks=failed,
+        )
+        failure.__cause__ = error
+        raise failure
+
+    async def _committed_on_disk(self) -> bool:
+        """A rank that lost the leader after phase B: did the rename happen?
+        (A shared POSIX root shows it; an overwrite cannot be told apart.)"""
+        if self.save.overwrite:
+            return False
+        saver = self.saver
+        try:
+            with anyio.move_on_after(5):
+                return bool(
+                    await anyio.to_thread.run_sync(
+                        saver.strategy.committed, saver.fs, self.final, abandon_on_cancel=True
+                    )
+                )
+        except OSError:
+            return False
+        return False
+
+    # -- after the commit -------------------------------------------------------------
+    async def record(self) -> None:
+        """Committed: the info is recorded, retention runs (on the leader, outside
+        the save's deadline), the handle resolves and the save is logged."""
+        saver, step, job, coord = self.saver, self.step, self.job, self.coord
+        assert isinstance(job, Job)
+        info = CheckpointInfo(
+            step=step,
+            path=self.final,
+            nbytes=job.nbytes,
+            num_tensors=job.num_tensors,
+            world_size=coord.world_size,
+            blocked_s=self.blocked_s,
+            staged_s=self.staged_s,
+            written_s=self.written_s,
+            committed_s=time.perf_counter() - self.save.t0,
+            training_info=self.save.training_info,
+        )
+        saver.committed[step] = info
+        try:
+            if saver.owns_root:
+                # Outside the save's deadline: the save is committed and
+                # tracked, a slow delete must not fail it (retention has
+                # its own bound).
+                await saver.retain(step)
+        finally:
+            self.handle._commit(info)  # committed, whatever became of retention
+        logger.info(
+            "rank %d: saved step %d to %s (%d ranks): %d bytes, blocked %.3f s, "
+            "written %.3f s, committed %.3f s",
+            coord.rank,
+            step,
+            self.final,
+            coord.world_size,
+            info.nbytes,
+            self.blocked_s,
+            self.written_s,
+            info.committed_s,
+        )
+
+    def error_of(self, exc: Exception) -> SaveFailedError:
+        """The save's error for ``exc``; once committed, it says so."""
+        step, final = self.step, self.final
+        error = as_save_error(exc, step, self.tmp, self.saver.options.save_timeout_s)
+        if self.committed and not isinstance(exc, RankFailedError):
+            # Renamed already: the directory is whole and the next open
+            # takes it as committed; only what follows (the tracker) failed.
+            error = type(error)(  # a timeout stays a CheckpointTimeoutError
+                f"step {step} was committed (its directory is final and "
+                f"complete) but updating the tracker failed: {exc!r}; the next "
+                "open moves the tracker to it",
+                step=step,
+                path=final,
+                rank=error.rank,
+            )
+            error.__cause__ = exc
+        elif self.committed and not self.saver.per_rank:
+            error = SaveFailedError(
+                f"step {step} was committed (its directory is final and complete) "
+                f"but rank 0 did not report the tracker: {exc}",
+                step=step,
+                path=final,
+                rank=0,
+            )
+            error.__cause__ = exc
+        return error
+
+    async def failed(self, error: SaveFailedError) -> None:
+        """Fail the handle and the checkpointer; the temporary directory goes
+        unless a commit thread may still rename it."""
+        self.saver.fail(self.handle, error)
+        if self.saver.owns_root and not self.committing and not self.committed:
+            await self.saver.discard(self.tmp)
+
+    async def clean_up(self) -> None:
+        saver, save, job, step = self.saver, self.save, self.job, self.step
+        self.coord.end_turn(save.ticket)
+        self.outcomes, self.parts = [], []
+        if isinstance(job, Job):
+            # Writes started while staging, when write() never ran (a
+            # rank failed before): they read the arena and write into
+            # save.private, both released below.
+            await job.settle()
+            job.release()
+        if save.private is not None:  # moved into tmp, or failed: gone either way
+            await saver.discard(save.private)
+        if saver.pending.get(step) is self.handle:
+            del saver.pending[step]
+        saver.scopes.pop(step, None)
+
+
+def raise_failure(
+    coord: Coordinator,
+    what: str,
+    step: int,
+    outcomes: list[Any],
+    local_error: BaseException | None,
+    tmp: Path | None,
+) -> None:
+    """Raise if any rank's gathered outcome is a failure (a ``str``: the ``repr``
+    of its exception). One process raises its own error; several ranks raise one
+    :class:`RankFailedError` naming every failed rank, on every rank."""
+    failed = {r: o for r, o in enumerate(outcomes) if isinstance(o, str)}
+    if not failed:
+        return
+    if coord.world_size == 1 and local_error is not None:
+        raise local_error
+    error = RankFailedError(
+        f"{what} step {step} failed on rank(s) {sorted(failed)}; no rank committed it: "
+        + "; ".join(f"rank {r}: {cause}" for r, cause in sorted(failed.items())),
+        step=step,
+        rank=min(failed),
+        ranks=failed,
+        path=tmp,
+    )
+    if local_error is not None:
+        error.__cause__ = local_error
+    raise error
+
+
+def as_save_error(exc: Exception, step: int, tmp: Path | None, timeout_s: float) -> SaveFailedError:
+    """The one translation of a save's foreign error into asyncsave's: a
+    ``SaveFailedError`` stays; a ``TimeoutError`` becomes a
+    :class:`CheckpointTimeoutError`; anything else a :class:`SaveFailedError`
+    naming the file (``OSError.filename``) or the temporary directory."""
+    if isinstance(exc, SaveFailedError):
+        return exc
+    if isinstance(exc, TimeoutError) and not isinstance(exc, CheckpointError):
+        error: SaveFailedError = CheckpointTimeoutError(
+            f"save of step {step} did not commit within save_timeout_s={timeout_s}",
+            step=step,
+            path=tmp,
+        )
+    else:
+        path = getattr(exc, "filename", None) or tmp
+        error = SaveFailedError(f"save of step {step} failed: {exc!r}", step=step, path=path)
+    error.__cause__ = exc
+    return error
+
+
+def _write_manifest(fs: Any, path: Path, manifest: dict[str, Any]) -> None:
+    write_bytes(fs, path, encode_manifest(manifest))
+    # Emptied here, in the worker (the pipeline does not read it again): its
+    # 100,000s of dicts are freed off the event loop.
+    manifest.clear()
