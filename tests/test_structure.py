@@ -556,3 +556,53 @@ def test_the_complexity_check_sees_a_branchy_function(tmp_path: Path) -> None:
     (tmp_path / "flat.py").write_text("def g(x):\n    return x\n")
     found = over_complex(tmp_path / "branchy.py", tmp_path / "flat.py")
     assert len(found) == 1 and "`f` is too complex (17 > 15)" in found[0]
+
+
+# Tests that survive a refactor: a test uses the public API and asyncsave.testing;
+# one that imports a private module pins the code it means to free. A ratchet: the
+# number of test files (helpers included) importing a private asyncsave module may
+# only go down (43 once asyncsave.testing replaced the patches of the I/O-fault and
+# hang suites; 45 before).
+PRIVATE_IMPORTING_TEST_FILES_MAX = 43
+
+
+def imports_private_module(source: str) -> bool:
+    """Whether ``source`` imports a private asyncsave module (``asyncsave._x``, in
+    any form, at any depth)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module.startswith("asyncsave._"):
+                return True
+            if node.module == "asyncsave" and any(a.name.startswith("_") for a in node.names):
+                return True
+        if isinstance(node, ast.Import) and any(
+            a.name.startswith("asyncsave._") for a in node.names
+        ):
+            return True
+    return False
+
+
+def test_no_more_test_files_import_private_modules() -> None:
+    tests = Path(__file__).parent
+    importing = sorted(
+        p.name for p in tests.glob("*.py") if imports_private_module(p.read_text(encoding="utf-8"))
+    )
+    assert len(importing) <= PRIVATE_IMPORTING_TEST_FILES_MAX, (
+        f"{len(importing)} test files import private asyncsave modules (at most "
+        f"{PRIVATE_IMPORTING_TEST_FILES_MAX}): use the public API or asyncsave.testing"
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "private"),
+    [
+        ("import asyncsave._jobs\n", True),
+        ("from asyncsave._paths import is_temp_name\n", True),
+        ("from asyncsave import _jobs, load\n", True),
+        ("def f():\n    from asyncsave._coord import GlooGroup\n", True),
+        ("import asyncsave\nfrom asyncsave.testing import pause_at\n", False),
+        ("from asyncsave import load, Checkpointer\n", False),
+    ],
+)
+def test_the_private_import_check_sees_every_form(source: str, private: bool) -> None:
+    assert imports_private_module(source) is private
