@@ -1,4 +1,5 @@
-"""The checkpointer: admits saves, owns the lifecycle, resumes.
+"""The checkpointer: admits saves, owns the lifecycle (``_lifecycle`` opens and
+closes its root), resumes.
 
 It orchestrates only. A save is admitted here (step, duplicates, overwrite), a
 job (``_jobs``) snapshots the state, and the one pipeline (``_pipeline``) writes,
@@ -25,18 +26,16 @@ import torch
 
 from . import _resume, _update
 from ._admit import Admission
-from ._commit import lock_root, recover
-from ._coord import GlooGroup, Solo, wants_distributed
+from ._coord import GlooGroup
 from ._errors import (
     CheckpointerClosedError,
-    CheckpointTimeoutError,
     CheckpointWarning,
-    RootInUseError,
     SaveFailedError,
 )
 from ._fsspec import open_root
 from ._handle import SaveHandle
 from ._incremental import Reuse
+from ._lifecycle import Lifecycle
 from ._options import CheckpointOptions
 from ._paths import LAYOUTS
 from ._pipeline import Saver, WorkerDiedError
@@ -45,7 +44,6 @@ from ._replan import Planner
 from ._stage import StagingPool
 from ._template import warned
 from ._tiers import Persister
-from ._track import TrackerWriter
 from ._types import CheckpointInfo, Restored
 
 __all__ = [
@@ -177,7 +175,7 @@ class Checkpointer:
         tier = self.options.persistent
         self._tiers = None if tier is None else Persister(tier, self._saver)
         self._reuse = Reuse(self.root, self.layout)  # used by incremental saves
-        self._lock_fd: int | None = None
+        self._life = Lifecycle(self._saver, self._tiers, self._reuse)  # opens, closes the root
         self._loop_thread: int | None = None  # the thread running the event loop
         self._planner = Planner()  # plans reused while the state's structure holds
         self._admission = Admission(
@@ -211,66 +209,13 @@ class Checkpointer:
         saver = self._saver
         if saver.state != "new":
             raise CheckpointerClosedError("a Checkpointer can be entered only once", path=self.root)
-        saver.pool = StagingPool(self.options.budget_bytes)
         self._admission.lock = anyio.Lock()
         self._loop_thread = threading.get_ident()
-        saver.limiter = anyio.CapacityLimiter(self.options.writer_threads)
-        if wants_distributed(self.options.distributed):
-            saver.coord = await GlooGroup.create(self.options.dist_timeout_s)
-        if self._tiers is not None:  # Tier(local_scope="rank"): this rank's own root
-            self.root = self._tiers.place_local()
-        # Rank 0 alone locks and recovers (each rank its own root); the others wait.
-        opener = Solo() if saver.per_rank else saver.coord
-        committed, tracked = await opener.open_root(self._open_root, self.root)
-        saver.committed.update(dict.fromkeys(committed))
-        if self._tiers is not None:  # on failure, releases what is open already
-            await self._tiers.open(self._unlock)
-        # Forward only, even past a tracker that names a checkpoint that is gone:
-        # saves below it commit but do not move it (resume then needs fallback=True).
-        # From the committed steps as the tier's open left them (node-local roots:
-        # the steps only some ranks have are moved aside there).
-        steps = [s for s in (tracked, *saver.committed) if s is not None]
-        baseline = tracked if saver.per_rank else max(steps, default=None)
-        if self.layout.tracker_name is not None and saver.owns_root:
-            saver.tracker = TrackerWriter(saver.fs, self.root / self.layout.tracker_name, baseline)
-            if saver.per_rank and saver.committed:  # forward to a step every rank has
-                await anyio.to_thread.run_sync(saver.tracker.advance, max(saver.committed))
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        saver.tg = tg
-        saver.accepting = True
-        saver.state = "open"
-        if self._tiers is not None:  # what an earlier run left unpersisted
-            self._tiers.catch_up()
+        try:
+            await self._life.open()
+        finally:  # Tier(local_scope="rank"): this rank's own root, once its rank is known
+            self.root = saver.root
         return self
-
-    async def _open_root(self) -> tuple[list[int], int | None]:
-        """Take the saver lock and recover the root: (committed steps, tracked step)."""
-        lock = self.options.lock
-        self._lock_fd = await anyio.to_thread.run_sync(lock_root, self._fs, self.root, lock)
-        try:
-            recovered = await anyio.to_thread.run_sync(self._recover)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._unlock()
-            raise
-        if self.options.incremental:  # growing tensors continue the last commit's chunks
-            await anyio.to_thread.run_sync(self._reuse.seed, self._fs)
-        return list(recovered.committed), recovered.tracked
-
-    def _recover(self) -> Any:
-        if not self._final_lock.acquire(timeout=self.options.close_timeout_s):
-            raise RootInUseError(
-                f"a commit abandoned by an earlier Checkpointer on {self.root} in this "
-                f"process is still running after close_timeout_s="
-                f"{self.options.close_timeout_s}; try again once it finishes",
-                path=self.root,
-            )
-        try:
-            # Node-local roots: the tracker moves forward after the ranks agree.
-            return recover(self._fs, self.root, self.layout, forward=not self._saver.per_rank)
-        finally:
-            self._final_lock.release()
 
     async def __aexit__(
         self,
@@ -302,66 +247,14 @@ class Checkpointer:
             raise error
 
     async def _shutdown(self) -> SaveFailedError | None:
-        if self._state in ("closing", "closed"):
-            return None
-        if self._state == "new":
-            self._state = "closed"
-            return None
-        self._state = "closing"
-        saver = self._saver
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(self.options.close_timeout_s):
-                while self._pending or saver.queued or saver.held:
-                    if self._pending:
-                        await next(iter(self._pending.values()))._done.wait()
-                    elif saver.queued:  # an admitted overwrite about to become pending
-                        await next(iter(saver.queued)).wait()
-                    else:  # a copy to the persistent tier (asyncsave._tiers)
-                        await next(iter(saver.held.values()))._persisted.wait()
-            if self._pending or saver.held:
-                steps = sorted(self._pending or saver.held)
-                saver.set_failure(
-                    CheckpointTimeoutError(
-                        f"saves of steps {steps} were still running after "
-                        f"close_timeout_s={self.options.close_timeout_s}; abandoned "
-                        f"uncommitted{'' if self._pending else ' on the persistent tier'} "
-                        "(their temporary directories are removed at the next open)",
-                        step=steps[0],
-                        path=self.root,
-                    )
-                )
-                saver.give_up()
-                for scope in [*saver.scopes.values(), *saver.staging_scopes]:
-                    scope.cancel()
-        # The task group's scope must be exited from outside any scope opened
-        # after it; its pipelines are finished or cancelled by now, so this returns
-        # as soon as their (shielded, bounded) clean-up is done.
-        assert saver.tg is not None and saver.pool is not None
-        saver.accepting = False
-        try:
-            await saver.tg.__aexit__(None, None, None)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await saver.pool.aclose()
-                await self._unlock()
-            saver.coord.close()
-            if self._tiers is not None:
-                self._tiers.close()
-            self._state = "closed"
-        return saver.failure
-
-    async def _unlock(self) -> None:
-        fd, self._lock_fd = self._lock_fd, None
-        if fd is not None:
-            await anyio.to_thread.run_sync(self._fs.unlock, fd)
+        return await self._life.shutdown()
 
     def __del__(self) -> None:
         # Never block or raise here (https://github.com/NVIDIA/Megatron-LM/issues/6970): say that saves were abandoned, and let the
         # root go so that another checkpointer can open it.
-        fd = getattr(self, "_lock_fd", None)
-        if fd is not None:
-            self._lock_fd = None
-            self._fs.unlock(fd)
+        life = getattr(self, "_life", None)
+        if life is not None:
+            life.release_lock()
         if getattr(self, "_state", "closed") == "open" and self._pending:
             warnings.warn(
                 f"Checkpointer({str(self.root)!r}) was garbage-collected with saves "
