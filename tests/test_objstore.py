@@ -707,15 +707,15 @@ async def test_s3_copies_are_checked_through_their_source_when_etags_differ(
     then taken as checked when the source's identity is the known one before and
     after the copy (nothing read back); a source overwritten just before the copy
     is caught (the copy is read back, differs) and the file is uploaded in full."""
-    from asyncsave._incremental import Reuse
+    from asyncsave import _incremental
 
-    real_identity = Reuse._identity
+    real_identity = _incremental._identity
 
-    def per_object(self: Reuse, fs: Any, path: Path) -> Any:
-        ident = real_identity(self, fs, path)
+    def per_object(fs: Any, path: Path) -> Any:
+        ident = real_identity(fs, path)
         return None if ident is None else (*ident, str(path))
 
-    monkeypatch.setattr(Reuse, "_identity", per_object)
+    monkeypatch.setattr(_incremental, "_identity", per_object)
     root, options, _ = s3
     state = state_of(1, big=True)  # model/w: its own data file (over 1 MiB)
     layer = SourceReplacedBeforeCopy(s3fs.S3FileSystem(**options))

@@ -22,7 +22,7 @@ import asyncsave
 PKG = Path(asyncsave.__file__).parent
 INTEGRATIONS = {"asyncsave.dcp", "asyncsave.lightning", "asyncsave.megatron"}
 # Entry points that may import anything (they are not imported by the library).
-TOP = {"asyncsave", "asyncsave.__main__", "asyncsave._cli"}
+TOP = {"asyncsave", "asyncsave.__main__", "asyncsave._cli", "asyncsave.testing"}
 
 
 def _module_name(path: Path) -> str:
