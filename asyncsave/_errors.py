@@ -17,6 +17,8 @@ know asyncsave::
     ├── InvalidStepError(ValueError)         negative, bool or non-int step
     ├── StagingBudgetError(ValueError)       a tensor that cannot be cut is larger
     │                                        than its share of an explicit budget
+    ├── UnsupportedCombinationError(ValueError)  options that do not combine (see the
+    │                                        table of what combines)
     ├── StagingPendingError(RuntimeError)    optimizer.step() on the event loop's
     │                                        thread while a lazy save is staging
     ├── SaveFailedError                      "it broke": a background save failed;

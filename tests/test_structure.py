@@ -199,6 +199,7 @@ PUBLIC = [
     "Tier",
     "UncommittedCheckpointError",
     "UnsafeLoadError",
+    "UnsupportedCombinationError",
     "UnsupportedFormatError",
     "UnsupportedTensorError",
     "UnsupportedTypeError",
