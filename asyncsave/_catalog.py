@@ -295,7 +295,8 @@ def resolve(
         raise CheckpointNotFoundError(
             f"the tracker in {root} names step {tracked} but no checkpoint there is "
             "loadable (damaged ones are moved aside to .asyncsave-damaged-*); not "
-            f"starting from scratch{layout_hint(fs, root, layout)}",
+            f"starting from scratch{layout_hint(fs, root, layout)} (to start from scratch "
+            f"on purpose, remove {root / str(layout.tracker_name)})",
             path=root,
             step=tracked,
         )
@@ -371,7 +372,7 @@ def _resolve_tracked(
             advice = hint or (
                 ""  # its message says how to adopt it
                 if uncommitted
-                else "; pass fallback=True to resume from the newest committed checkpoint instead"
+                else _fallback_advice(root, layout, found, tracked)
             )
             error = UncommittedCheckpointError if uncommitted else CheckpointNotFoundError
             raise error(
@@ -382,6 +383,17 @@ def _resolve_tracked(
             ) from exc
         logger.warning("%s; falling back to the newest committed checkpoint", exc)
     return None
+
+
+def _fallback_advice(root: Path, layout: Layout, found: dict[int, Path], tracked: int) -> str:
+    """What to do when the tracked step is not loadable: fall back where another
+    step is here; otherwise say how to start from scratch on purpose."""
+    if any(step != tracked for step in found):
+        return "; pass fallback=True to resume from the newest committed checkpoint instead"
+    return (
+        "; no other checkpoint is here to fall back to (to start from scratch on "
+        f"purpose, remove {root / str(layout.tracker_name)})"
+    )
 
 
 def _newest_counted(

@@ -398,3 +398,26 @@ async def test_a_reader_in_a_savers_commit_gap_is_told_at_info_not_warned(
     assert any(
         r.levelno == logging.INFO and "moving" in r.getMessage() for r in caplog.records
     ), caplog.records
+
+
+@pytest.mark.parametrize("others", [(), (1,), (1, 3)])
+async def test_a_tracker_naming_a_missing_step_says_what_can_be_done(
+    tmp_path: Path, others: tuple[int, ...]
+) -> None:
+    """The fallback is offered only where another checkpoint is there to fall back
+    to; otherwise, and when the fallback finds nothing loadable, the error says how
+    to start from scratch on purpose (remove the tracker) instead."""
+    if others:
+        await save_steps(tmp_path, list(others))
+    (tmp_path / TRACKER).write_text("7")
+    with pytest.raises(asyncsave.CheckpointNotFoundError) as err:
+        asyncsave.latest(tmp_path)
+    message = str(err.value)
+    if others:
+        assert "pass fallback=True" in message
+        assert asyncsave.latest(tmp_path, fallback=True).step == max(others)
+    else:
+        assert "pass fallback=True" not in message
+        assert f"remove {tmp_path / TRACKER}" in message
+        with pytest.raises(asyncsave.CheckpointNotFoundError, match="remove .*" + TRACKER):
+            asyncsave.latest(tmp_path, fallback=True)
