@@ -44,7 +44,7 @@ from ._replan import Planner
 from ._stage import StagingPool
 from ._template import warned
 from ._tiers import Persister
-from ._types import CheckpointInfo, Restored
+from ._types import CheckpointInfo, Phase, Restored
 
 __all__ = [
     "Checkpointer",
@@ -207,7 +207,7 @@ class Checkpointer:
     # -- lifecycle ---------------------------------------------------------------
     async def __aenter__(self) -> Checkpointer:
         saver = self._saver
-        if saver.state != "new":
+        if saver.state is not Phase.NEW:
             raise CheckpointerClosedError("a Checkpointer can be entered only once", path=self.root)
         self._admission.lock = anyio.Lock()
         self._loop_thread = threading.get_ident()
@@ -255,6 +255,7 @@ class Checkpointer:
         life = getattr(self, "_life", None)
         if life is not None:
             life.release_lock()
+        # Compared by value: at interpreter exit the module's globals may be gone.
         if getattr(self, "_state", "closed") == "open" and self._pending:
             warnings.warn(
                 f"Checkpointer({str(self.root)!r}) was garbage-collected with saves "
@@ -363,7 +364,7 @@ class Checkpointer:
 
         :raises CheckpointerClosedError: the checkpointer is not open.
         """
-        if self._state != "open":
+        if self._state is not Phase.OPEN:
             raise CheckpointerClosedError("agree() needs an open Checkpointer", path=self.root)
         return AgreedPolicy(policy, self._saver.coord.vote)
 
@@ -403,7 +404,7 @@ class Checkpointer:
         :raises CheckpointerClosedError: the checkpointer is not open (never entered,
             or closed: closing already waited for every save).
         """
-        if self._state != "open":
+        if self._state is not Phase.OPEN:
             raise CheckpointerClosedError(
                 f"wait() needs an open Checkpointer (this one is {self._state})", path=self.root
             )

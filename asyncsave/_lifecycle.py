@@ -24,6 +24,7 @@ from ._incremental import Reuse
 from ._pipeline import Saver
 from ._stage import StagingPool
 from ._track import TrackerWriter
+from ._types import Phase
 
 if TYPE_CHECKING:
     from ._tiers import Persister
@@ -71,7 +72,7 @@ class Lifecycle:
         await tg.__aenter__()
         saver.tg = tg
         saver.accepting = True
-        saver.state = "open"
+        saver.state = Phase.OPEN
         if tiers is not None:  # what an earlier run left unpersisted
             tiers.catch_up()
 
@@ -126,12 +127,12 @@ class Lifecycle:
             after ``close_timeout_s``); ``None`` when closed already.
         """
         saver = self.saver
-        if saver.state in ("closing", "closed"):
+        if saver.state in (Phase.CLOSING, Phase.CLOSED):
             return None
-        if saver.state == "new":
-            saver.state = "closed"
+        if saver.state is Phase.NEW:
+            saver.state = Phase.CLOSED
             return None
-        saver.state = "closing"
+        saver.state = Phase.CLOSING
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(saver.options.close_timeout_s):
                 await self._flush()
@@ -151,7 +152,7 @@ class Lifecycle:
             saver.coord.close()
             if self.tiers is not None:
                 self.tiers.close()
-            saver.state = "closed"
+            saver.state = Phase.CLOSED
         return saver.failure
 
     async def _flush(self) -> None:

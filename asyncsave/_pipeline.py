@@ -75,7 +75,7 @@ from ._policy import signal_holds
 from ._retention import apply_retention
 from ._stage import StagingPool
 from ._track import TrackerWriter
-from ._types import CheckpointInfo
+from ._types import CheckpointInfo, Phase
 
 # ``as_save_error`` is the pipeline's translation of a foreign error (its home is
 # ``asyncsave._phases``); ``update()`` translates through it too.
@@ -103,7 +103,7 @@ class Saver:
         self.layout = layout
         self.options = options
         self.coord: Coordinator = Solo()
-        self.state = "new"
+        self.state = Phase.NEW
         self.pool: StagingPool | None = None
         self.limiter: anyio.CapacityLimiter | None = None
         self.tracker: TrackerWriter | None = None
@@ -150,23 +150,23 @@ class Saver:
         self.strategy = strategy_for(fs)
 
     @property
-    def state(self) -> str:
-        """The checkpointer's lifecycle: ``new``, ``open``, ``closing``, ``closed``."""
+    def state(self) -> Phase:
+        """The checkpointer's lifecycle (:class:`Phase`)."""
         return self._state
 
     @state.setter
-    def state(self, state: str) -> None:
-        self._state = state
+    def state(self, state: Phase | str) -> None:
+        self._state = state = Phase(state)
         # A signal policy that caught its signal keeps its handlers until every
         # checkpointer open at the end of its block is closed, so flushed.
-        if state == "open":
+        if state is Phase.OPEN:
             signal_holds.opened(self)
-        elif state == "closed":
+        elif state is Phase.CLOSED:
             signal_holds.closed(self)
 
     # -- bookkeeping ----------------------------------------------------------------
     def check_usable(self) -> None:
-        if self.state != "open":
+        if self.state is not Phase.OPEN:
             raise CheckpointerClosedError(
                 f"the Checkpointer for {self.root} is {self.state}; use it inside `async with`",
                 path=self.root,

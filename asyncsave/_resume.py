@@ -30,7 +30,7 @@ from ._jobs import dcp_reader_class
 from ._load import _check_required, load
 from ._pipeline import Saver
 from ._template import apply_template
-from ._types import CheckpointInfo, Restored
+from ._types import CheckpointInfo, Phase, Restored
 
 if TYPE_CHECKING:
     from ._tiers import Persister
@@ -58,7 +58,7 @@ async def load_latest(
     rank's view (the step it resolved, its error, whether its part failed its
     checksums) is gathered, so that every rank resumes from the same step, falls
     back together (rank 0 moving the damaged checkpoint aside), or raises."""
-    if saver.state != "open":
+    if saver.state is not Phase.OPEN:
         raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=saver.root)
     coord = saver.coord
     ticket = coord.take_ticket()
@@ -317,7 +317,7 @@ async def load_nearest(
     :raises CheckpointNotFoundError: committed checkpoints exist but none loads
         (the last failure is ``__cause__``).
     """
-    if saver.state != "open":
+    if saver.state is not Phase.OPEN:
         raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=saver.root)
     # The collectives below run on the saves' group, in a turn of their own, so
     # that they never interleave with a save's (the copies use another group, and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import gc
 import threading
 from collections.abc import Iterator
@@ -55,6 +56,23 @@ def gc_paused() -> Iterator[None]:
 
 T = TypeVar("T")
 
+
+
+class Phase(str, enum.Enum):
+    """A checkpointer's lifecycle: ``new`` (made, not entered), ``open`` (entered:
+    saves are admitted), ``closing`` (leaving: pending saves are flushed, none is
+    admitted), ``closed``. A ``str``, so it compares and prints as its value."""
+
+    NEW = "new"
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointInfo:

@@ -613,3 +613,23 @@ def test_no_more_test_files_import_private_modules() -> None:
 )
 def test_the_private_import_check_sees_every_form(source: str, private: bool) -> None:
     assert imports_private_module(source) is private
+
+
+def test_the_lifecycle_is_an_enum_not_strings() -> None:
+    """A checkpointer's lifecycle is ``asyncsave._types.Phase``: no module sets or
+    compares it as a bare string (``__del__`` alone compares by value, since at
+    interpreter exit a module's globals may already be gone)."""
+    import re
+
+    pattern = re.compile(r"""\bstate\s*(=|==|!=)\s*["'](new|open|closing|closed)["']""")
+    found = [
+        f"{f.name}:{n}"
+        for f in sorted(PKG.glob("*.py"))
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == [], found
+    from asyncsave._types import Phase
+
+    assert [p.value for p in Phase] == ["new", "open", "closing", "closed"]
+    assert f"{Phase.CLOSING}" == "closing" and Phase.OPEN == "open"
