@@ -152,6 +152,12 @@ def main(argv: list[str]) -> None:
         anyio.run(run_async, root, pump, policy, nesting)
     restored = signal.getsignal(signum) is before
     print(json.dumps({"stopped": pump.step, "repeats": sig.repeats, "restored": restored}))
+    if nesting == "agreed":
+        # Both ranks leave together and tear their groups down, as a trainer ends:
+        # a rank exiting under a live gloo group whose peer already left can abort
+        # in gloo's teardown ("terminate called without an active exception").
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
