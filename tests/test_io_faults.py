@@ -52,18 +52,27 @@ ERRNOS = {
 
 class FaultFS(TracingFS):
     """Fails call number ``at`` (of the numbering of :class:`TracingFS`) with
-    ``OSError(code)``; with ``short=True`` that call must be a ``write``, which then
-    writes 7 bytes and returns, and the next ``write`` fails with ENOSPC."""
+    ``OSError(code)``; with ``short=True``, ``at`` counts ``write`` calls only (the
+    files written while staged interleave their calls in any order, their writes
+    too, but the n-th write is a write): that write writes 7 bytes and returns, and
+    the next ``write`` fails with ENOSPC."""
 
     def __init__(self, root: Path, at: int | None, code: int, *, short: bool = False) -> None:
         super().__init__(root, before=self._before, record=False)
         self.at, self.code, self.short = at, code, short
         self.fired: tuple[str, str] | None = None
         self._short_done = False
+        self._writes = 0
 
     def _before(self, index: int, op: str, path: str) -> None:
         if self._short_done and op == "write":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        if self.short:
+            if op != "write":
+                return
+            with self._lock:  # writer threads write at once
+                self._writes += 1
+                index = self._writes
         if index != self.at:
             return
         self.fired = (op, path)
@@ -75,8 +84,9 @@ class FaultFS(TracingFS):
         raise OSError(self.code, os.strerror(self.code), path)
 
 
-def clean_calls(tmp: Path, **options: Any) -> tuple[int, list[tuple[str, str]]]:
-    """Calls made before step 2's save, and the calls of that save."""
+def clean_calls(tmp: Path, **options: Any) -> tuple[int, list[tuple[str, str]], int]:
+    """Calls made before step 2's save, the calls of that save, and the writes
+    made before it."""
     fs = TracingFS(tmp, record=False)
 
     async def go() -> int:
@@ -87,7 +97,7 @@ def clean_calls(tmp: Path, **options: Any) -> tuple[int, list[tuple[str, str]]]:
             return before
 
     before = anyio.run(go)
-    return before, fs.log[before:]
+    return before, fs.log[before:], sum(op == "write" for op, _ in fs.log[:before])
 
 
 def check_after_failure(root: Path, expect_cause_errno: int) -> None:
@@ -164,17 +174,17 @@ async def fault_at_every_site(
     tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture, **options: Any
 ) -> None:
     caplog.set_level(logging.CRITICAL, logger="asyncsave")
-    before, calls = await anyio.to_thread.run_sync(
+    before, calls, writes_before = await anyio.to_thread.run_sync(
         functools.partial(clean_calls, tmp_path / "clean", **options)
     )
     short = kind == "short-write"
     code = errno.ENOSPC if short else ERRNOS[kind]
     # (a one-byte write, the tracker's, cannot be short: it is a site of the errnos)
-    sites = [
-        before + i + 1
-        for i, (op, path) in enumerate(calls)
-        if not short or (op == "write" and TRACKER not in path)
-    ]
+    if short:  # the n-th write (see FaultFS)
+        writes = [path for op, path in calls if op == "write"]
+        sites = [writes_before + i + 1 for i, path in enumerate(writes) if TRACKER not in path]
+    else:
+        sites = [before + i + 1 for i in range(len(calls))]
     kinds_hit: set[str] = set()
     for n, at in enumerate(sites):
         root = tmp_path / f"case-{n}"
