@@ -156,6 +156,7 @@ def _incremental_under_the_limit(rank: int, world: int, root: str) -> dict[str, 
     return out
 
 
+@pytest.mark.slow  # forked children with thousands of files or two ranks
 def test_a_checkpoint_of_2000_files_saves_verifies_loads_and_resumes_under_256_descriptors(
     tmp_path: Path,
 ) -> None:
@@ -172,6 +173,7 @@ def test_a_checkpoint_of_2000_files_saves_verifies_loads_and_resumes_under_256_d
     }
 
 
+@pytest.mark.slow  # forked children with thousands of files or two ranks
 def test_the_asyncsave_command_verifies_and_inspects_2000_files_under_ulimit_256(
     tmp_path: Path,
 ) -> None:
@@ -215,6 +217,7 @@ def _tiers_under_the_limit(rank: int, world: int, local: str, remote: str) -> di
     }
 
 
+@pytest.mark.slow  # forked children with thousands of files or two ranks
 def test_a_persistent_tier_copies_and_resumes_2000_files_under_256_descriptors(
     tmp_path: Path,
 ) -> None:
@@ -241,6 +244,7 @@ def _dcp_under_the_limit(rank: int, world: int, root: str) -> bool:
     return checked and open_descriptors() <= before and same(back, mine)
 
 
+@pytest.mark.slow  # forked children with thousands of files or two ranks
 def test_the_dcp_reader_and_verify_hold_no_descriptor_per_file_under_256(
     tmp_path: Path,
 ) -> None:
@@ -291,6 +295,7 @@ def small_files() -> Iterator[None]:
         asyncsave._format.MIN_FILE_BYTES = old
 
 
+@pytest.mark.slow  # forked children with thousands of files or two ranks
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_plain_save_of_64_files_per_rank_saves_under_256_descriptors_and_loads_under_a_few(
     tmp_path: Path, world: int
