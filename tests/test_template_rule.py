@@ -275,7 +275,7 @@ def test_factored_optimizer_state_loads(tmp_path: Path) -> None:
     trained(model, opt)
     path = save(tmp_path, {"model": model, "optim": opt})
     model2 = torch.nn.Linear(3, 4)
-    opt2 = adafactor(model2.parameters())
+    opt2 = torch.optim.Adafactor(model2.parameters())
     asyncsave.load(path, {"model": model2, "optim": opt2})
     assert torch.equal(opt2.state[model2.weight]["row_var"], opt.state[model.weight]["row_var"])
 
