@@ -72,6 +72,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
+from ._atomicity import strategy_for
 from ._catalog import latest
 from ._engine import retain
 from ._errors import (
@@ -85,10 +86,9 @@ from ._fsspec import check_root
 from ._listing import checkpoints, layout_of, load_step
 from ._load import load
 from ._options import CheckpointOptions
-from ._paths import MANIFEST_NAME, temp_file_name
+from ._paths import MANIFEST_NAME
 from ._retention import Candidate, Retention
 from ._sync import SyncCheckpointer, SyncSaveHandle, run_on_loop
-from ._write import write_bytes
 
 __all__ = ["POINTER_FORMAT", "AsyncsaveCheckpointIO", "read_pointer"]
 
@@ -479,17 +479,8 @@ def _abs(path: Any) -> str:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` by ``data`` atomically and durably (temp file, fsync,
-    rename, fsync of the directory), as the tracker is written."""
+    rename, fsync of the directory), as the tracker is written: the commit
+    protocol's own file replacement."""
     fs = LocalFileSystem()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / temp_file_name(path.name)
-    try:
-        write_bytes(fs, tmp, data)
-        fs.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fs.fsync_dir(path.parent)
+    strategy_for(fs).replace_file(fs, path, data)
