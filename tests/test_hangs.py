@@ -67,10 +67,15 @@ def save_calls(root: Path, **options: Any) -> tuple[int, int]:
     return anyio.run(go)
 
 
-def check_clean_after_reopen(root: Path) -> None:
+def check_clean_after_reopen(root: Path, *, committed: bool = True) -> None:
+    """Every final directory is whole, the latest resumes, no temporary name is
+    left; ``committed``: step 1 or 2 was committed."""
+
     async def go() -> None:
         async with asyncsave.Checkpointer(root) as ckpt:
             restored = await ckpt.load_latest()
+            if restored is None and not committed:
+                return
             assert restored is not None and restored.info.step in (1, 2)
             assert same_state(restored.state, state_of(restored.info.step))
 
@@ -79,6 +84,37 @@ def check_clean_after_reopen(root: Path) -> None:
         assert same_state(asyncsave.load(path), state_of(step))
     anyio.run(go)
     assert not leftover_temp_names(root)
+
+
+async def stuck_case(root: Path, at: int, timeout_s: float, options: dict[str, Any]) -> StuckFS:
+    """Save steps 1 and 2 with call ``at`` stuck (then failing): ``save()``
+    returns, the handle, the next save, ``wait()`` and close raise one
+    ``CheckpointTimeoutError``, unless the stuck call was never reached
+    (``fired`` is ``None``: the timeout ran out before it)."""
+    fs = StuckFS(root, at, then_fail=True)
+    at_handle: pytest.ExceptionInfo[asyncsave.CheckpointTimeoutError] | None = None
+    try:
+        with anyio.fail_after(HANG_GUARD_S):
+            with pytest.raises(asyncsave.CheckpointTimeoutError) as at_close:
+                async with asyncsave.Checkpointer(
+                    root, filesystem=fs, save_timeout_s=timeout_s, close_timeout_s=timeout_s, **options
+                ) as ckpt:
+                    await (await ckpt.save(1, state_of(1)))
+                    handle = await ckpt.save(2, state_of(2))
+                    # a bounded wait gives up first; the save goes on
+                    with pytest.raises(asyncsave.WaitTimeoutError):
+                        await handle.wait(timeout_s=timeout_s / 6)
+                    with pytest.raises(asyncsave.CheckpointTimeoutError) as at_handle:
+                        await handle
+                    with pytest.raises(asyncsave.CheckpointTimeoutError):
+                        await ckpt.save(3, state_of(3))
+                    with pytest.raises(asyncsave.CheckpointTimeoutError):
+                        await ckpt.wait()
+    finally:
+        fs.gate.set()  # the abandoned thread wakes and fails
+    if fs.fired is not None:
+        assert at_handle is not None and at_close.value is at_handle.value, fs.fired
+    return fs
 
 
 async def settle(fs: TracingFS) -> None:
@@ -147,30 +183,20 @@ async def test_a_call_stuck_forever_anywhere_in_a_save_times_out_everywhere(
             functools.partial(save_calls, tmp_path / "clean", **options)
         )
         for i in range(1, n + 1):
-            root = tmp_path / f"case-{i}"
-            fs = StuckFS(root, before + i, then_fail=True)
-            try:
-                with anyio.fail_after(HANG_GUARD_S):
-                    with pytest.raises(asyncsave.CheckpointTimeoutError) as at_close:
-                        async with asyncsave.Checkpointer(
-                            root, filesystem=fs, save_timeout_s=0.3, close_timeout_s=0.3, **options
-                        ) as ckpt:
-                            await (await ckpt.save(1, state_of(1)))
-                            handle = await ckpt.save(2, state_of(2))
-                            # a bounded wait gives up first; the save goes on
-                            with pytest.raises(asyncsave.WaitTimeoutError):
-                                await handle.wait(timeout_s=0.05)
-                            with pytest.raises(asyncsave.CheckpointTimeoutError) as at_handle:
-                                await handle
-                            with pytest.raises(asyncsave.CheckpointTimeoutError):
-                                await ckpt.save(3, state_of(3))
-                            with pytest.raises(asyncsave.CheckpointTimeoutError):
-                                await ckpt.wait()
-                    assert at_close.value is at_handle.value, fs.fired
-            finally:
-                fs.gate.set()  # the abandoned thread wakes and fails
-            assert fs.fired is not None
-            await anyio.to_thread.run_sync(check_clean_after_reopen, root)
+            # A case is inconclusive when the stuck call was never reached: the
+            # clean part (step 1, or step 2's calls before call i) took longer
+            # than the timeout on a loaded machine. It is run again with twice
+            # the timeout; a case is never passed without its call hanging.
+            for attempt in range(4):
+                root = tmp_path / f"case-{i}-{attempt}"
+                fs = await stuck_case(root, before + i, 0.3 * 2**attempt, options)
+                reached = fs.fired is not None
+                await anyio.to_thread.run_sync(
+                    functools.partial(check_clean_after_reopen, root, committed=reached)
+                )
+                if reached:
+                    break
+            assert fs.fired is not None, f"call {i} was never reached in 4 attempts"
         record("hang points", n)
 
 
