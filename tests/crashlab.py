@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -68,6 +69,24 @@ def small_own_files() -> Iterator[None]:
         yield
     finally:
         asyncsave._incremental.OWN_FILE_BYTES = old
+
+# Every child is forked from this process: what the children use is imported here,
+# once, not again in each of the ~1,700 children (asyncsave's public names and
+# anyio's backends load lazily; importing them cost a child about 0.1 s, more than
+# its scenario).
+for _module in (
+    "asyncsave._engine",
+    "asyncsave._resume",
+    "asyncsave._tiers",
+    "asyncsave._update",
+    "anyio._backends._asyncio",
+    "anyio._backends._trio",
+    "anyio.from_thread",
+    "anyio.to_thread",
+):
+    importlib.import_module(_module)
+for _name in ("Checkpointer", "latest", "load", "verify"):
+    getattr(asyncsave, _name)
 
 LAYOUT = LAYOUTS["asyncsave"]
 TRACKER = LAYOUT.tracker_name
