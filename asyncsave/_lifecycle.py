@@ -57,7 +57,9 @@ class Lifecycle:
         saver, options, tiers = self.saver, self.saver.options, self.tiers
         saver.pool = StagingPool(options.budget_bytes)
         saver.limiter = anyio.CapacityLimiter(options.writer_threads)
-        if wants_distributed(options.distributed):
+        if options.coordinator is not None:  # given (asyncsave.testing.FakeGroup)
+            saver.coord = options.coordinator
+        elif wants_distributed(options.distributed):
             saver.coord = await GlooGroup.create(options.dist_timeout_s)
         if tiers is not None:  # Tier(local_scope="rank"): this rank's own root
             tiers.place_local()

@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._fs import LocalFileSystem, check_lock_mode
 from ._fsspec import check_root
 from ._paths import LAYOUTS
 from ._policy import SavePolicy
 from ._retention import Retention, as_retention
+
+if TYPE_CHECKING:
+    from ._coord import Coordinator
 
 __all__ = ["CheckpointOptions", "Tier"]
 
@@ -213,6 +216,13 @@ class CheckpointOptions:
         that save's temporary files. Use it only where one process at a time saves
         into the root (your launcher guarantees it); commits stay atomic and the
         tracker still moves only forward within one saver.
+    :param coordinator: the ranks this checkpointer saves with, given instead of
+        chosen from ``torch.distributed``: one rank of an
+        :class:`asyncsave.testing.FakeGroup` (``FakeGroup(2).rank(1)``), so that
+        tests run N ranks in one process without gloo. ``None`` (default): the
+        coordinator is chosen from ``distributed``. ``ValueError`` with
+        ``distributed=False``, or with ``persistent`` on more than one rank (the
+        tier's copier creates a gloo group of its own).
     """
 
     layout: str = "asyncsave"
@@ -233,9 +243,12 @@ class CheckpointOptions:
     persistent: Tier | None = None
     incremental: bool = False
     lock: str = "flock"
+    coordinator: Coordinator | None = None
 
     def __post_init__(self) -> None:
         check_lock_mode(self.lock)
+        if self.coordinator is not None:
+            self._check_coordinator()
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}")
         object.__setattr__(self, "retention", as_retention(self.retention))
@@ -274,3 +287,19 @@ class CheckpointOptions:
                 or value <= 0
             ):
                 raise ValueError(f"{name}={value!r} must be a positive finite number")
+
+    def _check_coordinator(self) -> None:
+        from ._coord import Coordinator  # torch.distributed: only once one is given
+
+        coord = self.coordinator
+        if not isinstance(coord, Coordinator):
+            raise ValueError(
+                f"coordinator={coord!r} must be a rank of asyncsave.testing.FakeGroup or None"
+            )
+        if self.distributed is False:
+            raise ValueError(f"coordinator={coord!r} with distributed=False: pass one of them")
+        if self.persistent is not None and coord.world_size > 1:
+            raise ValueError(
+                f"coordinator={coord!r} of {coord.world_size} ranks with persistent=: the "
+                "persistent tier's copier creates a gloo group of its own"
+            )

@@ -21,9 +21,9 @@ Everything here is for tests: the patching helpers change module-level settings
 of the process while their ``with`` block runs, so they are not thread-safe
 against a second test running in the same process at the same time.
 
-A fake coordinator of several ranks is not provided: the engine picks its
-coordinator from ``torch.distributed``; tests of several ranks start real
-processes (a gloo group over a ``FileStore``).
+- :class:`FakeGroup` runs N ranks in one process: each rank's checkpointer gets
+  ``coordinator=group.rank(r)``, the collectives meet in memory, and a rank can
+  be made to die or hang at a named collective (no gloo, no second process).
 
 Example (a full disk at the first data write)::
 
@@ -42,7 +42,7 @@ import importlib
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from ._coord import Coordinator
+from ._errors import CheckpointError, RankFailedError
 from ._fs import LocalFileSystem
 from ._paths import LAYOUTS, is_retired_name, is_temp_name
 
@@ -57,6 +59,8 @@ __all__ = [
     "FILE_OPS",
     "PHASES",
     "PROCEED",
+    "FakeGroup",
+    "FakeRank",
     "FaultyFileSystem",
     "Pause",
     "block",
@@ -475,3 +479,292 @@ def pause_at(phase: str, *, armed: bool = True, timeout_s: float = 60.0) -> Iter
     finally:
         p.release()
         patches.undo()
+
+
+# -- several ranks in one process ---------------------------------------------------
+
+
+class _Round:
+    """One collective of the group: the k-th collective of every rank."""
+
+    def __init__(self, gen: int, op: str, what: str, step: int | None) -> None:
+        self.gen, self.op, self.what, self.step = gen, op, what, step
+        self.values: dict[int, Any] = {}
+        self.error: tuple[str, int | None, str] | None = None  # (kind, rank, detail)
+        self.done = threading.Event()
+
+
+class FakeGroup:
+    """``world_size`` ranks of one save in one process: the coordinator of each
+    rank (:meth:`rank`) is passed as ``Checkpointer(root,
+    coordinator=group.rank(r))``, and the ranks' collectives meet in memory
+    instead of on a gloo group, so a test of what ranks agree on needs no
+    ``torch.distributed``, no second process and no private import::
+
+        group = FakeGroup(2)
+
+        async def rank(r: int) -> None:
+            async with asyncsave.Checkpointer(root, coordinator=group.rank(r)) as ckpt:
+                await (await ckpt.save(1, {"w": torch.full((4,), float(r))}))
+
+        async with anyio.create_task_group() as tg:
+            for r in range(2):
+                tg.start_soon(rank, r)
+
+    The ranks may run as tasks of one event loop or in threads of their own (a
+    :class:`~asyncsave.SyncCheckpointer` each); ``Checkpointer.agree`` exchanges
+    its answers from the training thread, blocking, so it needs the ranks in
+    threads of their own. The k-th collective of every rank is one round, as on a
+    gloo group: a rank whose k-th collective is another one (another name or
+    kind) fails the round on every rank with :class:`~asyncsave.RankFailedError`
+    naming both, where gloo would exchange garbage or hang.
+
+    Faults, armed before or during a run: :meth:`fail` (a rank dies at a
+    collective: the others' collective raises ``RankFailedError`` naming it, at
+    once, as the heartbeats of a gloo group tell them) and :meth:`hang` (a rank
+    never reaches a collective: the others raise ``RankFailedError`` after
+    ``timeout_s``, as gloo's timeout does). A rank whose checkpointer closed is
+    named as gone at the next collective that needs it. Not provided: the state
+    of DTensors (DCP's collectives need a process group), Megatron's
+    integration, a persistent :class:`~asyncsave.Tier` on several ranks.
+
+    :param world_size: the number of ranks (at least 1).
+    :param timeout_s: seconds a rank waits at one collective for the others
+        (``dist_timeout_s`` of a gloo group).
+    :raises ValueError: ``world_size < 1`` or ``timeout_s <= 0``.
+
+    ``log`` lists every collective as it is entered: ``(rank, what, step)``.
+    """
+
+    def __init__(self, world_size: int, *, timeout_s: float = 30.0) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} must be an int of at least 1")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be above 0")
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self.log: list[tuple[int, str, int | None]] = []
+        self._lock = threading.Lock()
+        # A round is the k-th collective of one checkpointer's life on every rank
+        # (each rank's ``n``-th checkpointer meets the others' ``n``-th): keyed by
+        # (generation, k). A rank's generation moves on when its checkpointer closes.
+        self._rounds: dict[tuple[int, int], _Round] = {}
+        self._gen = [0] * world_size
+        self._seq = [0] * world_size
+        self._dead: dict[int, str] = {}  # rank -> how it died (every generation)
+        self._closed: dict[tuple[int, int], str] = {}  # (rank, generation) -> left
+        self._faults: dict[int, tuple[str, str | None]] = {}  # rank -> (fault, at)
+        self._ranks: dict[int, FakeRank] = {}
+
+    def rank(self, rank: int) -> FakeRank:
+        """The coordinator of ``rank`` (the same object every call).
+
+        :raises ValueError: ``rank`` is not in ``range(world_size)``.
+        """
+        self._check_rank("rank", rank)
+        with self._lock:
+            if rank not in self._ranks:
+                self._ranks[rank] = FakeRank(self, rank)
+            return self._ranks[rank]
+
+    def fail(self, rank: int, at: str | None = None) -> None:
+        """Rank ``rank`` dies at its next collective named ``at`` (any collective
+        when ``None``; the names are the engine's, as ``log`` shows them: ``open``,
+        ``files-durable``, ``commit``...): that call and every later one of the
+        rank raise :class:`~asyncsave.RankFailedError`, and so do the other ranks'
+        collectives that need it, naming it in ``ranks``.
+
+        :raises ValueError: ``rank`` is not in ``range(world_size)``.
+        """
+        self._arm("fail", rank, at)
+
+    def hang(self, rank: int, at: str | None = None) -> None:
+        """Rank ``rank`` never reaches its next collective named ``at`` (any when
+        ``None``): the other ranks raise :class:`~asyncsave.RankFailedError` (no
+        rank named) after ``timeout_s``, and so does the hung call itself then.
+
+        :raises ValueError: ``rank`` is not in ``range(world_size)``.
+        """
+        self._arm("hang", rank, at)
+
+    def _arm(self, fault: str, rank: int, at: str | None) -> None:
+        self._check_rank(fault, rank)
+        with self._lock:
+            self._faults[rank] = (fault, at)
+
+    def _check_rank(self, name: str, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"{name}: rank={rank!r} is not in range({self.world_size})")
+
+    # -- the rounds (under the lock, never waiting) -------------------------------
+    def _fault_for(self, rank: int, what: str) -> str | None:
+        fault = self._faults.get(rank)
+        if fault is None or fault[1] not in (None, what):
+            return None
+        del self._faults[rank]
+        return fault[0]
+
+    def _enter(self, rank: int, op: str, what: str, obj: Any, step: int | None) -> _Round:
+        """Rank ``rank``'s next collective: its round, with ``obj`` added (or the
+        round failed, if this rank or a rank it needs is gone)."""
+        with self._lock:
+            self.log.append((rank, what, step))
+            gen, seq = self._gen[rank], self._seq[rank]
+            self._seq[rank] += 1
+            rnd = self._rounds.setdefault((gen, seq), _Round(gen, op, what, step))
+            fault = self._fault_for(rank, what)
+            if fault == "fail":
+                self._dead[rank] = f"rank {rank} died at the {what} collective (FakeGroup.fail)"
+            if rnd.error is None and (rnd.op, rnd.what) != (op, what):
+                detail = (
+                    f"rank {rank} called {op} {what!r} where another rank called "
+                    f"{rnd.op} {rnd.what!r}"
+                )
+                rnd.error = ("mismatch", None, detail)
+            elif fault != "hang" and rank not in self._dead:
+                rnd.values[rank] = obj
+            self._settle(rnd)
+            return rnd
+
+    def _gone(self, gen: int) -> dict[int, str]:
+        """The ranks that cannot take part in a round of generation ``gen``."""
+        gone = {r: why for (r, g), why in self._closed.items() if g == gen}
+        gone.update(self._dead)
+        return gone
+
+    def _settle(self, rnd: _Round) -> None:
+        """Complete ``rnd`` when every rank is in, or fail it when a rank it still
+        needs is gone."""
+        missing = [r for r in range(self.world_size) if r not in rnd.values]
+        if rnd.error is None and not missing:
+            rnd.done.set()
+            return
+        gone = self._gone(rnd.gen)
+        if rnd.error is None and any(r in gone for r in missing):
+            rnd.error = ("gone", None, "; ".join(gone[r] for r in missing if r in gone))
+        if rnd.error is not None:
+            rnd.done.set()
+
+    def _leave(self, rank: int) -> None:
+        """Rank ``rank`` closed its checkpointer: the rounds of its generation
+        that need it fail; its next checkpointer meets the others' next."""
+        with self._lock:
+            gen = self._gen[rank]
+            self._closed[(rank, gen)] = f"rank {rank} closed its Checkpointer (left the group)"
+            self._gen[rank], self._seq[rank] = gen + 1, 0
+            for (g, _), rnd in self._rounds.items():
+                if g == gen and not rnd.done.is_set():
+                    self._settle(rnd)
+
+    def _outcome(self, rank: int, rnd: _Round, timed_out: bool) -> list[Any]:
+        """Every rank's object of a completed round, or the round's failure."""
+        with self._lock:
+            if timed_out and not rnd.done.is_set():
+                detail = f"a rank did not reach it within timeout_s={self.timeout_s}"
+                rnd.error = ("timeout", None, detail)
+                rnd.done.set()
+            error = rnd.error
+            if rank in self._dead:  # this rank died at it (or before)
+                error = ("dead", None, self._dead[rank])
+            gone = self._dead if error is None or error[0] == "dead" else self._gone(rnd.gen)
+            named = {r: why for r, why in gone.items() if r not in rnd.values}
+        if error is None:
+            return [rnd.values[r] for r in range(self.world_size)]
+        at = f" of step {rnd.step}" if rnd.step is not None else ""
+        raise RankFailedError(
+            f"rank {rank}: the {rnd.what} collective{at} on the FakeGroup failed: {error[2]}",
+            step=rnd.step,
+            rank=min(named) if named and error[0] in ("gone", "dead") else None,
+            ranks=named if error[0] in ("gone", "dead") else {},
+        )
+
+
+class FakeRank(Coordinator):
+    """The coordinator of one rank of a :class:`FakeGroup` (``group.rank(r)``):
+    collectives meet the other ranks' in memory, ordered by the save turns of the
+    checkpointer using it. Pass it as ``Checkpointer(root, coordinator=...)``; one
+    checkpointer at a time per rank."""
+
+    def __init__(self, group: FakeGroup, rank: int) -> None:
+        self.fake_group, self.rank, self.world_size = group, rank, group.world_size
+        self.timeout_s = group.timeout_s
+        self._tickets = 0
+        self._serving = 0
+        self._ended: set[int] = set()
+        self._turn_changed: anyio.Event | None = None
+
+    def __repr__(self) -> str:
+        return f"<FakeRank {self.rank} of {self.world_size}>"
+
+    async def _exchange(self, op: str, what: str, obj: Any, step: int | None) -> list[Any]:
+        rnd = self.fake_group._enter(self.rank, op, what, obj, step)
+        delay = 0.0005
+        with anyio.move_on_after(self.timeout_s):
+            while not rnd.done.is_set():  # polled: the ranks may run in other threads
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 0.01)
+        return self.fake_group._outcome(self.rank, rnd, not rnd.done.is_set())
+
+    async def broadcast(self, what: str, obj: Any, step: int | None = None) -> Any:
+        return (await self._exchange("broadcast", what, obj, step))[0]
+
+    async def all_gather(self, what: str, obj: Any, step: int | None = None) -> list[Any]:
+        return await self._exchange("all_gather", what, obj, step)
+
+    def vote(self, values: list[int]) -> list[list[int]]:
+        """Blocking (the caller's thread): needs the ranks in threads of their own."""
+        step = values[-1] if values else None
+        rnd = self.fake_group._enter(self.rank, "vote", "save-policy", list(values), step)
+        rnd.done.wait(self.timeout_s)
+        return [list(v) for v in self.fake_group._outcome(self.rank, rnd, not rnd.done.is_set())]
+
+    async def open_root(
+        self, open_fn: Callable[[], Awaitable[tuple[list[int], int | None]]], root: Path
+    ) -> tuple[list[int], int | None]:
+        """Rank 0 runs ``open_fn``; the others get its result, or raise naming
+        rank 0 (as on a gloo group)."""
+        result: tuple[list[int], int | None] | None = None
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                result = await open_fn()
+            except Exception as exc:
+                error = exc
+        payload = await self.broadcast("open", result if error is None else f"error: {error!r}")
+        if error is not None:
+            raise error
+        if isinstance(payload, str):
+            raise CheckpointError(
+                f"rank 0 could not open the checkpoint root {root}: {payload}", path=root, rank=0
+            )
+        committed, tracked = payload
+        return list(committed), tracked
+
+    # -- ordering of saves (a rank's collectives in dispatch order) ----------------
+    def take_ticket(self) -> int:
+        ticket, self._tickets = self._tickets, self._tickets + 1
+        return ticket
+
+    async def wait_turn(self, ticket: int) -> None:
+        while self._serving != ticket:
+            if self._turn_changed is None:
+                self._turn_changed = anyio.Event()
+            await self._turn_changed.wait()
+
+    def end_turn(self, ticket: int) -> None:
+        if ticket < self._serving:
+            return
+        self._ended.add(ticket)
+        while self._serving in self._ended:
+            self._ended.remove(self._serving)
+            self._serving += 1
+        event, self._turn_changed = self._turn_changed, None
+        if event is not None:
+            event.set()
+
+    def close(self) -> None:
+        """This rank's checkpointer closed: the peers' collectives that need it
+        fail naming it; the next checkpointer of the rank starts afresh."""
+        self._tickets = self._serving = 0
+        self._ended.clear()
+        self._turn_changed = None
+        self.fake_group._leave(self.rank)
