@@ -15,7 +15,9 @@ the library moves them with it and leaves the tests alone (the idea of httpx's
 - :func:`thresholds` lowers the sizes above which a save changes its strategy
   (written while staged, a file per tensor, several files), so that a few KiB of
   test state exercise the same code as GiBs.
-- :func:`leftover_temp_names` lists the temporary entries a save left in a root.
+- :func:`leftover_temp_names` lists the temporary entries a save left in a root;
+  :func:`cli` runs the ``asyncsave`` command in this process;
+  :func:`encode_manifest` writes a manifest a test edited.
 
 Everything here is for tests: the patching helpers change module-level settings
 of the process while their ``with`` block runs, so they are not thread-safe
@@ -45,7 +47,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import anyio
 import anyio.to_thread
@@ -57,6 +59,7 @@ from ._paths import LAYOUTS, is_retired_name, is_temp_name
 
 __all__ = [
     "FILE_OPS",
+    "LAYOUT_NAMES",
     "PHASES",
     "PROCEED",
     "FakeGroup",
@@ -64,6 +67,9 @@ __all__ = [
     "FaultyFileSystem",
     "Pause",
     "block",
+    "checkpoint_dir_name",
+    "cli",
+    "encode_manifest",
     "is_temp_name",
     "kill",
     "leftover_temp_names",
@@ -266,6 +272,46 @@ def leftover_temp_names(root: str | os.PathLike[str]) -> list[str]:
     except FileNotFoundError:
         return []
     return sorted(n for n in names if is_temp_name(n))
+
+
+#: The names of the layout presets (``CheckpointOptions(layout=...)``), sorted.
+LAYOUT_NAMES: tuple[str, ...] = tuple(sorted(LAYOUTS))
+
+
+def checkpoint_dir_name(layout: str, step: int) -> str:
+    """The final directory name of ``step`` under the layout preset ``layout``
+    (``"asyncsave"``: ``step_7``; ``"megatron"``: ``iter_0000007``).
+
+    :raises ValueError: ``layout`` is not one of :data:`LAYOUT_NAMES`.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUT_NAMES}")
+    return LAYOUTS[layout].dir_name(step)
+
+
+def cli(argv: list[str], out: TextIO | None = None) -> int:
+    """Run the ``asyncsave`` command (``asyncsave ls ROOT``, ``verify``,
+    ``inspect``, ``prune``...) in this process, as ``python -m asyncsave`` would,
+    without a second interpreter: its exit status (0 ok, 1 a finding such as a
+    damaged checkpoint, 2 a usage error).
+
+    :param argv: the arguments after ``asyncsave``.
+    :param out: where its report goes (default: ``sys.stdout``); errors go to
+        ``sys.stderr``.
+    """
+    from ._cli import main  # the command's parser: only when a test runs it
+
+    return main(list(argv), out=out)
+
+
+def encode_manifest(doc: dict[str, Any]) -> bytes:
+    """The bytes of a ``manifest.json`` holding ``doc``, as a save writes them
+    (compact JSON whose last field is the XXH3-64 of the rest): for a test that
+    edits a field of a committed manifest (``json.loads`` of its bytes, minus
+    that checksum field) and wants the edit itself checked, not the checksum."""
+    from ._manifest import encode_manifest as encode
+
+    return encode(doc)
 
 
 # -- thresholds ----------------------------------------------------------------------

@@ -22,6 +22,8 @@ opened a checkpointer):
    newest committed step.
 """
 
+# Private imports: the children resolve every layout preset's names and lower the
+# incremental file threshold, and the lab names the pipeline's modules it kills in.
 from __future__ import annotations
 
 import argparse

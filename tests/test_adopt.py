@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asyncsave
-from asyncsave._cli import main as cli_main
+from asyncsave.testing import cli as cli_main
 
 s3_endpoint = test_objstore.s3_endpoint  # the fixture, shared
 

@@ -7,6 +7,8 @@ name; the behaviour it carries is tested through the public API elsewhere
 (test_objstore.py, test_adopt.py, test_update.py, test_power_loss.py).
 """
 
+# Private imports: unit tests of the private commit strategies (rename, marker) and the
+# writes under them.
 from __future__ import annotations
 
 import uuid

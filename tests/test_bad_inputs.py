@@ -25,7 +25,7 @@ import torch
 from reliability import record
 
 import asyncsave
-from asyncsave._manifest import encode_manifest
+from asyncsave.testing import encode_manifest
 
 pytestmark = pytest.mark.anyio
 
@@ -573,7 +573,7 @@ def test_a_root_that_is_not_a_path_is_refused_by_name(name: str) -> None:
 
 
 def test_the_cli_refuses_an_empty_root(capsys: pytest.CaptureFixture[str]) -> None:
-    from asyncsave._cli import main
+    from asyncsave.testing import cli as main
 
     for argv in (["ls", ""], ["verify", " "], ["inspect", ""], ["prune", "", "--keep-last", "1"]):
         assert main(argv) == 2, argv

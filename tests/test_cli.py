@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import asyncsave
-from asyncsave._cli import main
+from asyncsave.testing import cli as main
 
 
 def make_root(root: Path) -> None:

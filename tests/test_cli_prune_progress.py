@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from tqdm import tqdm
 
 import asyncsave
-from asyncsave._cli import main
+from asyncsave.testing import cli as main
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "asyncsave")
 

@@ -16,6 +16,8 @@ No wall-clock assertions: every pause is released by the test, after a condition
 only detects a hang.
 """
 
+# Private imports: a save held while its copy is followed (StagedMark.advance) inside
+# close, a seam pause_at reaches only for its own with block.
 from __future__ import annotations
 
 import errno

@@ -8,6 +8,8 @@ reaches only there. What a user sees (a refusal from ``save()``, the modes on
 real saves) is tested through the public API below.
 """
 
+# Private imports: unit tests of the private table of what combines and the rows it
+# builds from a plan.
 from __future__ import annotations
 
 import contextlib

@@ -14,6 +14,8 @@ The survivor must return (the harness deadline is far below ``dist_timeout_s``
 times the number of collectives): a dead peer is found through the store.
 """
 
+# Private imports: counts and kills at the collectives of the gloo coordinator itself
+# (GlooGroup).
 from __future__ import annotations
 
 import os

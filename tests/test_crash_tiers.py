@@ -16,6 +16,8 @@ the rename or commit marker, the tracker). Afterwards:
    bit-exact, from the persistent tier.
 """
 
+# Private imports: kills a rank at the collectives of the gloo coordinator itself
+# (GlooGroup).
 from __future__ import annotations
 
 import os

@@ -1,6 +1,8 @@
 """CUDA staging: pinned exact-size host buffers, side-stream D2H copies, no device
 memory. Runs where CUDA is present; skips cleanly elsewhere."""
 
+# Private imports: checks which CUDA streams staging uses and lowers the read bounce
+# buffer, internals with no public handle.
 from __future__ import annotations
 
 from pathlib import Path

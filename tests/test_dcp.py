@@ -1,6 +1,8 @@
 """asyncsave.dcp: DCP's save/async_save/load through asyncsave's writer and reader,
 and FSDP2 on CPU (2 forked gloo ranks) resuming on 2 and on 1 rank."""
 
+# Private imports: the per-rank reader a distributed load_latest calls (load_rank),
+# checked without starting ranks.
 from __future__ import annotations
 
 import errno

@@ -59,8 +59,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import asyncsave
 from asyncsave import LocalFileSystem
-from asyncsave._paths import LAYOUTS
 from asyncsave.dcp import StorageReader, StorageWriter
+from asyncsave.testing import LAYOUT_NAMES, checkpoint_dir_name
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed import run_ranks, stop_dcp_background_process, values
@@ -687,7 +687,7 @@ def test_save_without_collectives_on_one_process_commits(tmp_path: Path) -> None
 # ---------------------------------- asyncsave's own rules under DCP (issue 10)
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
 def test_reader_of_a_root_finds_the_checkpoint_of_any_layout(tmp_path: Path, layout: str) -> None:
     """``StorageReader(root, layout=...)`` reads the latest checkpoint of the layout
     the writer used (issue 10 item 8); the reader never guesses the layout: without
@@ -695,11 +695,11 @@ def test_reader_of_a_root_finds_the_checkpoint_of_any_layout(tmp_path: Path, lay
     empty root (docs/dcp_conformance.md)."""
     state = {"w": torch.arange(5.0)}
     dcp.save(state, storage_writer=StorageWriter(tmp_path, 7, layout=layout))
-    assert (tmp_path / LAYOUTS[layout].dir_name(7)).is_dir()
+    assert (tmp_path / checkpoint_dir_name(layout, 7)).is_dir()
     target = {"w": torch.zeros(5)}
     dcp.load(target, storage_reader=StorageReader(tmp_path, layout=layout))
     assert torch.equal(target["w"], state["w"])
-    if LAYOUTS[layout].dir_name(7) != LAYOUTS["asyncsave"].dir_name(7):
+    if checkpoint_dir_name(layout, 7) != checkpoint_dir_name("asyncsave", 7):
         with pytest.raises(
             (CheckpointException, asyncsave.CheckpointError), match=f"{layout!r}.*pass layout="
         ):

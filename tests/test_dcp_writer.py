@@ -213,9 +213,11 @@ def test_processes_finishing_in_either_order_move_the_tracker_forward_only(
 @pytest.mark.parametrize("layout", ["asyncsave", "megatron"])
 @pytest.mark.parametrize("how", ["step attribute", "checkpoint_id", "overlapping async_save"])
 def test_one_writer_commits_steps_1_2_3(tmp_path: Path, how: str, layout: str) -> None:
-    from asyncsave._paths import LAYOUTS
+    from asyncsave.testing import checkpoint_dir_name
 
-    name = LAYOUTS[layout].dir_name
+    def name(step: int) -> str:
+        return checkpoint_dir_name(layout, step)
+
     writer = StorageWriter(tmp_path, 1, layout=layout)
     futures = []
     for s in (1, 2, 3):

@@ -1,6 +1,8 @@
 """O_DIRECT writes of data files: same bytes as buffered writes, used where the file
 system allows it, buffered where it does not."""
 
+# Private imports: the writer's hashing threads and plan reuse are internals of the
+# write path under test.
 from __future__ import annotations
 
 import os

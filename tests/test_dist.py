@@ -5,6 +5,8 @@ Every test forks 2 ranks (torch imported once in the parent) joined through a gl
 few seconds on 2 shared cores.
 """
 
+# Private imports: the per-rank reader (load_rank) at world sizes other than the saving
+# one.
 from __future__ import annotations
 
 import errno

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import asyncsave
 from asyncsave import CheckpointOptions
-from asyncsave._cli import main as cli_main
-from asyncsave._manifest import encode_manifest
 from asyncsave.dcp import StorageReader, StorageWriter
+from asyncsave.testing import cli as cli_main
+from asyncsave.testing import encode_manifest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed import run_ranks, values

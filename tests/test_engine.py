@@ -1,5 +1,7 @@
 """The engine: await a save, commit atomically, move the tracker, fail loudly."""
 
+# Private imports: a unit test of the staging pool's poisoning, which no public call
+# reaches on demand.
 from __future__ import annotations
 
 import errno

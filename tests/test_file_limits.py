@@ -8,6 +8,8 @@ The open-file limit ran out on one file per parameter in t5x
 child that lowers its own limit, so the test process keeps its own.
 """
 
+# Private imports: reads with no descriptor left (read_entries) and lowers the file-size
+# threshold in forked children.
 from __future__ import annotations
 
 import contextlib

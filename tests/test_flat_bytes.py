@@ -5,6 +5,7 @@ rounds, hashing and the DCP writer, tested on CPU tensors of every layout
 offset into their storage) and every dtype, ``bool`` whose bytes are not 0/1
 included; and saved and loaded bit for bit."""
 
+# Private imports: unit tests of the private byte views and gathers of staging.
 from __future__ import annotations
 
 import itertools

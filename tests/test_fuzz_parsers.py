@@ -9,6 +9,7 @@ result. Hypothesis profiles (``tests/conftest.py``): ``ci`` (default, bounded) a
     ASYNCSAVE_FUZZ_PROFILE=long python -m pytest tests/test_fuzz_parsers.py
 """
 
+# Private imports: fuzzes the private manifest and tracker parsers directly.
 from __future__ import annotations
 
 import json

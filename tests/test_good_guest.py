@@ -5,6 +5,7 @@ its own, so a trainer's cyclic garbage is collected while saves are in flight
 (https://github.com/marin-community/marin/issues/6774: host memory grew save
 after save until the trainer was OOM-killed)."""
 
+# Private imports: a unit test of the private garbage-collector pause (gc_paused).
 from __future__ import annotations
 
 import gc

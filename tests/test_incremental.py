@@ -267,7 +267,7 @@ async def test_a_growing_tensordict_writes_only_its_new_rows(tmp_path: Path) -> 
     from safetensors import safe_open
     from tensordict import TensorDict
 
-    from asyncsave._cli import main as cli_main
+    from asyncsave.testing import cli as cli_main
 
     n0, grow = 1000, 10
     rb = TensorDict({"obs": torch.randn(n0, ROW), "reward": torch.randn(n0)}, batch_size=[n0])
@@ -400,7 +400,7 @@ def test_any_sequence_of_growth_and_edits_loads_bit_exact(
     ids=["single", "repeated", "reordered", "out-of-range", "wrong-size"],
 )
 def test_a_damaged_chunk_list_is_a_corrupt_checkpoint(tmp_path: Path, edit: Any) -> None:
-    from asyncsave._manifest import encode_manifest
+    from asyncsave.testing import encode_manifest
 
     async def make() -> None:
         buf = torch.randn(OWN // (4 * ROW), ROW)

@@ -14,6 +14,8 @@ inode): a file put in its place between a check and the link (an
 that share (linked while staging, and from the base while writing).
 """
 
+# Private imports: counts the incremental writer's links and writes (Reuse) during
+# overlapping saves.
 from __future__ import annotations
 
 import contextlib

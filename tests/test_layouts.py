@@ -162,28 +162,6 @@ def test_resolve_rule_after_a_crash_before_commit(tmp_path: Path, layout: str) -
     _assert_resolves(tmp_path, layout, 2)
 
 
-def test_temp_and_retired_names_match_no_preset() -> None:
-    from asyncsave._paths import LAYOUTS, aside_dir_name, retired_dir_name, temp_dir_name
-
-    for name in (temp_dir_name(5), retired_dir_name(5), aside_dir_name("damaged", 5)):
-        for layout in LAYOUTS.values():
-            assert layout.parse_dir_name(name) is None
-        assert not re.fullmatch(r"(global_)?step_\d+|iter_\d+", name)
-        assert not Path(name).match("step_*") and not Path(name).match("global_step_*")
-
-
-def test_megatron_names_pad_to_seven_digits_and_parse_back() -> None:
-    from asyncsave._paths import LAYOUTS
-
-    mega = LAYOUTS["megatron"]
-    assert mega.dir_name(40) == "iter_0000040"
-    assert mega.dir_name(123456789) == "iter_123456789"
-    assert mega.parse_dir_name("iter_0000040") == 40
-    assert mega.parse_dir_name("iter_123456789") == 123456789
-    for bad in ("iter_40", "iter_01234567", "iter_-000001", "iter_000004a"):
-        assert mega.parse_dir_name(bad) is None
-
-
 async def test_a_renamed_preset_directory_does_not_load_as_another_step(tmp_path: Path) -> None:
     async with asyncsave.Checkpointer(tmp_path, layout="megatron") as ckpt:
         await (await ckpt.save(4, _state(4)))

@@ -5,6 +5,8 @@ save holds the staging budget: its data-file write is paused on a gate, so the
 lazy save behind it cannot stage until the test opens the gate.
 """
 
+# Private imports: replaces a job's device probe and eager snapshot to reach the lazy
+# paths on a CPU machine.
 from __future__ import annotations
 
 import errno

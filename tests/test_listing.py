@@ -3,6 +3,8 @@ the committed checkpoints of every layout preset, never a save in flight or a
 directory that never committed, and ``asyncsave.load_step(root, step)`` loads one
 by its step with the errors of ``load``."""
 
+# Private imports: retires a checkpoint between the listing's read and its use (a race
+# only a patch can place).
 from __future__ import annotations
 
 import shutil

@@ -10,6 +10,8 @@ must replan and round-trip exactly; same structure with new values must reuse
 the plan and still save the new values (no stale bytes).
 """
 
+# Private imports: counts plan and replan calls and inline plan sizes, internals of the
+# many-tensor path.
 from __future__ import annotations
 
 import copy

@@ -28,8 +28,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import asyncsave
-from asyncsave._cli import main as cli_main
 from asyncsave.dcp import StorageReader, StorageWriter
+from asyncsave.testing import cli as cli_main
 
 pytestmark = pytest.mark.anyio
 

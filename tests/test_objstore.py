@@ -6,6 +6,8 @@ prefix without it is uncommitted: not counted by any reader (they say why), and 
 deleted: the next open adopts it if it verifies completely, else moves it aside.
 """
 
+# Private imports: unit tests of the private root opener (open_root, is_url) that picks
+# the I/O layer.
 from __future__ import annotations
 
 import contextlib

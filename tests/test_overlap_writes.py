@@ -15,6 +15,8 @@ Small steps and chunks (``small_steps``) make a state of a few MiB take many
 steps, so the overlap happens in every test.
 """
 
+# Private imports: counts and orders the following writers' steps (jobs, staged marks),
+# internals of writing while staging.
 from __future__ import annotations
 
 import contextlib

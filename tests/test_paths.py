@@ -1,13 +1,23 @@
 """Pure naming functions and options: no disk needed."""
 
+# Private imports: unit tests of the pure, private naming functions.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 import asyncsave
-from asyncsave._paths import LAYOUTS, data_file_name, is_temp_name, temp_dir_name, temp_file_name
+from asyncsave._paths import (
+    LAYOUTS,
+    aside_dir_name,
+    data_file_name,
+    is_temp_name,
+    retired_dir_name,
+    temp_dir_name,
+    temp_file_name,
+)
 
 # Resolvers of the trainers asyncsave serves, as they match checkpoint directories.
 RESOLVER_PATTERNS = [r"step_(\d+)", r"iter_(\d+)", r"global_step_(\d+)", r"checkpoint-(\d+)"]
@@ -69,3 +79,21 @@ def test_checkpointer_keyword_overrides_replace_fields() -> None:
     base = asyncsave.CheckpointOptions(writer_threads=3)
     ckpt = asyncsave.Checkpointer("/tmp/never-opened", base, save_timeout_s=5.0)
     assert ckpt.options.writer_threads == 3 and ckpt.options.save_timeout_s == 5.0
+
+
+def test_temp_and_retired_names_match_no_preset() -> None:
+    for name in (temp_dir_name(5), retired_dir_name(5), aside_dir_name("damaged", 5)):
+        for layout in LAYOUTS.values():
+            assert layout.parse_dir_name(name) is None
+        assert not re.fullmatch(r"(global_)?step_\d+|iter_\d+", name)
+        assert not Path(name).match("step_*") and not Path(name).match("global_step_*")
+
+
+def test_megatron_names_pad_to_seven_digits_and_parse_back() -> None:
+    mega = LAYOUTS["megatron"]
+    assert mega.dir_name(40) == "iter_0000040"
+    assert mega.dir_name(123456789) == "iter_123456789"
+    assert mega.parse_dir_name("iter_0000040") == 40
+    assert mega.parse_dir_name("iter_123456789") == 123456789
+    for bad in ("iter_40", "iter_01234567", "iter_-000001", "iter_000004a"):
+        assert mega.parse_dir_name(bad) is None

@@ -12,6 +12,8 @@ it bit-exactly, and a new checkpointer cleans up and resumes the same step.
 crash point; raise it for a longer local run.
 """
 
+# Private imports: lowers the follow threshold inside the power-loss children, which
+# thresholds() cannot reach.
 from __future__ import annotations
 
 import contextlib

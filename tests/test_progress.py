@@ -2,6 +2,8 @@
 from its handle (eager, lazy, streamed; sync facade too), and the INFO log says
 when a save commits and when a resume finds nothing."""
 
+# Private imports: sizes its tensors by the writer's chunk (CHUNK_BYTES) so progress
+# moves chunk by chunk.
 from __future__ import annotations
 
 import logging

@@ -364,7 +364,7 @@ async def test_every_reader_agrees_on_a_commit_newer_than_the_tracker(
 
 
 async def test_swapped_step_directories_never_load_as_each_other(tmp_path: Path) -> None:
-    from asyncsave._cli import main
+    from asyncsave.testing import cli as main
 
     await save_steps(tmp_path, [10, 20])
     (tmp_path / "step_10").rename(tmp_path / "tmp")

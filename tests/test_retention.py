@@ -1,6 +1,7 @@
 """Retention: restart-safe, applied only after a commit, never deleting what resume
 needs (S2, S3, S8)."""
 
+# Private imports: unit tests of the private retention candidates and their application.
 from __future__ import annotations
 
 import errno

@@ -1,5 +1,7 @@
 """Loading runs no foreign code and trusts no byte (invariant 9)."""
 
+# Private imports: the highest manifest format version this reader reads (READ_VERSION),
+# one above it refused.
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Streaming a state larger than the staging budget through it in rounds (S15)."""
 
+# Private imports: unit tests of the private round planner of streamed saves.
 from __future__ import annotations
 
 import errno

@@ -7,6 +7,7 @@ counts. Models: trio's ``_tests/test_exports.py`` (a test that pins the public
 surface); anyio's backends, named by a string and imported lazily.
 """
 
+# Private imports: it reads the package's private modules to check their shape.
 from __future__ import annotations
 
 import ast
@@ -569,8 +570,11 @@ def test_the_complexity_check_sees_a_branchy_function(tmp_path: Path) -> None:
 # one that imports a private module pins the code it means to free. A ratchet: the
 # number of test files (helpers included) importing a private asyncsave module may
 # only go down (43 once asyncsave.testing replaced the patches of the I/O-fault and
-# hang suites; 45 before).
-PRIVATE_IMPORTING_TEST_FILES_MAX = 43
+# hang suites; 45 before; 31 once it had FakeGroup, cli, encode_manifest and the
+# layouts' names, plus the coordinator's unit tests), and each such file says why
+# at its top.
+PRIVATE_IMPORTING_TEST_FILES_MAX = 32
+PRIVATE_IMPORT_REASON = "# Private imports: "
 
 
 def imports_private_module(source: str) -> bool:
@@ -598,6 +602,48 @@ def test_no_more_test_files_import_private_modules() -> None:
         f"{len(importing)} test files import private asyncsave modules (at most "
         f"{PRIVATE_IMPORTING_TEST_FILES_MAX}): use the public API or asyncsave.testing"
     )
+
+
+def private_import_reason(source: str) -> str | None:
+    """The reason a file gives for importing private modules: the text of a
+    ``# Private imports: <reason>`` comment above its first import statement
+    (after the module docstring), or ``None``."""
+    first = min(
+        (n.lineno for n in ast.parse(source).body if isinstance(n, (ast.Import, ast.ImportFrom))),
+        default=0,
+    )
+    for line in source.splitlines()[: max(first - 1, 0)]:
+        if line.startswith(PRIVATE_IMPORT_REASON):
+            reason = line.removeprefix(PRIVATE_IMPORT_REASON).strip()
+            return reason if len(reason.split()) >= 3 else None
+    return None
+
+
+def test_each_test_file_importing_a_private_module_says_why_at_its_top() -> None:
+    tests = Path(__file__).parent
+    sources = {p.name: p.read_text(encoding="utf-8") for p in tests.glob("*.py")}
+    silent = sorted(
+        name
+        for name, source in sources.items()
+        if imports_private_module(source) and private_import_reason(source) is None
+    )
+    assert not silent, (
+        f"{silent} import private asyncsave modules without a "
+        f"{PRIVATE_IMPORT_REASON.strip()!r} comment above their imports saying why"
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "reason"),
+    [
+        ('"""Doc."""\n\n# Private imports: unit tests of the codec.\nimport os\n', "unit tests of the codec."),
+        ('"""Doc."""\n\nimport os\n# Private imports: unit tests of the codec.\n', None),
+        ('"""Doc."""\n\n# Private imports: why\nimport os\n', None),
+        ('"""Doc."""\n\nimport os\n', None),
+    ],
+)
+def test_the_reason_check_wants_a_comment_above_the_imports(source: str, reason: str | None) -> None:
+    assert private_import_reason(source) == reason
 
 
 @pytest.mark.parametrize(

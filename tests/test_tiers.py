@@ -2,6 +2,8 @@
 from that committed copy to the persistent tier behind it; per-tier policies and
 retention; back-pressure; close flushes; resume from the nearest valid tier."""
 
+# Private imports: fails the persistent tier's reads at resume (the resume module's
+# load), a seam with no public handle.
 from __future__ import annotations
 
 import errno

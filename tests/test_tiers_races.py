@@ -3,6 +3,8 @@ persistent copy (update, overwrite), an abandoned copy against a reopened tier,
 saves admitted around the persisting queue's back-pressure, and node-local
 trackers naming a step not every rank committed."""
 
+# Private imports: slows the tier copier's file copy to place a race
+# (_tiers._copy_file).
 from __future__ import annotations
 
 import shutil

@@ -1,5 +1,6 @@
 """The tracker: atomic, forward-only, even across abandoned writer threads."""
 
+# Private imports: unit tests of the private tracker writer and parser.
 from __future__ import annotations
 
 import threading
