@@ -335,24 +335,21 @@ class Admission:
         step = self.check(step)
         coord = self.saver.coord
         ticket = coord.take_ticket()
+
+        async def make() -> str:
+            return (await self.saver.make_tmp(step)).name
+
+        def failure(reason: str) -> Exception:
+            return RankFailedError(
+                f"rank 0 could not create the temporary directory of step {step}: {reason}",
+                step=step,
+                rank=0,
+                ranks={0: reason},
+            )
+
         try:
             await coord.wait_turn(ticket)
-            name: str | None = None
-            if coord.rank == 0:
-                try:
-                    name = (await self.saver.make_tmp(step)).name
-                except Exception as exc:
-                    name = f"error: {exc!r}"
-            name = await coord.broadcast("temp-dir", name, step)
-            assert isinstance(name, str)
-            if name.startswith("error: "):
-                reason = name.removeprefix("error: ")
-                raise RankFailedError(
-                    f"rank 0 could not create the temporary directory of step {step}: {reason}",
-                    step=step,
-                    rank=0,
-                    ranks={0: reason},
-                )
+            name: str = await coord.from_leader("temp-dir", step, make, failure=failure)
         except BaseException:
             coord.end_turn(ticket)
             raise

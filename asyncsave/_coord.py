@@ -23,7 +23,8 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,15 @@ import torch.distributed as dist
 
 from ._errors import CheckpointError, RankFailedError
 
-__all__ = ["Coordinator", "GlooGroup", "Liveness", "Solo", "wants_distributed"]
+__all__ = [
+    "Coordinator",
+    "GlooGroup",
+    "Liveness",
+    "Solo",
+    "Turns",
+    "rank_failure",
+    "wants_distributed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +59,79 @@ def wants_distributed(flag: bool | None) -> bool:
     if flag and not initialised:
         raise CheckpointError("distributed=True needs torch.distributed.init_process_group() first")
     return flag
+
+
+def rank_failure(
+    failed: dict[int, str],
+    *,
+    doing: str,
+    step: int | None,
+    note: str = "",
+    path: Path | None = None,
+) -> RankFailedError:
+    """The one error a failure of some ranks raises on every rank: "<doing> step
+    <step> failed on rank(s) [r, ...]<note>: rank r: <cause>; ...", with
+    ``ranks`` (rank -> cause) and ``rank`` (the lowest)."""
+    at = f" step {step}" if step is not None else ""
+    return RankFailedError(
+        f"{doing}{at} failed on rank(s) {sorted(failed)}{note}: "
+        + "; ".join(f"rank {r}: {cause}" for r, cause in sorted(failed.items())),
+        step=step,
+        rank=min(failed),
+        ranks=failed,
+        path=path,
+    )
+
+
+class Turns:
+    """The ordered-turn primitive: tickets are taken in order, and turns are
+    served in ticket order, one at a time.
+
+    A turn ended before it came (a save abandoned while it waited) is skipped
+    when it comes; ending a turn twice, or a stale ticket one already passed,
+    changes nothing. Not thread-safe: one event loop uses it.
+    """
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._serving = 0
+        self._ended: set[int] = set()  # turns ended before theirs came
+        self._changed = anyio.Event()
+
+    def take(self) -> int:
+        """The next ticket (a place in the order)."""
+        ticket, self._next = self._next, self._next + 1
+        return ticket
+
+    async def wait(self, ticket: int) -> None:
+        """Until every turn before ``ticket`` has ended."""
+        while self._serving != ticket:
+            await self._changed.wait()
+
+    def end(self, ticket: int) -> None:
+        """End ``ticket``'s turn (harmless twice, or for a stale ticket)."""
+        if ticket < self._serving:
+            return
+        self._ended.add(ticket)
+        if self._serving in self._ended:
+            while self._serving in self._ended:
+                self._ended.remove(self._serving)
+                self._serving += 1
+            event, self._changed = self._changed, anyio.Event()
+            event.set()
+
+    @asynccontextmanager
+    async def turn(self, ticket: int | None = None) -> AsyncIterator[int]:
+        """A turn: ``ticket`` (a new one if ``None``) is waited for, the body
+        runs, and the turn ends however the body leaves (an exception, a
+        cancellation while waiting included)."""
+        if ticket is None:
+            ticket = self.take()
+        try:
+            await self.wait(ticket)
+            yield ticket
+        finally:
+            self.end(ticket)
 
 
 class Coordinator:
@@ -78,6 +160,99 @@ class Coordinator:
         """Every rank's ``obj``, by rank (here: ``[obj]``)."""
         return [obj]
 
+    async def map_reduce(
+        self,
+        what: str,
+        step: int | None,
+        local: Callable[[], Awaitable[Any]],
+        *,
+        doing: str | None = None,
+        note: str = "",
+        path: Path | None = None,
+        failure: Callable[[dict[int, str]], Exception] | None = None,
+        own: bool = False,
+    ) -> list[Any]:
+        """The one way ranks agree on a step that each of them runs (DCP's
+        ``_DistWrapper.all_gather``): ``local()`` runs on this rank, its
+        ``Exception`` caught; one outcome per rank is gathered; if any rank
+        failed, every rank raises one :class:`RankFailedError` naming every
+        failed rank with its cause (:func:`rank_failure`; this rank's own
+        exception as ``__cause__``). A world of one is the identity: the local
+        exception itself is raised, unchanged.
+
+        :param what: the collective's name, for errors of the collective itself.
+        :param doing: what failed, for the message (``"save of"``: "save of step
+            3 failed on rank(s) [1]..."); by default ``"the <what> of"``.
+        :param note: appended after the failed ranks (``"; no rank committed it"``).
+        :param path: the error's ``path``.
+        :param failure: builds the error from the failed ranks' causes instead
+            (a load's failure is no :class:`RankFailedError`, which is a save's).
+        :param own: a failed rank raises its own exception instead; the others
+            the failure (a typed error its caller must see).
+        :returns: every rank's value of ``local()``, by rank.
+        :raises RankFailedError: a rank's step failed, or the collective did
+            (a rank died, or did not take part within ``dist_timeout_s``).
+        """
+        value: Any = None
+        error: Exception | None = None
+        try:
+            value = await local()
+        except Exception as exc:
+            error = exc
+        mine = (False, repr(error)) if error is not None else (True, value)
+        outcomes = await self.all_gather(what, mine, step)
+        failed = {r: cause for r, (ok, cause) in enumerate(outcomes) if not ok}
+        if not failed:
+            return [v for _, v in outcomes]
+        if error is not None and (self.world_size == 1 or own):
+            raise error
+        if failure is not None:
+            raise failure(failed) from error
+        doing = f"the {what} of" if doing is None else doing
+        raise rank_failure(failed, doing=doing, step=step, note=note, path=path) from error
+
+    async def from_leader(
+        self,
+        what: str,
+        step: int | None,
+        local: Callable[[], Awaitable[Any]],
+        *,
+        failure: Callable[[str], Exception] | None = None,
+        own: bool = False,
+    ) -> Any:
+        """The leader's result on every rank (DCP's ``_DistWrapper.broadcast``):
+        the leader runs ``local()`` (the others do not), its ``Exception``
+        caught, and broadcasts its value or its failure. If it failed, every
+        rank raises ``failure(cause)`` (by default a :class:`RankFailedError`
+        naming rank 0), the leader with its own exception as ``__cause__``; with
+        ``own``, the leader raises its own exception instead (a typed error of
+        the root, such as :class:`~asyncsave.RootInUseError`, its caller must
+        see). A world of one is the identity: the local exception itself.
+
+        :raises RankFailedError: the leader failed, or the collective did.
+        """
+        value: Any = None
+        error: Exception | None = None
+        if self.leader:
+            try:
+                value = await local()
+            except Exception as exc:
+                error = exc
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return value
+        ok, payload = await self.broadcast(
+            what, (True, value) if error is None else (False, repr(error)), step
+        )
+        if ok:
+            return payload
+        if own and error is not None:
+            raise error
+        if failure is None:
+            raise rank_failure({0: payload}, doing=f"the {what} of", step=step) from error
+        raise failure(payload) from error
+
     def take_ticket(self) -> int:
         """The next save's place in the collective order (taken at dispatch)."""
         return 0
@@ -88,12 +263,33 @@ class Coordinator:
     def end_turn(self, ticket: int) -> None:
         """Leave this save's turn."""
 
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """A turn of its own in the collective order (its collectives never
+        interleave with a save's), ended however the body leaves."""
+        ticket = self.take_ticket()
+        try:
+            await self.wait_turn(ticket)
+            yield
+        finally:
+            self.end_turn(ticket)
+
     async def open_root(
         self, open_fn: Callable[[], Awaitable[tuple[list[int], int | None]]], root: Path
     ) -> tuple[list[int], int | None]:
         """Rank 0 runs ``open_fn`` (lock + recovery); every rank gets its result
-        (committed steps, tracked step)."""
-        return await open_fn()
+        (committed steps, tracked step). Rank 0 raises its own error; the others
+        a :class:`CheckpointError` naming rank 0."""
+
+        def failure(cause: str) -> Exception:
+            return CheckpointError(
+                f"rank 0 could not open the checkpoint root {root}: {cause}", path=root, rank=0
+            )
+
+        committed, tracked = await self.from_leader(
+            "open", None, open_fn, failure=failure, own=True
+        )
+        return list(committed), tracked
 
     def vote(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (a few ints), by rank, from the calling thread
@@ -291,10 +487,7 @@ class GlooGroup(Coordinator):
         self.timeout_s = timeout_s
         self.liveness: Liveness | None = None
         self.policy_group: Any = None  # agreed save policies: a group of their own
-        self._tickets = 0
-        self._serving = 0
-        self._ended: set[int] = set()  # turns ended before theirs came
-        self._turn_changed = anyio.Event()
+        self._turns = Turns()  # the collective order of saves
 
     @classmethod
     async def create(cls, timeout_s: float) -> GlooGroup:
@@ -433,28 +626,6 @@ class GlooGroup(Coordinator):
         result: list[Any] = await self._collective(what, self._all_gather, obj, step)
         return result
 
-    async def open_root(
-        self, open_fn: Callable[[], Awaitable[tuple[list[int], int | None]]], root: Path
-    ) -> tuple[list[int], int | None]:
-        """Rank 0 runs ``open_fn``; the others wait in the broadcast of its result,
-        or raise naming rank 0."""
-        result: tuple[list[int], int | None] | None = None
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                result = await open_fn()
-            except Exception as exc:
-                error = exc
-        payload = await self.broadcast("open", result if error is None else f"error: {error!r}")
-        if error is not None:
-            raise error
-        if isinstance(payload, str):
-            raise CheckpointError(
-                f"rank 0 could not open the checkpoint root {root}: {payload}", path=root, rank=0
-            )
-        committed, tracked = payload
-        return list(committed), tracked
-
     def vote(self, values: list[int]) -> list[list[int]]:
         """The exchange of agreed save policies, from the caller's thread: an
         ``all_gather`` on the policy group in a daemon thread, raced against the
@@ -502,21 +673,10 @@ class GlooGroup(Coordinator):
 
     # -- ordering of saves ----------------------------------------------------------
     def take_ticket(self) -> int:
-        ticket = self._tickets
-        self._tickets += 1
-        return ticket
+        return self._turns.take()
 
     async def wait_turn(self, ticket: int) -> None:
-        while self._serving != ticket:
-            await self._turn_changed.wait()
+        await self._turns.wait(ticket)
 
     def end_turn(self, ticket: int) -> None:
-        if ticket < self._serving:
-            return
-        self._ended.add(ticket)
-        if self._serving in self._ended:
-            while self._serving in self._ended:
-                self._ended.remove(self._serving)
-                self._serving += 1
-            event, self._turn_changed = self._turn_changed, anyio.Event()
-            event.set()
+        self._turns.end(ticket)

@@ -21,49 +21,15 @@ import anyio
 import anyio.to_thread
 import torch
 
+from ._coord import Turns
 from ._errors import CheckpointerClosedError, CheckpointTimeoutError, SaveFailedError
 from ._handle import SaveHandle
 from ._jobs import Job
 from ._phases import Host, Pipeline, Save, as_save_error
 
-__all__ = ["StageOrder", "Stager"]
+__all__ = ["Stager"]
 
 logger = logging.getLogger(__name__)
-
-
-class StageOrder:
-    """Staging order: saves stage (and lease the one arena) in the order of their
-    save() calls. A lazy save stages in the background, so a later eager save
-    could otherwise lease the arena first, and then wait for its collective turn
-    behind the lazy one, which waits for the arena."""
-
-    def __init__(self) -> None:
-        self._next = 0
-        self._serving = 0
-        self._ended: set[int] = set()
-        self._changed = anyio.Event()
-
-    def take(self) -> int:
-        """The next save's place in the order."""
-        seq, self._next = self._next, self._next + 1
-        return seq
-
-    async def wait(self, seq: int) -> None:
-        """Until every save before ``seq`` has staged (or failed)."""
-        while self._serving != seq:
-            await self._changed.wait()
-
-    def end(self, seq: int) -> None:
-        """``seq`` has staged or failed (ending it twice is harmless)."""
-        if seq < self._serving:
-            return
-        self._ended.add(seq)
-        if self._serving in self._ended:
-            while self._serving in self._ended:
-                self._ended.remove(self._serving)
-                self._serving += 1
-            event, self._changed = self._changed, anyio.Event()
-            event.set()
 
 
 class Stager:
@@ -71,7 +37,11 @@ class Stager:
 
     def __init__(self, saver: Host) -> None:
         self.saver = saver
-        self.order = StageOrder()
+        # Staging order: saves stage (and lease the one arena) in the order of
+        # their save() calls. A lazy save stages in the background, so a later
+        # eager save could otherwise lease the arena first, and then wait for its
+        # collective turn behind the lazy one, which waits for the arena.
+        self.order = Turns()
 
     async def dispatch(
         self,

@@ -34,7 +34,7 @@ import anyio.abc
 import torch
 
 from ._atomicity import CommitStrategy
-from ._coord import Coordinator
+from ._coord import Coordinator, rank_failure
 from ._errors import (
     CheckpointError,
     CheckpointTimeoutError,
@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 # What the leader (or, with ``per_rank``, each rank) tells of its commit: None when
 # it committed and tracked; else ("committed" or "failed", repr(error), timed out).
 Outcome = tuple[str, str, bool] | None
+
+_NONE_COMMITTED = "; no rank committed it"
 
 
 class Host(Services, Protocol):
@@ -127,10 +129,9 @@ class Pipeline:
         self.written_s = float("nan")
         self.committing = False  # the leader's commit thread may be renaming
         self.committed = False  # renamed (or marked): only what follows can fail
-        # Every rank's outcome of phase B and the parts of the manifest in it:
-        # emptied at the end (a manifest of 100,000s of tensors), before the
-        # job's settle releases what holds the garbage collector.
-        self.outcomes: list[Any] = []
+        # Every rank's part of the manifest from phase B: emptied at the end (a
+        # manifest of 100,000s of tensors), before the job's settle releases what
+        # holds the garbage collector.
         self.parts: list[dict[str, Any]] = []
 
     async def run(self) -> None:
@@ -158,103 +159,107 @@ class Pipeline:
         leader removes the temporary directory."""
         local_error = self.job if isinstance(self.job, BaseException) else None
         if self.saver.per_rank:  # every rank in its own root
-            local_error = await self._write_own(local_error)
+            await self._write_own(local_error)
         else:
-            local_error = await self._write_shared(local_error)
-        raise_failure(self.coord, "save of", self.step, self.outcomes, local_error, self.tmp)
+            await self._write_shared(local_error)
         assert isinstance(self.job, Job) and self.tmp is not None
-        self.parts = [o[1] for o in self.outcomes]
 
-    async def _agree_tmp(self, local_error: BaseException | None) -> tuple[str, BaseException | None]:
-        """Phase A: the temporary directory's name (agreed before the turn for a
-        streamed save and for Megatron's prepare), or ``"error: "`` and the
-        leader's error."""
-        coord, name = self.coord, None if self.tmp is None else self.tmp.name
-        if self.tmp is None:
-            if coord.leader and local_error is None:
-                try:
-                    self.tmp = await self.saver.make_tmp(self.step)
-                    name = self.tmp.name
-                except Exception as exc:
-                    local_error = exc
-            if coord.leader and local_error is not None:
-                name = f"error: {local_error!r}"
-            name = await coord.broadcast("temp-dir", name, self.step)
-        assert isinstance(name, str)
-        return name, local_error
+    async def _agree_tmp(self, local_error: BaseException | None) -> str:
+        """Phase A: the temporary directory's name, made by the leader (or agreed
+        before the turn, for a streamed save and for Megatron's prepare).
 
-    async def _write_shared(self, local_error: BaseException | None) -> BaseException | None:
-        """Phases A and B in the root every rank shares; returns this rank's error."""
-        coord, step = self.coord, self.step
-        name, local_error = await self._agree_tmp(local_error)
-        if name.startswith("error: "):
-            self.outcomes = [name.removeprefix("error: ")] + [None] * (coord.world_size - 1)
-            return local_error
-        self.tmp = tmp = self.saver.root / name
-        # B: this rank's files, then everyone's outcome.
-        if local_error is None and not self.saver.strategy.same_save(name, step, self.final):
-            local_error = CheckpointError(
-                f"rank {coord.rank} saved step {step} while rank 0 saved "
-                f"another step ({name}): every rank must call save() with "
-                "the same steps in the same order",
-                step=step,
-                rank=coord.rank,
-            )
-        part: dict[str, Any] | None = None
-        if local_error is None:
-            assert isinstance(self.job, Job)
-            try:
-                part = await self.job.write(self.saver, coord, tmp)
-                self.handle._progress.all_written(self.job.nbytes)
-            except Exception as exc:
-                local_error = exc
-        self.written_s = time.perf_counter() - self.save.t0
-        self.outcomes = await coord.all_gather(
-            "files-durable",
-            repr(local_error) if local_error is not None else ("ok", part),
-            step,
-        )
-        return local_error
+        :raises RankFailedError: the leader failed (several ranks), naming it.
+        """
+        if self.tmp is not None:
+            return self.tmp.name
+        step = self.step
 
-    async def _write_own(self, local_error: BaseException | None) -> BaseException | None:
-        """Phases A and B in a root of this rank's own (``per_rank``): its own
-        temporary directory and files, then every rank's outcome (with its step,
-        so that ranks saving different steps all fail). Returns this rank's
-        error; its temporary directory is removed after it."""
-        saver, step, job = self.saver, self.step, self.job
-        if local_error is None and not (isinstance(job, Job) and job.per_rank_root):
-            local_error = CheckpointError(
-                f"step {step}: Tier(local_scope='rank') saves plain state trees only; "
-                f"a {type(job).__name__} (DTensor state, a Megatron request) needs a "
-                "local root every rank shares (local_scope='shared')",
-                step=step,
-                rank=self.coord.rank,
-            )
-        part: dict[str, Any] | None = None
-        try:
+        async def make() -> str:
             if local_error is not None:
                 raise local_error
-            if self.tmp is None:
-                self.tmp = await saver.make_tmp(step)
-            assert isinstance(job, Job)
-            part = await job.write(saver, self.coord, self.tmp)
-            self.handle._progress.all_written(job.nbytes)
-        except Exception as exc:
-            local_error = exc
-        self.written_s = time.perf_counter() - self.save.t0
-        mine = repr(local_error) if local_error is not None else ("ok", part, step)
-        outcomes = await self.coord.all_gather("files-durable", mine, step)
-        self.outcomes = [
-            f"saved step {o[2]}, not {step}: every rank must call save() with the same "
+            self.tmp = await self.saver.make_tmp(step)
+            return self.tmp.name
+
+        def failure(cause: str) -> Exception:
+            return rank_failure({0: cause}, doing="save of", step=step, note=_NONE_COMMITTED)
+
+        name: str = await self.coord.from_leader("temp-dir", step, make, failure=failure)
+        return name
+
+    async def _write_shared(self, local_error: BaseException | None) -> None:
+        """Phases A and B in the root every rank shares."""
+        coord, step = self.coord, self.step
+        name = await self._agree_tmp(local_error)
+        self.tmp = tmp = self.saver.root / name
+
+        async def write() -> dict[str, Any] | None:
+            # B: this rank's files, then everyone's outcome.
+            try:
+                if local_error is not None:
+                    raise local_error
+                if not self.saver.strategy.same_save(name, step, self.final):
+                    raise CheckpointError(
+                        f"rank {coord.rank} saved step {step} while rank 0 saved "
+                        f"another step ({name}): every rank must call save() with "
+                        "the same steps in the same order",
+                        step=step,
+                        rank=coord.rank,
+                    )
+                assert isinstance(self.job, Job)
+                part = await self.job.write(self.saver, coord, tmp)
+                self.handle._progress.all_written(self.job.nbytes)
+                return part
+            finally:
+                self.written_s = time.perf_counter() - self.save.t0
+
+        self.parts = await coord.map_reduce(
+            "files-durable", step, write, doing="save of", note=_NONE_COMMITTED, path=tmp
+        )
+
+    async def _write_own(self, local_error: BaseException | None) -> None:
+        """Phases A and B in a root of this rank's own (``per_rank``): its own
+        temporary directory and files, then every rank's outcome (with its step,
+        so that ranks saving different steps all fail). A failed rank's temporary
+        directory is removed after it."""
+        saver, step, job = self.saver, self.step, self.job
+
+        async def write() -> tuple[dict[str, Any] | None, int]:
+            try:
+                if local_error is not None:
+                    raise local_error
+                if not (isinstance(job, Job) and job.per_rank_root):
+                    raise CheckpointError(
+                        f"step {step}: Tier(local_scope='rank') saves plain state trees "
+                        f"only; a {type(job).__name__} (DTensor state, a Megatron "
+                        "request) needs a local root every rank shares "
+                        "(local_scope='shared')",
+                        step=step,
+                        rank=self.coord.rank,
+                    )
+                if self.tmp is None:
+                    self.tmp = await saver.make_tmp(step)
+                part = await job.write(saver, self.coord, self.tmp)
+                self.handle._progress.all_written(job.nbytes)
+                return part, step
+            except Exception:
+                await saver.discard(self.tmp)
+                self.tmp = None
+                raise
+            finally:
+                self.written_s = time.perf_counter() - self.save.t0
+
+        views = await self.coord.map_reduce(
+            "files-durable", step, write, doing="save of", note=_NONE_COMMITTED, path=self.tmp
+        )
+        other = {
+            r: f"saved step {s}, not {step}: every rank must call save() with the same "
             "steps in the same order"
-            if not isinstance(o, str) and o[2] != step
-            else o
-            for o in outcomes
-        ]
-        if local_error is not None:
-            await saver.discard(self.tmp)
-            self.tmp = None
-        return local_error
+            for r, (_, s) in enumerate(views)
+            if s != step
+        }
+        if other:
+            raise rank_failure(other, doing="save of", step=step, note=_NONE_COMMITTED)
+        self.parts = [part for part, _ in views]
 
     async def finalize(self) -> None:
         """The integration's own finishing steps, after every rank's files are
@@ -263,15 +268,15 @@ class Pipeline:
         assert isinstance(job, Job) and self.tmp is not None
         if type(job).finalize is Job.finalize:
             return
-        local_error: Exception | None = None
-        try:
-            await job.finalize(self.saver, self.coord, self.tmp, self.parts)
-        except Exception as exc:
-            local_error = exc
-        finalized = await self.coord.all_gather(
-            "finalized", None if local_error is None else repr(local_error), self.step
+        tmp = self.tmp
+        await self.coord.map_reduce(
+            "finalized",
+            self.step,
+            functools.partial(job.finalize, self.saver, self.coord, tmp, self.parts),
+            doing="finalizing",
+            note=_NONE_COMMITTED,
+            path=tmp,
         )
-        raise_failure(self.coord, "finalizing", self.step, finalized, local_error, self.tmp)
 
     # -- phase C ----------------------------------------------------------------------
     async def commit(self) -> None:
@@ -342,8 +347,11 @@ class Pipeline:
 
     async def _hear_commit(self, outcome: Outcome) -> Outcome:
         """Every rank hears the leader's outcome."""
+        async def told() -> Outcome:
+            return outcome
+
         try:
-            result: Outcome = await self.coord.broadcast("commit", outcome, self.step)
+            result: Outcome = await self.coord.from_leader("commit", self.step, told)
         except RankFailedError:
             if not self.coord.leader and await self._committed_on_disk():
                 self.committed = True
@@ -374,22 +382,15 @@ class Pipeline:
         """Every rank committed its own part (``per_rank``), or raise naming those
         that did not (a part committed on some ranks only is never resumed: resume
         takes a local step only when every rank has it)."""
-        step, coord = self.step, self.coord
-        views = await coord.all_gather("commit", outcome, step)
-        failed = {r: o[1] for r, o in enumerate(views) if o is not None}
-        if not failed:
-            return
-        if error is not None and coord.world_size == 1:
-            raise error
-        failure = RankFailedError(
-            f"the local commit of step {step} failed on rank(s) {sorted(failed)}: "
-            + "; ".join(f"rank {r}: {cause}" for r, cause in sorted(failed.items())),
-            step=step,
-            rank=min(failed),
-            ranks=failed,
+
+        async def committed() -> None:
+            if error is not None:
+                raise error
+            assert outcome is None
+
+        await self.coord.map_reduce(
+            "commit", self.step, committed, doing="the local commit of"
         )
-        failure.__cause__ = error
-        raise failure
 
     async def _committed_on_disk(self) -> bool:
         """A rank that lost the leader after phase B: did the rename happen?
@@ -485,7 +486,7 @@ class Pipeline:
     async def clean_up(self) -> None:
         saver, save, job, step = self.saver, self.save, self.job, self.step
         self.coord.end_turn(save.ticket)
-        self.outcomes, self.parts = [], []
+        self.parts = []
         if isinstance(job, Job):
             # Writes started while staging, when write() never ran (a
             # rank failed before): they read the arena and write into
@@ -497,35 +498,6 @@ class Pipeline:
         if saver.pending.get(step) is self.handle:
             del saver.pending[step]
         saver.scopes.pop(step, None)
-
-
-def raise_failure(
-    coord: Coordinator,
-    what: str,
-    step: int,
-    outcomes: list[Any],
-    local_error: BaseException | None,
-    tmp: Path | None,
-) -> None:
-    """Raise if any rank's gathered outcome is a failure (a ``str``: the ``repr``
-    of its exception). One process raises its own error; several ranks raise one
-    :class:`RankFailedError` naming every failed rank, on every rank."""
-    failed = {r: o for r, o in enumerate(outcomes) if isinstance(o, str)}
-    if not failed:
-        return
-    if coord.world_size == 1 and local_error is not None:
-        raise local_error
-    error = RankFailedError(
-        f"{what} step {step} failed on rank(s) {sorted(failed)}; no rank committed it: "
-        + "; ".join(f"rank {r}: {cause}" for r, cause in sorted(failed.items())),
-        step=step,
-        rank=min(failed),
-        ranks=failed,
-        path=tmp,
-    )
-    if local_error is not None:
-        error.__cause__ = local_error
-    raise error
 
 
 def as_save_error(exc: Exception, step: int, tmp: Path | None, timeout_s: float) -> SaveFailedError:

@@ -60,15 +60,10 @@ async def load_latest(
     back together (rank 0 moving the damaged checkpoint aside), or raises."""
     if saver.state is not Phase.OPEN:
         raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=saver.root)
-    coord = saver.coord
-    ticket = coord.take_ticket()
-    try:
-        await coord.wait_turn(ticket)
+    async with saver.coord.turn():
         found = await _agreed_load(
             saver, template, device=device, fallback=fallback, required=required
         )
-    finally:
-        coord.end_turn(ticket)
     if found is None:
         # A fresh run, or a mistyped root or layout: say which, where it shows.
         logger.info(
@@ -201,23 +196,18 @@ async def _agree(
     """Every rank's view of this attempt (the step it resolved, its error, whether
     its part is damaged), gathered: raises on every rank when any rank failed or
     the ranks resolved different steps; else the damaged parts by rank."""
-    coord = saver.coord
-    view = (
-        None if info is None else info.step,
-        None if error is None else repr(error),
-        None if damaged_here is None else str(damaged_here),
-    )
-    views = await coord.all_gather("resume", view)
-    failed = {r: v[1] for r, v in enumerate(views) if v[1] is not None}
-    if failed:
+
+    async def view() -> tuple[int | None, str | None]:
         if error is not None:
             raise error
-        raise CheckpointError(
-            f"rank(s) {sorted(failed)} could not resume from {saver.root}: "
-            + "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())),
-            path=saver.root,
-            rank=min(failed),
+        return (
+            None if info is None else info.step,
+            None if damaged_here is None else str(damaged_here),
         )
+
+    views = await saver.coord.map_reduce(
+        "resume", None, view, failure=functools.partial(_resume_failure, saver.root), own=True
+    )
     steps = sorted({v[0] for v in views}, key=lambda x: -1 if x is None else x)
     if len(steps) > 1:
         raise CheckpointError(
@@ -225,7 +215,18 @@ async def _agree(
             f"({steps}): every rank must resume from storage all ranks share",
             path=saver.root,
         )
-    return {r: v[2] for r, v in enumerate(views) if v[2] is not None}
+    return {r: v[1] for r, v in enumerate(views) if v[1] is not None}
+
+
+def _resume_failure(root: Path, failed: dict[int, str]) -> CheckpointError:
+    """The error of the ranks that resume from ``root`` when ``failed`` (rank ->
+    cause) could not (a rank that failed raises its own)."""
+    return CheckpointError(
+        f"rank(s) {sorted(failed)} could not resume from {root}: "
+        + "; ".join(f"rank {r}: {why}" for r, why in sorted(failed.items())),
+        path=root,
+        rank=min(failed),
+    )
 
 
 async def _fall_back(
@@ -323,14 +324,10 @@ async def load_nearest(
     # that they never interleave with a save's (the copies use another group, and
     # go on meanwhile: resuming never waits for the slow tier).
     coord = saver.coord
-    ticket = coord.take_ticket()
-    try:
-        await coord.wait_turn(ticket)
+    async with coord.turn():
         return await _load_nearest(
             saver, persister, coord, template, device, required, strict=strict
         )
-    finally:
-        coord.end_turn(ticket)
 
 
 async def _load_nearest(
@@ -343,16 +340,8 @@ async def _load_nearest(
     *,
     strict: bool,
 ) -> tuple[Restored | None, CheckpointWarning | None]:
-    mine = await anyio.to_thread.run_sync(committed_steps, saver.fs, saver.root, saver.layout)
-    remote: dict[int, Path] = {}
-    if coord.leader:
-        remote = await anyio.to_thread.run_sync(
-            committed_steps, persister.fs, persister.root, persister.layout
-        )
-    views = await coord.all_gather("resume-local", sorted(mine))
-    remote_steps: list[int] = await coord.broadcast("resume-persistent", sorted(remote))
-    local_ok = set(views[0]).intersection(*views[1:])
-    remote_ok = set(remote_steps)
+    local_ok, remote_ok, anything = await _candidates(saver, persister, coord)
+    failed_to_resume = functools.partial(_resume_failure, saver.root)
     last_error: BaseException | None = None
     while local_ok or remote_ok:
         best_local = max(local_ok, default=-1)
@@ -366,17 +355,20 @@ async def _load_nearest(
         # A local part of local_scope="rank" is a checkpoint of one rank: its own.
         if coord.world_size > 1 and not (where == "local" and saver.per_rank):
             reader = functools.partial(load_rank, path, coord.rank, coord.world_size)
-        state: Any = None
-        failure: str | None = None
-        try:
-            state = await anyio.to_thread.run_sync(
-                functools.partial(
-                    reader, device=device, allow_pickle=saver.options.allow_pickle, filesystem=fs
-                )
-            )
-        except (CorruptCheckpointError, CheckpointNotFoundError, OSError) as exc:
-            last_error, failure = exc, repr(exc)
-        failures = [f for f in await coord.all_gather("resume-load", failure, step) if f]
+        read: dict[str, Any] = {}  # this rank's state, or its error
+        attempt = functools.partial(
+            _try_read,
+            functools.partial(
+                reader, device=device, allow_pickle=saver.options.allow_pickle, filesystem=fs
+            ),
+            read,
+        )
+        outcomes = await coord.map_reduce(
+            "resume-load", step, attempt, failure=failed_to_resume, own=True
+        )
+        failures = [f for f in outcomes if f]
+        state, failure = read.get("state"), outcomes[coord.rank]
+        last_error = read.get("error", last_error)
         if not failures:
             _check_required(state, required, path)
             state, note = apply_template(state, template, path, strict=strict)
@@ -406,13 +398,54 @@ async def _load_nearest(
                 step,
                 failure,
             )
-    if last_error is None and not any(views) and not remote_steps:
+    if last_error is None and not anything:
         return None, None
     raise CheckpointNotFoundError(
         f"no checkpoint on the local tier {saver.root} or the persistent tier "
         f"{persister.root} loads",
         path=saver.root,
     ) from last_error
+
+
+async def _candidates(
+    saver: Saver, persister: Persister, coord: Coordinator
+) -> tuple[set[int], set[int], bool]:
+    """The steps to try: the local ones every rank has committed, the
+    persistent ones (rank 0 lists them), and whether any rank found any."""
+
+    async def steps_in(fs: LocalFileSystem, root: Path) -> list[int]:
+        found = await anyio.to_thread.run_sync(committed_steps, fs, root, saver.layout)
+        return sorted(found)
+
+    failed_to_resume = functools.partial(_resume_failure, saver.root)
+    views = await coord.map_reduce(
+        "resume-local",
+        None,
+        functools.partial(steps_in, saver.fs, saver.root),
+        failure=failed_to_resume,
+    )
+    remote_steps: list[int] = await coord.from_leader(
+        "resume-persistent",
+        None,
+        functools.partial(steps_in, persister.fs, persister.root),
+        failure=lambda cause: failed_to_resume({0: cause}),
+        own=True,
+    )
+    local = set(views[0]).intersection(*views[1:])
+    return local, set(remote_steps), any(views) or bool(remote_steps)
+
+
+async def _try_read(reader: Any, out: dict[str, Any]) -> str | None:
+    """This rank's read of a candidate, in a worker thread: the state in
+    ``out["state"]``; a damaged or missing part is an outcome (its ``repr``, the
+    exception in ``out["error"]``: every rank tries the next candidate), anything
+    else raises."""
+    try:
+        out["state"] = await anyio.to_thread.run_sync(reader)
+    except (CorruptCheckpointError, CheckpointNotFoundError, OSError) as exc:
+        out["error"] = exc
+        return repr(exc)
+    return None
 
 
 def _info(fs: LocalFileSystem, path: Path) -> CheckpointInfo:

@@ -76,7 +76,7 @@ import anyio.to_thread
 from ._atomicity import CommitStrategy, discard, move_aside_durably, strategy_for
 from ._catalog import read_checkpoint
 from ._commit import lock_root, recover
-from ._coord import Coordinator, GlooGroup, Solo
+from ._coord import Coordinator, GlooGroup, Solo, Turns
 from ._decode import verify
 from ._errors import (
     CheckpointerClosedError,
@@ -282,10 +282,7 @@ class Persister:
         self._lock_fd: int | None = None
         self._slots: anyio.Semaphore | None = None
         self._reserved: set[int] = set()  # slots taken by reserve(), for dispatch()
-        self._turn = 0  # copies run one at a time, in admission order
-        self._next = 0
-        self._ended: set[int] = set()  # turns ended before theirs came (abandoned)
-        self._turn_changed = anyio.Event()
+        self._turns = Turns()  # copies run one at a time, in admission order
 
     def __repr__(self) -> str:
         return f"Persister({str(self.root)!r})"
@@ -311,7 +308,11 @@ class Persister:
         node's root only have been misconfigured), so that the step can be
         saved again."""
         saver = self.saver
-        views = await saver.coord.all_gather("local-steps", sorted(saver.committed))
+
+        async def mine() -> list[int]:
+            return sorted(saver.committed)
+
+        views = await saver.coord.map_reduce("local-steps", None, mine)
         common = set(views[0]).intersection(*views[1:])
         partial = sorted(set(saver.committed) - common)
         for step in partial:
@@ -380,7 +381,7 @@ class Persister:
             handle = SaveHandle.resolved(step, _bare_info(step, path))
             handle.due_to_persist = True
             self.saver.held[step] = handle
-            turn, self._next = self._next, self._next + 1
+            turn = self._turns.take()
             self.saver.tg.start_soon(self._persist, step, handle, turn, False, True)
         if due:
             logger.info("persisting local steps %s left unpersisted by an earlier run", due)
@@ -470,7 +471,7 @@ class Persister:
             return handle
         handle.due_to_persist = True
         self.saver.held[step] = handle
-        turn, self._next = self._next, self._next + 1
+        turn = self._turns.take()
         assert self.saver.tg is not None
         self.saver.tg.start_soon(self._persist, step, handle, turn, overwrite)
         return handle
@@ -485,8 +486,7 @@ class Persister:
             with scope, self.saver.abandonable(scope):
                 try:
                     await handle._done.wait()
-                    while self._turn != turn:
-                        await self._turn_changed.wait()
+                    await self._turns.wait(turn)
                     local = handle.result()  # raises the local save's own error
                     assert local is not None
                     with anyio.fail_after(self.tier.timeout_s):
@@ -532,16 +532,7 @@ class Persister:
                         await self.saver.retain(self.saver.tracked_step or step)
             assert self._slots is not None
             self._slots.release()
-            self._end_turn(turn)
-
-    def _end_turn(self, turn: int) -> None:
-        self._ended.add(turn)
-        if self._turn in self._ended:
-            while self._turn in self._ended:
-                self._ended.remove(self._turn)
-                self._turn += 1
-            event, self._turn_changed = self._turn_changed, anyio.Event()
-            event.set()
+            self._turns.end(turn)
 
 class Copier:
     """The copy of committed local checkpoints to the persistent root, in the
@@ -582,21 +573,16 @@ class Copier:
             return await self._copy_ranks(step, src, overwrite, check)
         t0 = time.perf_counter()
         final = self.root / self.layout.dir_name(step)
-        outcome: str | None = None
-        if self.coord.leader:
-            try:
-                if not await self._run(self._copy_sync, step, src, overwrite, check):
-                    outcome = "skipped"
-            except Exception as exc:
-                outcome = repr(exc)
-                if self.coord.world_size == 1:
-                    raise
-        if self.coord.world_size > 1:
-            outcome = await self.coord.broadcast("persisted", outcome, step)
-        if outcome == "skipped":
+
+        async def copy() -> bool:
+            copied: bool = await self._run(self._copy_sync, step, src, overwrite, check)
+            return copied
+
+        def failure(cause: str) -> Exception:
+            return SaveFailedError(f"rank 0: {cause}", step=step, path=final, rank=0)
+
+        if not await self.coord.from_leader("persisted", step, copy, failure=failure):
             return None
-        if outcome is not None:
-            raise SaveFailedError(f"rank 0: {outcome}", step=step, path=final, rank=0)
         self.committed[step] = final
         logger.info("persisted step %d to %s in %.3f s", step, final, time.perf_counter() - t0)
         return final
@@ -677,39 +663,19 @@ class Copier:
         (``check`` found a rank's local part damaged; logged)."""
         coord, t0 = self.coord, time.perf_counter()
         final = self.root / self.layout.dir_name(step)
-        cause: BaseException | None = None
-        begun: Any = None
-        if coord.leader:
-            try:
-                begun = await self._run(self._begin, step, overwrite)
-            except Exception as exc:
-                cause, begun = exc, f"rank 0: {exc!r}"
-        begun = await coord.broadcast("persist-begin", begun, step)
-        if isinstance(begun, str):
-            raise SaveFailedError(begun, step=step, path=final, rank=0) from cause
-        name, exchange = begun
+
+        def failure(cause: str) -> Exception:
+            return SaveFailedError(
+                f"persisting step {step} failed: rank 0: {cause}", step=step, path=final, rank=0
+            )
+
+        begin = functools.partial(self._run, self._begin, step, overwrite)
+        name, exchange = await coord.from_leader("persist-begin", step, begin, failure=failure)
         tmp = None if name is None else self.root / name
-        mine: Any
-        raw: bytes | None = None
-        try:
-            *mine, raw = await self._run(self._upload, src, tmp, check, step)
-            mine = tuple(mine)
-        except Exception as exc:
-            cause, mine = exc, repr(exc)
-        views = await coord.all_gather("persist-files", mine, step)
-        outcome: str | None = None
-        if coord.leader:
-            try:
-                outcome = await self._run(self._finish, step, raw, tmp, views, exchange)
-            except Exception as exc:
-                cause, outcome = exc, f"rank 0: {exc!r}"
-        outcome = await coord.broadcast("persisted", outcome, step)
-        if outcome == "skipped":
+        views, raw = await self._upload_all(step, src, tmp, check)
+        finish = functools.partial(self._run, self._finish, step, views, raw, tmp, exchange)
+        if not await coord.from_leader("persisted", step, finish, failure=failure):
             return None
-        if outcome is not None:
-            raise SaveFailedError(
-                f"persisting step {step} failed: {outcome}", step=step, path=final
-            ) from cause
         self.committed[step] = final
         logger.info(
             "rank %d: persisted step %d to %s in %.3f s",
@@ -801,28 +767,61 @@ class Copier:
         part = {k: getattr(manifest, k) for k in ("files", "entries", "tensors", "tree")}
         return "ok", part, raw
 
+    async def _upload_all(
+        self, step: int, src: Path, tmp: Path | None, check: bool
+    ) -> tuple[list[tuple[str, Any]], bytes | None]:
+        """Every rank uploads its part (:meth:`_upload`): every rank's outcome, by
+        rank, and this rank's manifest as read (kept here: rank 0 merges its
+        own); if any rank failed, rank 0 removes the temporary directory and
+        every rank raises naming the failed ones."""
+        raw: list[bytes | None] = [None]
+
+        async def upload() -> tuple[str, Any]:
+            kind, part, raw[0] = await self._run(self._upload, src, tmp, check, step)
+            return kind, part
+
+        try:
+            views: list[tuple[str, Any]] = await self.coord.map_reduce(
+                "persist-files",
+                step,
+                upload,
+                doing="persisting",
+                path=self.root / self.layout.dir_name(step),
+            )
+        except Exception:
+            if self.coord.leader and tmp is not None:
+                await self._run(discard, self.fs, tmp)
+            raise
+        return views, raw[0]
+
     def _finish(
-        self, step: int, raw: bytes | None, tmp: Path | None, views: list[Any], exchange: bool
-    ) -> str | None:
+        self,
+        step: int,
+        views: list[tuple[str, Any]],
+        raw: bytes | None,
+        tmp: Path | None,
+        exchange: bool,
+    ) -> bool:
         """Rank 0, once every rank copied: the merged manifest (from ``raw``, its
         own manifest as read before its copy), the commit, the tracker, the
-        retention, under the persistent root's ``final_lock``. The outcome:
-        ``None``, ``"skipped"`` or the failure named by rank."""
+        retention, under the persistent root's ``final_lock``. Whether it
+        committed (not: a rank's part was ``"skipped"``)."""
         with self.final_lock:
-            return self._finish_locked(step, raw, tmp, views, exchange)
+            return self._finish_locked(step, views, raw, tmp, exchange)
 
     def _finish_locked(
-        self, step: int, raw: bytes | None, tmp: Path | None, views: list[Any], exchange: bool
-    ) -> str | None:
-        errors = {r: v for r, v in enumerate(views) if isinstance(v, str)}
-        skipped = any(not isinstance(v, str) and v[0] == "skipped" for v in views)
+        self,
+        step: int,
+        views: list[tuple[str, Any]],
+        raw: bytes | None,
+        tmp: Path | None,
+        exchange: bool,
+    ) -> bool:
         try:
-            if errors or skipped:
+            if any(v[0] == "skipped" for v in views):
                 if tmp is not None:
                     discard(self.fs, tmp)
-                if errors:
-                    return "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
-                return "skipped"
+                return False
             if tmp is not None:
                 parts = [v[1] for v in views]
                 assert raw is not None
@@ -838,7 +837,7 @@ class Copier:
                 discard(self.fs, tmp)
             raise
         self._after_commit(step)
-        return None
+        return True
 
 
 def _bare_info(step: int, path: Path) -> CheckpointInfo:

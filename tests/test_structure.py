@@ -679,3 +679,61 @@ def test_the_lifecycle_is_an_enum_not_strings() -> None:
 
     assert [p.value for p in Phase] == ["new", "open", "closing", "closed"]
     assert f"{Phase.CLOSING}" == "closing" and Phase.OPEN == "open"
+
+
+COLLECTIVES = {"all_gather", "broadcast", "all_gather_object", "broadcast_object_list"}
+
+
+def hand_encoded_collectives(source: str) -> list[str]:
+    """Where ``source`` runs a collective itself (``coord.all_gather(...)``,
+    ``coord.broadcast(...)``, ``dist.all_gather_object(...)``...) outside a
+    coordinator class (``Coordinator`` or one deriving from it or ``GlooGroup``,
+    which implement them): every other module goes through the coordinator's
+    ``map_reduce`` or ``from_leader``, which encode the outcomes."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, in_coordinator: bool) -> None:
+        if isinstance(node, ast.ClassDef):
+            bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
+            in_coordinator = in_coordinator or bool(
+                ({node.name} | bases) & {"Coordinator", "GlooGroup"}
+            )
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in COLLECTIVES
+            and not in_coordinator
+        ):
+            found.append(f"line {node.lineno}: .{node.func.attr}(")
+        for child in ast.iter_child_nodes(node):
+            visit(child, in_coordinator)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PKG.glob("*.py")))
+def test_ranks_talk_only_through_the_coordinator_helpers(name: str) -> None:
+    """One way to talk across ranks: a step every rank runs is agreed with
+    ``coord.map_reduce`` (one error naming every failed rank, on every rank),
+    the leader's result with ``coord.from_leader``. Before, about 20 sites
+    encoded outcomes by hand in three styles ("error: ..." strings, ``repr``
+    against ``("ok", part)``, tuples)."""
+    assert hand_encoded_collectives((PKG / f"{name}.py").read_text()) == []
+
+
+def test_the_collective_check_sees_a_hand_encoded_site() -> None:
+    source = (
+        "class Fake(Coordinator):\n"
+        "    async def open(self):\n"
+        "        return await self.broadcast('open', 1)\n"
+        "async def f(coord, dist, out):\n"
+        "    views = await coord.all_gather('x', 1)\n"
+        "    dist.broadcast_object_list(out)\n"
+        "    return await saver.coord.broadcast('y', views)\n"
+    )
+    assert hand_encoded_collectives(source) == [
+        "line 5: .all_gather(",
+        "line 6: .broadcast_object_list(",
+        "line 7: .broadcast(",
+    ]

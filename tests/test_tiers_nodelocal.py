@@ -247,7 +247,9 @@ def test_a_rank_whose_copy_fails_fails_persisting_on_every_rank(tmp_path: Path) 
     out = values(run_ranks(_copy_fails_on_rank_1, 2, tmp_path, tmp_path, str(remote)))
     for persisted, closed in out:
         assert "rank 1:" in persisted and "No space left" in persisted, out
-        assert closed == "SaveFailedError"  # raised again at close, as a failed save
+        # Raised again at close, as a failed save naming the failed rank (a
+        # RankFailedError is a SaveFailedError).
+        assert closed == "RankFailedError"
     assert [p.name for p in remote.iterdir()] == [".asyncsave.lock"]  # the temp dir discarded
     for r in (0, 1):  # the local parts stay committed
         assert steps(tmp_path / f"node{r}" / f"rank{r}") == [1]
