@@ -10,13 +10,11 @@ import argparse
 import enum
 import errno
 import json
-import os
 import signal
 import subprocess
 import sys
-import types
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 # lightning is in the dev extra: a missing install fails here, loudly, not skipped.
 import lightning_app as app
@@ -184,7 +182,7 @@ class Color(enum.Enum):
 @pytest.mark.parametrize(
     ("entry", "value"),
     [
-        (("hyper_parameters", "cfg"), argparse.Namespace(depth=3)),
+        (("callbacks", "MyCallback", "args"), argparse.Namespace(depth=3)),
         (("hyper_parameters", "colour"), Color.RED),
         (("hyper_parameters", "tags"), {"a", "b"}),
         (("callbacks", "MyCallback", "state"), Opaque(1)),
@@ -280,92 +278,109 @@ def test_a_failed_open_leaves_the_plugin_closed_and_typed_next_time(tmp_path: Pa
         pass
 
 
+class _PointerFS(asyncsave.LocalFileSystem):
+    """The I/O layer the plugin reads its pointer directories through, with one
+    fault: ``deny(path, op)`` raises for the paths it picks (``op``: "listdir" or
+    "open_read"); reads counted per path."""
+
+    deny: Any = staticmethod(lambda path, op: None)
+    reads: ClassVar[dict[str, list[int]]] = {}
+
+    def listdir(self, path: Path) -> list[str]:
+        self.deny(path, "listdir")
+        return super().listdir(path)
+
+    def open_read(self, path: Path) -> Any:
+        self.deny(path, "open_read")
+        f = super().open_read(path)
+        counts = self.reads.setdefault(Path(path).name, [])
+
+        class Counting:
+            def __enter__(self) -> Any:
+                return self
+
+            def __exit__(self, *exc: Any) -> None:
+                f.close()
+
+            def read(self, n: int = -1) -> bytes:
+                data = f.read(n)
+                counts.append(len(data or b""))
+                return data or b""
+
+        return Counting()
+
+
+@pytest.fixture
+def pointer_fs(monkeypatch: pytest.MonkeyPatch) -> type[_PointerFS]:
+    """The plugin's pointer I/O (only the plugin's: asyncsave's own recovery
+    lists the root too) through :class:`_PointerFS`."""
+    import asyncsave.lightning as plugin
+
+    class FS(_PointerFS):
+        reads: ClassVar[dict[str, list[int]]] = {}
+
+    monkeypatch.setattr(plugin, "LocalFileSystem", FS)
+    return FS
+
+
 @pytest.mark.parametrize("fails", ["listing the directory", "reading a pointer"])
 def test_a_pointer_that_cannot_be_read_keeps_every_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: str
+    tmp_path: Path, pointer_fs: type[_PointerFS], fails: str
 ) -> None:
     """A pointer directory that cannot be listed, or a pointer file that cannot be
     read (EACCES, EIO), may name any step: that retention pass deletes nothing
     (before: it was skipped as if it named none, and its steps were deleted)."""
-    import asyncsave.lightning as plugin
-
     io = AsyncsaveCheckpointIO()
     for step in (1, 2):
         io.save_checkpoint({"global_step": step, "w": torch.ones(4)}, tmp_path / f"s{step}.ckpt")
     io.teardown()
-    denied = OSError(errno.EACCES, "Permission denied")
-    if fails == "listing the directory":
-        def listdir(d: Any) -> list[str]:
-            if Path(d) == tmp_path:
-                raise denied
-            return os.listdir(d)
+    error = (
+        OSError(errno.EACCES, "Permission denied")
+        if fails == "listing the directory"
+        else OSError(errno.EIO, "Input/output error")
+    )
+    op = "listdir" if fails == "listing the directory" else "open_read"
 
-        # The plugin's view of os only: asyncsave's own recovery lists the root too.
-        monkeypatch.setattr(plugin, "os", types.SimpleNamespace(**{**vars(os), "listdir": listdir}))
-    else:
-        eio = OSError(errno.EIO, "Input/output error")
-        monkeypatch.setattr(plugin, "read_pointer", lambda p: (_ for _ in ()).throw(eio))
+    def deny(path: Path, what: str) -> None:
+        if what == op and (Path(path) == tmp_path or Path(path).parent == tmp_path):
+            raise error
+
+    pointer_fs.deny = staticmethod(deny)
     io.remove_checkpoint(tmp_path / "s1.ckpt")  # step 1 is named by nothing now...
     io.save_checkpoint({"global_step": 3, "w": torch.ones(4)}, tmp_path / "s3.ckpt")
     io.teardown()
     assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1, 2, 3]  # ...but kept
-    monkeypatch.undo()
+    pointer_fs.deny = staticmethod(lambda path, what: None)
     io.save_checkpoint({"global_step": 4, "w": torch.ones(4)}, tmp_path / "s4.ckpt")
     io.teardown()
     assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [2, 3, 4]  # readable again
 
 
-def test_a_large_foreign_ckpt_beside_the_pointers_is_not_read_whole(tmp_path: Path) -> None:
-    big = tmp_path / "lightning-own.ckpt"
-    big.write_bytes(b"\x80\x02" + b"\0" * (8 << 20))  # a torch.save-like file, 8 MiB
-    reads: list[int] = []
-    import builtins
-
-    real_open = builtins.open
-
-    class Counting:
-        def __init__(self, f: Any) -> None:
-            self.f = f
-
-        def __enter__(self) -> Any:
-            return self
-
-        def __exit__(self, *exc: Any) -> None:
-            self.f.close()
-
-        def read(self, n: int = -1) -> bytes:
-            data = self.f.read(n)
-            reads.append(len(data))
-            return data
-
-    def counting_open(p: Any, *a: Any, **k: Any) -> Any:
-        return Counting(real_open(p, *a, **k)) if Path(p) == big else real_open(p, *a, **k)
-
+def test_a_large_foreign_ckpt_beside_the_pointers_is_not_read_whole(
+    tmp_path: Path, pointer_fs: type[_PointerFS]
+) -> None:
     import asyncsave.lightning as plugin
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plugin, "open", counting_open, raising=False)
-        with pytest.raises(asyncsave.UnsupportedFormatError):
-            read_pointer(big)
+    big = tmp_path / "lightning-own.ckpt"
+    big.write_bytes(b"\x80\x02" + b"\0" * (8 << 20))  # a torch.save-like file, 8 MiB
+    with pytest.raises(asyncsave.UnsupportedFormatError):
+        read_pointer(big)
+    reads = pointer_fs.reads[big.name]
     assert reads and sum(reads) <= plugin._MAX_POINTER_BYTES + 1 < big.stat().st_size, reads
 
 
 def test_another_users_unreadable_file_beside_the_pointers_does_not_stop_retention(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, pointer_fs: type[_PointerFS]
 ) -> None:
     """Review: a PermissionError on one foreign ``*.ckpt`` (another user's 0600
     torch.save file) must not make every retention pass keep everything."""
-    import asyncsave.lightning as plugin
-
     (tmp_path / "theirs.ckpt").write_bytes(b"\x80\x02")
-    real = plugin.read_pointer
 
-    def read(p: Any) -> Any:
-        if Path(p).name == "theirs.ckpt":
-            raise PermissionError(errno.EACCES, "Permission denied", str(p))
-        return real(p)
+    def deny(path: Path, what: str) -> None:
+        if what == "open_read" and Path(path).name == "theirs.ckpt":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
-    monkeypatch.setattr(plugin, "read_pointer", read)
+    pointer_fs.deny = staticmethod(deny)
     io = AsyncsaveCheckpointIO()
     for step in (1, 2):
         io.save_checkpoint({"global_step": step, "w": torch.ones(4)}, tmp_path / "s.ckpt")

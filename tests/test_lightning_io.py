@@ -1,0 +1,364 @@
+"""asyncsave.lightning from a user's report: names never shared by two saves, one
+merge rule for ``options=`` and keywords (and nothing written for a save that did
+not happen), URL roots, Hydra-style hyper-parameters, and the plugin's lifecycle
+(pickling, ``wait()``, nothing left open after ``teardown``). A real ``Trainer``
+on CPU; the two-process runs are marked slow."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pickle
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning_app as app
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import asyncsave
+from asyncsave.lightning import AsyncsaveCheckpointIO, plugin_options, read_pointer
+
+
+def _trainer(dirpath: Any, epochs: int, plugin: AsyncsaveCheckpointIO, **kw: Any) -> Trainer:
+    return Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=True,
+        plugins=[plugin],
+        callbacks=[ModelCheckpoint(dirpath=dirpath, **kw)],
+    )
+
+
+def _threads() -> set[threading.Thread]:
+    return set(threading.enumerate())
+
+
+def _no_new_threads(before: set[threading.Thread], timeout_s: float = 10.0) -> bool:
+    """Whether every thread started since ``before`` is gone (anyio's idle worker
+    threads leave shortly after their event loop stops: polled, bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while not _threads() <= before:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+# -- names ---------------------------------------------------------------------
+def test_no_two_saves_share_a_name(tmp_path: Path) -> None:
+    """A filename without the step (``"model"``): Lightning versions it
+    (``model-v1.ckpt``) when the name is taken. The pointer of the first save is
+    created before ``save_checkpoint`` returns, so the second save gets its own
+    name and neither checkpoint is lost (before: both saves were named
+    ``model.ckpt``, and step 4 was deleted)."""
+    torch.manual_seed(0)
+    trainer = _trainer(
+        tmp_path,
+        2,
+        AsyncsaveCheckpointIO(),
+        filename="model",
+        save_top_k=-1,
+        monitor="step",
+        mode="max",
+    )
+    trainer.fit(app.Tiny())
+    assert read_pointer(tmp_path / "model.ckpt")[1] == 4
+    assert read_pointer(tmp_path / "model-v1.ckpt")[1] == 8
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [4, 8]
+
+
+def test_a_new_path_exists_when_save_returns_and_wait_makes_it_loadable(tmp_path: Path) -> None:
+    io = AsyncsaveCheckpointIO()
+    try:
+        io.save_checkpoint({"global_step": 3, "w": torch.ones(4)}, tmp_path / "a.ckpt")
+        assert (tmp_path / "a.ckpt").exists()  # ModelCheckpoint.file_exists sees it
+        io.wait()
+        assert "pending" not in json.loads((tmp_path / "a.ckpt").read_text())
+        assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.ones(4))
+    finally:
+        io.teardown()
+
+
+def test_a_pending_pointer_whose_save_never_committed_is_a_typed_error(tmp_path: Path) -> None:
+    """What a run stopped mid-save leaves at a new path: loading it names the
+    step and the way forward instead of loading something else."""
+    doc = {"format": "asyncsave-lightning-pointer", "root": ".", "layout": "asyncsave"}
+    (tmp_path / "x.ckpt").write_text(json.dumps({**doc, "step": 7, "pending": True}))
+    with pytest.raises(asyncsave.CheckpointNotFoundError, match="had not committed") as info:
+        AsyncsaveCheckpointIO().load_checkpoint(tmp_path / "x.ckpt")
+    assert info.value.step == 7
+
+
+def test_a_failed_save_removes_the_pending_pointer_it_created(tmp_path: Path) -> None:
+    from faults import FaultyFS, raise_errno
+
+    fs = FaultyFS("rename", raise_errno(5), where=lambda p: p.endswith("step_2"))
+    io = AsyncsaveCheckpointIO(filesystem=fs)
+    io.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, tmp_path / "b.ckpt")
+    assert (tmp_path / "b.ckpt").exists()
+    with pytest.raises(asyncsave.SaveFailedError):
+        io.teardown()
+    assert not (tmp_path / "b.ckpt").exists()
+
+
+# -- options -------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["options", "keywords"])
+def test_options_and_keywords_mean_the_same(route: str) -> None:
+    fields = {"budget_bytes": 1 << 20, "writer_threads": 3}
+    io = (
+        AsyncsaveCheckpointIO(options=asyncsave.CheckpointOptions(**fields))
+        if route == "options"
+        else AsyncsaveCheckpointIO(**fields)
+    )
+    assert io.options.distributed is False  # before, options= left it None: a DDP hang
+    assert io.options.save_step_zero is True  # before, options= turned it off
+    assert (io.options.budget_bytes, io.options.writer_threads) == (1 << 20, 3)
+    both = plugin_options(asyncsave.CheckpointOptions(budget_bytes=1 << 20), writer_threads=3)
+    assert dataclasses.replace(io.options, retention=None) == both
+
+
+@pytest.mark.parametrize("route", ["options", "keywords"])
+def test_distributed_true_is_refused_by_both_routes(route: str) -> None:
+    with pytest.raises(asyncsave.UnsupportedCombinationError, match="distributed"):
+        if route == "options":
+            AsyncsaveCheckpointIO(options=asyncsave.CheckpointOptions(distributed=True))
+        else:
+            AsyncsaveCheckpointIO(distributed=True)
+    with pytest.raises(TypeError, match="budget"):
+        AsyncsaveCheckpointIO(budget=1)
+
+
+def test_step_zero_is_saved_with_options_as_with_keywords(tmp_path: Path) -> None:
+    io = AsyncsaveCheckpointIO(options=asyncsave.CheckpointOptions(budget_bytes=1 << 20))
+    trainer = _trainer(tmp_path, 1, io)
+    trainer.strategy.connect(app.Tiny())
+    trainer.save_checkpoint(tmp_path / "init.ckpt")
+    io.teardown()
+    assert read_pointer(tmp_path / "init.ckpt")[1] == 0
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [0]
+
+
+def test_a_save_that_did_not_happen_writes_no_pointer(tmp_path: Path) -> None:
+    """``save_step_zero=False``: the save at step 0 is skipped (with asyncsave's
+    warning) and no path names it (before: ``init.ckpt`` pointed at a step that
+    does not exist)."""
+    io = AsyncsaveCheckpointIO(save_step_zero=False)
+    try:
+        with pytest.warns(asyncsave.CheckpointWarning, match="step 0"):
+            io.save_checkpoint({"global_step": 0, "w": torch.ones(2)}, tmp_path / "init.ckpt")
+        io.wait()
+    finally:
+        io.teardown()
+    assert not (tmp_path / "init.ckpt").exists()
+    assert asyncsave.checkpoints(tmp_path) == []
+
+
+# -- URL roots -----------------------------------------------------------------
+@pytest.fixture
+def memory_url() -> Iterator[str]:
+    import fsspec
+
+    url = f"memory://lightning-{uuid.uuid4().hex}"
+    yield url
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+
+
+def test_a_url_dirpath_stays_a_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory_url: str
+) -> None:
+    """``ModelCheckpoint(dirpath="memory://...")``: the checkpoints, the tracker
+    and the pointers are on that file system (before: in a local ``./memory:``
+    folder), and a fit resumes from them."""
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    _trainer(memory_url, 2, AsyncsaveCheckpointIO(), save_last=True).fit(app.Tiny())
+    assert list(tmp_path.iterdir()) == []
+    assert [c.step for c in asyncsave.checkpoints(memory_url)] == [8]
+    root, step, _ = read_pointer(f"{memory_url}/last.ckpt")
+    assert (str(root), step) == (memory_url, 8)
+    loaded = AsyncsaveCheckpointIO().load_checkpoint(f"{memory_url}/last.ckpt")
+    assert loaded["global_step"] == 8
+    trainer = _trainer(memory_url, 3, AsyncsaveCheckpointIO(), save_last=True)
+    trainer.fit(app.Tiny(), ckpt_path=f"{memory_url}/last.ckpt")
+    assert trainer.global_step == 12
+    assert [c.step for c in asyncsave.checkpoints(memory_url)] == [12]
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- hyper-parameters ----------------------------------------------------------
+@dataclasses.dataclass
+class Config:
+    depth: int = 3
+    name: str = "tiny"
+
+
+class Hydra(app.Tiny):
+    """A module saving one structured config, as Hydra users do."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+class WholeConfig(app.Tiny):
+    """``save_hyperparameters(cfg)``: Lightning stores the config itself and
+    its class under ``hparams_type``."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.save_hyperparameters(cfg)
+
+
+def _configs() -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return {
+        "dictconfig": OmegaConf.create({"depth": 3, "name": "${sub.name}", "sub": {"name": "t"}}),
+        "dataclass": Config(),
+        "namespace": argparse.Namespace(depth=3, name="tiny"),
+    }
+
+
+@pytest.mark.parametrize("kind", ["dictconfig", "dataclass", "namespace"])
+def test_hyperparameters_lightning_can_save_are_saved_without_pickle(
+    tmp_path: Path, kind: str
+) -> None:
+    cfg = _configs()[kind]
+    torch.manual_seed(0)
+    _trainer(tmp_path, 1, AsyncsaveCheckpointIO(), save_last=True).fit(Hydra(cfg))
+    hp = AsyncsaveCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")["hyper_parameters"]
+    expected = {
+        "dictconfig": {"depth": 3, "name": "t", "sub": {"name": "t"}},  # resolved, as hparams.yaml
+        "dataclass": {"depth": 3, "name": "tiny"},
+        "namespace": {"depth": 3, "name": "tiny"},
+    }[kind]
+    assert hp["cfg"] == expected
+
+
+def test_a_dictconfig_as_the_whole_hparams_is_saved(tmp_path: Path) -> None:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"lr": 0.05, "name": "${sub.name}", "sub": {"name": "t"}})
+    torch.manual_seed(0)
+    _trainer(tmp_path, 1, AsyncsaveCheckpointIO(), save_last=True).fit(WholeConfig(cfg))
+    ckpt = AsyncsaveCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
+    assert ckpt["hyper_parameters"] == {"lr": 0.05, "name": "t", "sub": {"name": "t"}}
+    assert ckpt["hparams_type"] == "omegaconf.dictconfig.DictConfig"
+
+
+# -- lifecycle -----------------------------------------------------------------
+def test_the_plugin_pickles_open_or_closed(tmp_path: Path) -> None:
+    io = AsyncsaveCheckpointIO(budget_bytes=1 << 20)
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(2)}, tmp_path / "a.ckpt")
+    try:
+        copy = pickle.loads(pickle.dumps(io))  # open: its checkpointer stays behind
+    finally:
+        io.teardown()
+    assert copy.options.budget_bytes == 1 << 20 and copy.options.distributed is False
+    copy.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, tmp_path / "b.ckpt")
+    copy.teardown()
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1, 2]
+    assert read_pointer(tmp_path / "a.ckpt")[1] == 1  # the copy keeps what a.ckpt names
+    pickle.loads(pickle.dumps(copy)).teardown()  # closed
+
+
+def test_a_trained_model_pickles_with_its_trainer(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    trainer = _trainer(tmp_path, 1, AsyncsaveCheckpointIO())
+    trainer.fit(app.Tiny())
+    plugin = pickle.loads(pickle.dumps(trainer.strategy.checkpoint_io))
+    assert isinstance(plugin, AsyncsaveCheckpointIO)
+
+
+def test_saves_and_removals_after_fit_leave_nothing_open(tmp_path: Path) -> None:
+    """After ``fit`` (the trainer's teardown closed the checkpointer):
+    ``remove_checkpoint`` opens and closes one for that call;
+    ``trainer.save_checkpoint(p)`` returns with ``p`` there, ``wait()`` makes
+    it loadable, ``teardown()`` leaves no thread behind."""
+    torch.manual_seed(0)
+    io = AsyncsaveCheckpointIO()
+    trainer = _trainer(tmp_path, 2, io, save_top_k=-1, monitor=None)
+    trainer.fit(app.Tiny())
+    before = _threads()
+    trainer.strategy.remove_checkpoint(tmp_path / "epoch=0-step=4.ckpt")
+    assert _no_new_threads(before), _threads() - before
+    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [8]
+    with warnings.catch_warnings():
+        # The step fit saved last is this plugin's own: pointed at, not saved over.
+        warnings.simplefilter("error", asyncsave.CheckpointWarning)
+        trainer.save_checkpoint(tmp_path / "final.ckpt")
+    assert (tmp_path / "final.ckpt").exists()
+    io.wait()
+    assert io.load_checkpoint(tmp_path / "final.ckpt")["global_step"] == 8
+    io.teardown()
+    assert _no_new_threads(before), _threads() - before
+
+
+def test_a_dict_without_a_global_step_is_saved_whole_at_its_path(tmp_path: Path) -> None:
+    """What ``ddp_spawn``'s rank 0 hands back (its weights, no ``global_step``):
+    committed at its path on return, loaded and removed by another plugin (the
+    launching process's); a directory the plugin did not save stays."""
+    weights = {"net.w": torch.arange(4.0)}
+    AsyncsaveCheckpointIO().save_checkpoint(weights, tmp_path / "t" / ".temp.ckpt")
+    parent = AsyncsaveCheckpointIO()
+    assert torch.equal(
+        parent.load_checkpoint(tmp_path / "t" / ".temp.ckpt")["net.w"], weights["net.w"]
+    )
+    parent.remove_checkpoint(tmp_path / "t" / ".temp.ckpt")
+    assert list((tmp_path / "t").iterdir()) == []
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x.bin").write_bytes(b"x")
+    parent.remove_checkpoint(tmp_path / "other")
+    assert (tmp_path / "other" / "x.bin").exists()
+
+
+# -- two processes -------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("route", ["options", "keywords"])
+def test_ddp_spawn_on_two_ranks_saves_with_options_as_with_keywords(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str
+) -> None:
+    """``strategy="ddp_spawn"`` on 2 CPU processes: the plugin pickles to both
+    ranks and rank 0 saves alone (before: the plugin did not pickle; with
+    ``options=`` under DDP, rank 0 waited in a collective rank 1 never joined)."""
+    # Rank 0 hands its weights back through a tempfile.mkdtemp() directory: the
+    # spawned processes make it under this test's directory.
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    io = (
+        AsyncsaveCheckpointIO(options=asyncsave.CheckpointOptions(budget_bytes=1 << 20))
+        if route == "options"
+        else AsyncsaveCheckpointIO(budget_bytes=1 << 20)
+    )
+    trainer = Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[io],
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)],
+    )
+    trainer.fit(app.Tiny())
+    assert [c.step for c in asyncsave.checkpoints(tmp_path / "ckpts")] == [2]
+    assert read_pointer(tmp_path / "ckpts" / "last.ckpt")[1] == 2
+    # The weights came back through the plugin and their directory went.
+    assert [list(d.iterdir()) for d in (tmp_path / "tmp").iterdir()] == [[]]
