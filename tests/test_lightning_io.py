@@ -26,6 +26,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import asyncsave
 from asyncsave.lightning import AsyncsaveCheckpointIO, plugin_options, read_pointer
+from asyncsave.testing import FaultyFileSystem, pause
 
 
 def _trainer(dirpath: Any, epochs: int, plugin: AsyncsaveCheckpointIO, **kw: Any) -> Trainer:
@@ -57,24 +58,31 @@ def _no_new_threads(before: set[threading.Thread], timeout_s: float = 10.0) -> b
     return True
 
 
+def _named(name: str) -> Any:
+    return lambda path: Path(path).name == name
+
+
 # -- names ---------------------------------------------------------------------
 def test_no_two_saves_share_a_name(tmp_path: Path) -> None:
     """A filename without the step (``"model"``): Lightning versions it
     (``model-v1.ckpt``) when the name is taken. The pointer of the first save is
     created before ``save_checkpoint`` returns, so the second save gets its own
     name and neither checkpoint is lost (before: both saves were named
-    ``model.ckpt``, and step 4 was deleted)."""
+    ``model.ckpt``, and step 4 was deleted). Step 4's commit is held for 2 s,
+    so that step 8 is named while step 4's save is still in flight."""
     torch.manual_seed(0)
+    held = FaultyFileSystem("rename", pause(threading.Event(), 2.0), where=_named("step_4"))
     trainer = _trainer(
         tmp_path,
         2,
-        AsyncsaveCheckpointIO(),
+        AsyncsaveCheckpointIO(filesystem=held),
         filename="model",
         save_top_k=-1,
         monitor="step",
         mode="max",
     )
     trainer.fit(app.Tiny())
+    assert held.fired.is_set()
     assert read_pointer(tmp_path / "model.ckpt")[1] == 4
     assert read_pointer(tmp_path / "model-v1.ckpt")[1] == 8
     assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [4, 8]
