@@ -11,7 +11,7 @@ the library moves them with it and leaves the tests alone (the idea of httpx's
   of the ``n``-th call of one operation; pass it as ``Checkpointer(root,
   filesystem=fs)`` (or ``Tier(..., filesystem=fs)``).
 - :func:`pause_at` stops one save at a named phase (:data:`PHASES`) until the test
-  releases it.
+  releases it; :func:`fail_staging` makes the copy into host buffers fail.
 - :func:`thresholds` lowers the sizes above which a save changes its strategy
   (written while staged, a file per tensor, several files), so that a few KiB of
   test state exercise the same code as GiBs.
@@ -44,7 +44,7 @@ import importlib
 import os
 import signal
 import threading
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -52,14 +52,16 @@ from typing import Any, TextIO
 import anyio
 import anyio.to_thread
 
-from ._coord import Coordinator
-from ._errors import CheckpointError, RankFailedError
+from ._coord import Coordinator, Turns
+from ._errors import RankFailedError
 from ._fs import LocalFileSystem
+from ._manifest import READ_VERSION
 from ._paths import LAYOUTS, is_retired_name, is_temp_name
 
 __all__ = [
     "FILE_OPS",
     "LAYOUT_NAMES",
+    "NEWEST_FORMAT_VERSION",
     "PHASES",
     "PROCEED",
     "FakeGroup",
@@ -70,6 +72,7 @@ __all__ = [
     "checkpoint_dir_name",
     "cli",
     "encode_manifest",
+    "fail_staging",
     "is_temp_name",
     "kill",
     "leftover_temp_names",
@@ -276,6 +279,12 @@ def leftover_temp_names(root: str | os.PathLike[str]) -> list[str]:
 
 #: The names of the layout presets (``CheckpointOptions(layout=...)``), sorted.
 LAYOUT_NAMES: tuple[str, ...] = tuple(sorted(LAYOUTS))
+
+
+#: The newest manifest ``format_version`` this asyncsave reads; a checkpoint of a
+#: higher one raises :class:`~asyncsave.UnsupportedFormatError` (never read as
+#: damaged, never moved aside).
+NEWEST_FORMAT_VERSION: int = READ_VERSION
 
 
 def checkpoint_dir_name(layout: str, step: int) -> str:
@@ -496,6 +505,31 @@ def _hold_following(p: Pause, patches: _Patches) -> None:
     patches.set(mark, "advance", advance)
     patches.set(importlib.import_module("asyncsave._jobs"), "FOLLOW_MIN_BYTES", 0)
     p.options = {"overlap_writes": True}
+
+
+@contextmanager
+def fail_staging(error: Exception) -> Iterator[None]:
+    """Every save's staging (the copy of its tensors into host buffers) raises
+    ``error`` while the block runs, as a device copy that failed would: for tests
+    of what a save, lazy ones above all (whose staging runs after ``save()``
+    returned), does with a failure of its snapshot. Saves started after the block
+    stage normally.
+
+    :raises TypeError: ``error`` is not an ``Exception``.
+    """
+    if not isinstance(error, Exception):
+        raise TypeError(f"error={error!r} must be an Exception instance")
+    jobs = importlib.import_module("asyncsave._jobs")
+    patches = _Patches()
+
+    async def stage_entries(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    patches.set(jobs, "stage_entries", stage_entries)
+    try:
+        yield
+    finally:
+        patches.undo()
 
 
 @contextmanager
@@ -733,10 +767,7 @@ class FakeRank(Coordinator):
     def __init__(self, group: FakeGroup, rank: int) -> None:
         self.fake_group, self.rank, self.world_size = group, rank, group.world_size
         self.timeout_s = group.timeout_s
-        self._tickets = 0
-        self._serving = 0
-        self._ended: set[int] = set()
-        self._turn_changed: anyio.Event | None = None
+        self._turns: Turns | None = None  # the collective order of saves
 
     def __repr__(self) -> str:
         return f"<FakeRank {self.rank} of {self.world_size}>"
@@ -763,54 +794,23 @@ class FakeRank(Coordinator):
         rnd.done.wait(self.timeout_s)
         return [list(v) for v in self.fake_group._outcome(self.rank, rnd, not rnd.done.is_set())]
 
-    async def open_root(
-        self, open_fn: Callable[[], Awaitable[tuple[list[int], int | None]]], root: Path
-    ) -> tuple[list[int], int | None]:
-        """Rank 0 runs ``open_fn``; the others get its result, or raise naming
-        rank 0 (as on a gloo group)."""
-        result: tuple[list[int], int | None] | None = None
-        error: BaseException | None = None
-        if self.rank == 0:
-            try:
-                result = await open_fn()
-            except Exception as exc:
-                error = exc
-        payload = await self.broadcast("open", result if error is None else f"error: {error!r}")
-        if error is not None:
-            raise error
-        if isinstance(payload, str):
-            raise CheckpointError(
-                f"rank 0 could not open the checkpoint root {root}: {payload}", path=root, rank=0
-            )
-        committed, tracked = payload
-        return list(committed), tracked
-
     # -- ordering of saves (a rank's collectives in dispatch order) ----------------
+    def _order(self) -> Turns:
+        if self._turns is None:  # made in the event loop of the rank's checkpointer
+            self._turns = Turns()
+        return self._turns
+
     def take_ticket(self) -> int:
-        ticket, self._tickets = self._tickets, self._tickets + 1
-        return ticket
+        return self._order().take()
 
     async def wait_turn(self, ticket: int) -> None:
-        while self._serving != ticket:
-            if self._turn_changed is None:
-                self._turn_changed = anyio.Event()
-            await self._turn_changed.wait()
+        await self._order().wait(ticket)
 
     def end_turn(self, ticket: int) -> None:
-        if ticket < self._serving:
-            return
-        self._ended.add(ticket)
-        while self._serving in self._ended:
-            self._ended.remove(self._serving)
-            self._serving += 1
-        event, self._turn_changed = self._turn_changed, None
-        if event is not None:
-            event.set()
+        self._order().end(ticket)
 
     def close(self) -> None:
         """This rank's checkpointer closed: the peers' collectives that need it
         fail naming it; the next checkpointer of the rank starts afresh."""
-        self._tickets = self._serving = 0
-        self._ended.clear()
-        self._turn_changed = None
+        self._turns = None
         self.fake_group._leave(self.rank)

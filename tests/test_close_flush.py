@@ -16,10 +16,9 @@ No wall-clock assertions: every pause is released by the test, after a condition
 only detects a hang.
 """
 
-# Private imports: a save held while its copy is followed (StagedMark.advance) inside
-# close, a seam pause_at reaches only for its own with block.
 from __future__ import annotations
 
+import contextlib
 import errno
 import tempfile
 import threading
@@ -38,9 +37,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncsave
-from asyncsave import _jobs
-from asyncsave._paths import is_temp_name
-from asyncsave._stage import StagedMark
+from asyncsave.testing import Pause, fail_staging, is_temp_name, pause_at, thresholds
 
 pytestmark = pytest.mark.anyio
 
@@ -87,11 +84,17 @@ def assert_committed(
     assert not [p.name for p in root.iterdir() if is_temp_name(p.name)]
 
 
-async def release_when_closing(ckpt: asyncsave.Checkpointer, gate: threading.Event) -> None:
-    """Open ``gate`` once ``ckpt`` has begun closing (its exit runs in another task)."""
+async def release_when_closing(
+    ckpt: asyncsave.Checkpointer, gate: threading.Event | Callable[[], None]
+) -> None:
+    """Open ``gate`` (an event, or a release function) once ``ckpt`` has begun
+    closing (its exit runs in another task)."""
     while ckpt._state == "open":
         await anyio.sleep(0.001)
-    gate.set()
+    if isinstance(gate, threading.Event):
+        gate.set()
+    else:
+        gate()
 
 
 def release_when_closing_in_a_thread(
@@ -190,104 +193,74 @@ PHASES = [
 ]
 
 
-class PausedStage:
-    """Wraps the engine's ``stage_entries``: once ``armed``, the next call waits
-    for ``gate`` (in a worker thread) before copying."""
-
-    def __init__(self, armed: threading.Event, gate: threading.Event) -> None:
-        self.real = _jobs.stage_entries
-        self.armed, self.gate, self.reached = armed, gate, threading.Event()
-
-    async def __call__(self, *args: Any, **kwargs: Any) -> None:
-        if self.armed.is_set() and not self.reached.is_set():
-            self.reached.set()
-            await anyio.to_thread.run_sync(self.gate.wait, HANG_GUARD_S)
-        await self.real(*args, **kwargs)
-
-
-def pause_at(
-    phase: str, armed: threading.Event, gate: threading.Event, monkeypatch: pytest.MonkeyPatch
-) -> tuple[FaultyFS | None, threading.Event, dict[str, Any]]:
-    """(file system, the event set once step 2 is paused, checkpointer options)."""
+def stop_in(
+    phase: str, stack: contextlib.ExitStack
+) -> tuple[Pause, FaultyFS | None, dict[str, Any]]:
+    """(the stop of step 2 in ``phase``, armed by the test once step 1 is in, or
+    of step 1's write for ``"buffer"``; the file system; checkpointer options)."""
+    if phase == "buffer":  # step 1's write holds the staging buffer: step 2 waits
+        stop = Pause(timeout_s=HANG_GUARD_S)
+        fs = FaultyFS(
+            "write", stop.hold, where=lambda p: "-tmp-1-" in p and p.endswith(".safetensors")
+        )
+        return stop, fs, {}
+    if phase in ("staging", "following"):  # before any file call: inside the library
+        stop = stack.enter_context(pause_at(phase, armed=False, timeout_s=HANG_GUARD_S))
+        return stop, None, stop.options
+    stop = Pause(armed=False, timeout_s=HANG_GUARD_S)
 
     def of_step_2(suffix: str = "") -> Callable[[str], bool]:
-        return lambda p: armed.is_set() and "-tmp-2-" in p and p.endswith(suffix)
+        return lambda p: stop.armed.is_set() and "-tmp-2-" in p and p.endswith(suffix)
 
-    if phase == "buffer":  # step 1's write holds the staging buffer: step 2 waits
-        fs = FaultyFS(
-            "write", pause(gate), where=lambda p: "-tmp-1-" in p and p.endswith(".safetensors")
-        )
-        return fs, fs.fired, {}
-    if phase == "staging":
-        stage = PausedStage(armed, gate)
-        monkeypatch.setattr(_jobs, "stage_entries", stage)
-        return None, stage.reached, {}
-    if phase == "following":  # copied while its files are written (overlap_writes)
-        monkeypatch.setattr(_jobs, "FOLLOW_MIN_BYTES", 0)
-        real, reached = StagedMark.advance, threading.Event()
-
-        def advance(self: StagedMark, index: int, upto: int) -> None:
-            real(self, index, upto)
-            if armed.is_set() and not reached.is_set():
-                reached.set()
-                gate.wait(HANG_GUARD_S)
-
-        monkeypatch.setattr(StagedMark, "advance", advance)
-        return None, reached, {"overlap_writes": True}
     if phase == "round":  # the first round's write, inside the snapshot
-        fs = FaultyFS("write", pause(gate), where=of_step_2(".safetensors"))
-        return fs, fs.fired, {"budget_bytes": SMALL_BUDGET}
+        fs = FaultyFS("write", stop.hold, where=of_step_2(".safetensors"))
+        return stop, fs, {"budget_bytes": SMALL_BUDGET}
     if phase == "writing":
-        fs = FaultyFS("write", pause(gate), where=of_step_2(".safetensors"))
-        return fs, fs.fired, {}
+        return stop, FaultyFS("write", stop.hold, where=of_step_2(".safetensors")), {}
     if phase == "committing":
-        fs = FaultyFS(
-            "rename", pause(gate), where=lambda p: armed.is_set() and p.endswith("step_2")
-        )
-        return fs, fs.fired, {}
+        where = lambda p: stop.armed.is_set() and p.endswith("step_2")  # noqa: E731
+        return stop, FaultyFS("rename", stop.hold, where=where), {}
     if phase == "tracking":
-        fs = FaultyFS(
-            "replace", pause(gate), where=lambda p: armed.is_set() and p.endswith(TRACKER)
-        )
-        return fs, fs.fired, {}
+        where = lambda p: stop.armed.is_set() and p.endswith(TRACKER)  # noqa: E731
+        return stop, FaultyFS("replace", stop.hold, where=where), {}
     assert phase == "retention"  # step 1 is being retired after step 2's commit
-    fs = FaultyFS("rename", pause(gate), where=lambda p: armed.is_set() and "retired-1-" in p)
-    return fs, fs.fired, {"retention": asyncsave.KeepLast(1)}
+    where = lambda p: stop.armed.is_set() and "retired-1-" in p  # noqa: E731
+    return stop, FaultyFS("rename", stop.hold, where=where), {"retention": asyncsave.KeepLast(1)}
 
 
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
 @pytest.mark.parametrize("phase", PHASES)
 async def test_a_save_paused_in_any_phase_when_close_begins_is_committed(
-    tmp_path: Path, phase: str, lazy: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, phase: str, lazy: bool
 ) -> None:
     """Step 2 is paused in ``phase``; the block is left; the pause ends only once
     close has begun. An eager save paused before its snapshot is complete is still
     inside ``save()`` (another task's call, already accepted): it returns its
     handle and commits too."""
-    armed, gate = threading.Event(), threading.Event()
-    fs, reached, options = pause_at(phase, armed, gate, monkeypatch)
+    stack = contextlib.ExitStack()
+    stop, fs, options = stop_in(phase, stack)
     handles: list[asyncsave.SaveHandle] = []
     try:
-        with anyio.fail_after(HANG_GUARD_S):
+        with stack, anyio.fail_after(HANG_GUARD_S):
             async with anyio.create_task_group() as tg:
                 async with asyncsave.Checkpointer(tmp_path, filesystem=fs, **options) as ckpt:
                     first = await ckpt.save(1, state_of(1))
                     if phase != "buffer":
                         await first
-                    armed.set()
+                    stop.arm()
 
                     async def second() -> None:
                         handles.append(await ckpt.save(2, state_of(2), lazy=lazy))
 
                     tg.start_soon(second)
-                    assert await anyio.to_thread.run_sync(reached.wait, HANG_GUARD_S)
+                    assert await stop.wait_reached(HANG_GUARD_S)
                     await until(lambda: 2 in ckpt.pending_steps)
-                    assert not gate.is_set()
-                    tg.start_soon(release_when_closing, ckpt, gate)
+                    assert not stop.released
+                    tg.start_soon(release_when_closing, ckpt, stop.release)
                 # close returned (raising nothing) after flushing step 2
                 assert ckpt.pending_steps == []
     finally:
-        gate.set()
+        stop.release()
     [handle] = handles
     info = handle.result()
     assert info is not None and info.step == 2
@@ -307,20 +280,21 @@ class Injected(RuntimeError):
 
 @pytest.mark.parametrize("where", ["staging", "streamed-round"])
 async def test_a_lazy_save_whose_staging_fails_still_fails_at_close(
-    tmp_path: Path, where: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, where: str
 ) -> None:
     fs: FaultyFS | None = None
     budget: int | None = None
+    failing: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if where == "staging":
-
-        async def failing_stage(*args: Any, **kwargs: Any) -> None:
-            raise Injected("the copy failed")
-
-        monkeypatch.setattr(_jobs, "stage_entries", failing_stage)
+        failing = fail_staging(Injected("the copy failed"))
     else:
         fs = FaultyFS("write", raise_errno(errno.EIO), where=lambda p: p.endswith(".safetensors"))
         budget = SMALL_BUDGET
-    with anyio.fail_after(HANG_GUARD_S), pytest.raises(asyncsave.SaveFailedError) as at_close:
+    with (
+        failing,
+        anyio.fail_after(HANG_GUARD_S),
+        pytest.raises(asyncsave.SaveFailedError) as at_close,
+    ):
         async with asyncsave.Checkpointer(tmp_path, filesystem=fs, budget_bytes=budget) as ckpt:
             handle = await ckpt.save(1, state_of(1), lazy=True)
     # The staging error itself, not a refusal by the closing checkpointer.
@@ -496,7 +470,7 @@ async def test_close_timeout_refuses_an_overwrite_still_queued_when_it_gives_up(
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["staged-then-written", "overlap"])
 async def test_close_timeout_still_bounds_the_flush_of_accepted_saves(
-    tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, overlap: bool
 ) -> None:
     """Step 1's write hangs, a lazy step 2 waits for the buffer behind it, and an
     eager step 3 is still inside another task's ``save()``: close gives up after
@@ -506,15 +480,15 @@ async def test_close_timeout_still_bounds_the_flush_of_accepted_saves(
     committed. With step 1 written while staged (``overlap_writes``), its
     abandoned writer poisons the staging memory: the waiting saves still get the
     close's errors."""
-    if overlap:
-        monkeypatch.setattr(_jobs, "FOLLOW_MIN_BYTES", 0)
     gate = threading.Event()
     safety = threading.Timer(HANG_GUARD_S, gate.set)  # a broken close still ends
     safety.start()
     fs = FaultyFS("write", pause(gate), where=lambda p: "-tmp-1-" in p)
     refused: list[BaseException] = []
+    # With overlap: step 1 is written while staged, however small.
+    follow = thresholds(follow_min_bytes=0 if overlap else None)
     try:
-        with anyio.fail_after(2 * HANG_GUARD_S):
+        with follow, anyio.fail_after(2 * HANG_GUARD_S):
             async with anyio.create_task_group() as tg:
                 with pytest.raises(asyncsave.CheckpointTimeoutError) as at_close:
                     async with asyncsave.Checkpointer(

@@ -1,8 +1,6 @@
 """asyncsave.dcp: DCP's save/async_save/load through asyncsave's writer and reader,
 and FSDP2 on CPU (2 forked gloo ranks) resuming on 2 and on 1 rank."""
 
-# Private imports: the per-rank reader a distributed load_latest calls (load_rank),
-# checked without starting ranks.
 from __future__ import annotations
 
 import errno
@@ -12,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -19,9 +18,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import asyncsave
 from asyncsave import LocalFileSystem
-from asyncsave._cli import main as cli_main
-from asyncsave._dist import load_rank
 from asyncsave.dcp import StorageReader, StorageWriter
+from asyncsave.testing import FakeGroup
+from asyncsave.testing import cli as cli_main
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
@@ -48,6 +47,24 @@ def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+async def resume_on_two_ranks(root: Path) -> dict[int, Any]:
+    """``load_latest()`` on both ranks of a ``FakeGroup(2)``: what each returned,
+    or the error it raised."""
+    group, out = FakeGroup(2), {}
+
+    async def rank(r: int) -> None:
+        try:
+            async with asyncsave.Checkpointer(root, coordinator=group.rank(r)) as ckpt:
+                out[r] = await ckpt.load_latest()
+        except asyncsave.CheckpointError as exc:
+            out[r] = exc
+
+    async with anyio.create_task_group() as tg:
+        for r in range(2):
+            tg.start_soon(rank, r)
+    return out
+
+
 def test_dcp_save_commits_in_finish_and_dcp_load_reads_it_back(tmp_path: Path) -> None:
     root = tmp_path / "run"
     state = sample_state()
@@ -61,8 +78,11 @@ def test_dcp_save_commits_in_finish_and_dcp_load_reads_it_back(tmp_path: Path) -
     assert info.step == 5 and info.world_size == 1
     with pytest.raises(asyncsave.UnsupportedFormatError, match="StorageReader"):
         asyncsave.load(root / "step_5")
-    with pytest.raises(asyncsave.UnsupportedFormatError, match="StorageReader"):
-        load_rank(root / "step_5", 0, 2)  # what a distributed load_latest() calls
+    # A resume on two ranks (a FakeGroup's, in this process): a typed error on
+    # every rank that says how DCP state loads (into a template), nothing read.
+    for error in anyio.run(resume_on_two_ranks, root).values():
+        assert isinstance(error, asyncsave.UnsupportedFormatError), error
+        assert "torch.distributed.checkpoint" in str(error) and "template" in str(error)
     target = zeros_like(state)
     dcp.load(target, storage_reader=StorageReader(root))  # the root: its latest
     for k, v in state.items():

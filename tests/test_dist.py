@@ -5,8 +5,6 @@ Every test forks 2 ranks (torch imported once in the parent) joined through a gl
 few seconds on 2 shared cores.
 """
 
-# Private imports: the per-rank reader (load_rank) at world sizes other than the saving
-# one.
 from __future__ import annotations
 
 import errno
@@ -23,7 +21,7 @@ import torch.distributed as dist
 
 import asyncsave
 from asyncsave import LocalFileSystem, RankFailedError
-from asyncsave._dist import load_rank
+from asyncsave.testing import FakeGroup
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed import run_ranks, values
@@ -77,6 +75,24 @@ def _two_saves_between_barriers(rank: int, world: int, root: str, backend: str) 
     return anyio.run(main, backend=backend)
 
 
+async def resume_on_ranks(root: Path, world_size: int) -> dict[int, Any]:
+    """``load_latest()`` on every rank of a :class:`FakeGroup` of ``world_size``
+    ranks in this process: each rank's ``Restored``, or the error it raised."""
+    group, out = FakeGroup(world_size), {}
+
+    async def rank(r: int) -> None:
+        try:
+            async with asyncsave.Checkpointer(root, coordinator=group.rank(r)) as ckpt:
+                out[r] = await ckpt.load_latest()
+        except asyncsave.CheckpointError as exc:
+            out[r] = exc
+
+    async with anyio.create_task_group() as tg:
+        for r in range(world_size):
+            tg.start_soon(rank, r)
+    return out
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_two_ranks_commit_one_checkpoint_between_caller_barriers(
     tmp_path: Path, backend: str
@@ -98,11 +114,14 @@ def test_two_ranks_commit_one_checkpoint_between_caller_barriers(
     assert set(whole) == {0, 1}
     assert same(whole[0], state_of(0, 2)) and same(whole[1], state_of(1, 2))
     assert asyncsave.verify(root / "step_2").world_size == 2
-    # One rank's part alone (what load_latest() reads on that rank), and a typed
-    # error at a world size per-rank state cannot be resharded to.
-    assert same(load_rank(root / "step_2", 1, 2), state_of(1, 2))
-    with pytest.raises(asyncsave.CheckpointError, match="saved by 2 ranks"):
-        load_rank(root / "step_2", 0, 3)
+    # Each rank's part alone, as load_latest() reads it on that rank (here on the
+    # ranks of a FakeGroup), and a typed error on every rank at a world size
+    # per-rank state cannot be resharded to.
+    resumed = anyio.run(resume_on_ranks, root, 2)
+    assert all(same(resumed[r].state, state_of(r, 2)) for r in range(2))
+    for error in anyio.run(resume_on_ranks, root, 3).values():
+        assert isinstance(error, asyncsave.CheckpointError), error
+        assert "saved by 2 ranks" in str(error)
     assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
         "latest_checkpointed_iteration.txt",
         "step_1",

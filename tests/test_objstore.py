@@ -33,8 +33,8 @@ import torch
 
 import asyncsave
 from asyncsave import FsspecFileSystem, LocalFileSystem
-from asyncsave._cli import main as cli_main
 from asyncsave._fsspec import is_url, open_root
+from asyncsave.testing import cli as cli_main
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "commit_success.txt"

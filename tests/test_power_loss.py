@@ -12,8 +12,6 @@ it bit-exactly, and a new checkpointer cleans up and resumes the same step.
 crash point; raise it for a longer local run.
 """
 
-# Private imports: lowers the follow threshold inside the power-loss children, which
-# thresholds() cannot reach.
 from __future__ import annotations
 
 import contextlib
@@ -41,7 +39,7 @@ from powerloss import MarkLog, crash_states, events_before, materialise, volatil
 from reliability import record
 
 import asyncsave
-import asyncsave._jobs
+from asyncsave.testing import thresholds
 
 pytestmark = pytest.mark.slow
 
@@ -88,13 +86,8 @@ POWER_SCENARIOS = {
 @contextlib.contextmanager
 def following(options: dict[str, Any]) -> Iterator[None]:
     """With ``overlap_writes``: every save follows, however small its state."""
-    real = asyncsave._jobs.FOLLOW_MIN_BYTES
-    if options.get("overlap_writes"):
-        asyncsave._jobs.FOLLOW_MIN_BYTES = 0
-    try:
+    with thresholds(follow_min_bytes=0 if options.get("overlap_writes") else None):
         yield
-    finally:
-        asyncsave._jobs.FOLLOW_MIN_BYTES = real
 
 
 def record_trace(root: Path, name: str) -> TracingFS:

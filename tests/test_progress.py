@@ -2,12 +2,11 @@
 from its handle (eager, lazy, streamed; sync facade too), and the INFO log says
 when a save commits and when a resume finds nothing."""
 
-# Private imports: sizes its tensors by the writer's chunk (CHUNK_BYTES) so progress
-# moves chunk by chunk.
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +16,21 @@ import torch
 from faults import FaultyFS, pause
 
 import asyncsave
-from asyncsave._write import CHUNK_BYTES
+from asyncsave.testing import thresholds
 
 pytestmark = pytest.mark.anyio
 
 MIB = 1 << 20
+# The bytes of one write call of a data file, pinned for every test (the forked
+# ranks inherit it): progress moves chunk by chunk.
+CHUNK_BYTES = 8 * MIB
+
+
+@pytest.fixture(autouse=True)
+def _chunks_of_chunk_bytes() -> Iterator[None]:
+    with thresholds(chunk_bytes=CHUNK_BYTES):
+        yield
+
 # Two tensors of one chunk each, in one data file: the writes of that file are
 # its header, then chunk 1, then chunk 2.
 N = CHUNK_BYTES // 4

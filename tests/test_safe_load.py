@@ -1,7 +1,5 @@
 """Loading runs no foreign code and trusts no byte (invariant 9)."""
 
-# Private imports: the highest manifest format version this reader reads (READ_VERSION),
-# one above it refused.
 from __future__ import annotations
 
 import json
@@ -13,7 +11,7 @@ import pytest
 import torch
 
 import asyncsave
-from asyncsave._manifest import READ_VERSION, encode_manifest
+from asyncsave.testing import NEWEST_FORMAT_VERSION, encode_manifest
 
 pytestmark = pytest.mark.anyio
 
@@ -319,7 +317,7 @@ async def test_a_manifest_that_is_a_directory_is_a_typed_error(tmp_path: Path) -
 
 async def test_a_newer_format_is_left_alone_not_called_damaged(tmp_path: Path) -> None:
     path = await make(tmp_path, {"w": torch.ones(2)})
-    write_manifest(path, {**manifest(path), "format_version": READ_VERSION + 1})
+    write_manifest(path, {**manifest(path), "format_version": NEWEST_FORMAT_VERSION + 1})
     with pytest.raises(asyncsave.UnsupportedFormatError, match="upgrade"):
         asyncsave.load(path)
     with pytest.raises(asyncsave.UnsupportedFormatError):

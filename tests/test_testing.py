@@ -16,9 +16,15 @@ import torch
 
 import asyncsave
 from asyncsave.testing import (
+    LAYOUT_NAMES,
+    NEWEST_FORMAT_VERSION,
     PHASES,
     FaultyFileSystem,
     block,
+    checkpoint_dir_name,
+    cli,
+    encode_manifest,
+    fail_staging,
     leftover_temp_names,
     pause,
     pause_at,
@@ -204,3 +210,89 @@ def test_leftover_temp_names_lists_only_temporary_entries(tmp_path: Path) -> Non
     assert leftover_temp_names(tmp_path) == []
     (tmp_path / ".asyncsave-tmp-2-0123456789ab").mkdir()
     assert leftover_temp_names(tmp_path) == [".asyncsave-tmp-2-0123456789ab"]
+
+
+# -- failing staging ----------------------------------------------------------------
+
+
+class CopyFailed(RuntimeError):
+    pass
+
+
+async def test_fail_staging_fails_the_saves_staged_inside_the_block_only(tmp_path: Path) -> None:
+    error = CopyFailed("the device copy failed")
+    with pytest.raises(asyncsave.SaveFailedError) as failed:
+        async with asyncsave.Checkpointer(tmp_path) as ckpt:
+            with fail_staging(error):
+                handle = await ckpt.save(1, state_of(1), lazy=True)
+                with pytest.raises(asyncsave.SaveFailedError):
+                    await handle
+    assert failed.value.__cause__ is error
+    assert committed(tmp_path) == [] and leftover_temp_names(tmp_path) == []
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(2, state_of(2), lazy=True))
+    assert committed(tmp_path) == [2]
+    with pytest.raises(TypeError, match="error="):
+        with fail_staging(KeyboardInterrupt()):  # type: ignore[arg-type]
+            pass
+
+
+# -- the command, manifests, layouts' names -----------------------------------------
+
+
+async def test_cli_runs_the_command_in_this_process(tmp_path: Path) -> None:
+    import io
+
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(3, state_of(3)))
+    out = io.StringIO()
+    assert cli(["ls", str(tmp_path)], out=out) == 0
+    assert "step_3" in out.getvalue()
+    assert cli(["verify", str(tmp_path / "step_3")], out=io.StringIO()) == 0
+    (tmp_path / "step_3" / "manifest.json").write_bytes(b"{}")
+    assert cli(["verify", str(tmp_path / "step_3")], out=io.StringIO()) == 1
+
+
+async def test_encode_manifest_writes_an_edit_that_is_checked_as_an_edit(tmp_path: Path) -> None:
+    """An edited manifest re-encoded passes its self-checksum, so the loader
+    judges the edited field itself; written as is, the old checksum refuses it."""
+    import json
+
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, state_of(1)))
+    path = tmp_path / "step_1" / "manifest.json"
+    doc = json.loads(path.read_bytes())
+    assert encode_manifest({k: v for k, v in doc.items() if k != "manifest_xxh3_64"}) == (
+        path.read_bytes()
+    )
+    doc.pop("manifest_xxh3_64")
+    doc["format_version"] = 10**6
+    path.write_bytes(encode_manifest(doc))
+    with pytest.raises(asyncsave.UnsupportedFormatError):
+        asyncsave.load(tmp_path / "step_1")
+
+
+def test_checkpoint_dir_name_follows_each_layout_preset() -> None:
+    assert set(LAYOUT_NAMES) >= {"asyncsave", "megatron", "verl"}
+    assert list(LAYOUT_NAMES) == sorted(LAYOUT_NAMES)
+    assert checkpoint_dir_name("asyncsave", 7) == "step_7"
+    assert checkpoint_dir_name("megatron", 7) == "iter_0000007"
+    assert checkpoint_dir_name("verl", 7) == "global_step_7"
+    with pytest.raises(ValueError, match="layout='nope'"):
+        checkpoint_dir_name("nope", 1)
+
+
+async def test_newest_format_version_is_read_and_one_above_is_not(tmp_path: Path) -> None:
+    import json
+
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, state_of(1)))
+    path = tmp_path / "step_1" / "manifest.json"
+    doc = json.loads(path.read_bytes())
+    doc.pop("manifest_xxh3_64")
+    assert doc["format_version"] <= NEWEST_FORMAT_VERSION
+    path.write_bytes(encode_manifest({**doc, "format_version": NEWEST_FORMAT_VERSION}))
+    assert asyncsave.load(tmp_path / "step_1")["step"] == 1
+    path.write_bytes(encode_manifest({**doc, "format_version": NEWEST_FORMAT_VERSION + 1}))
+    with pytest.raises(asyncsave.UnsupportedFormatError):
+        asyncsave.load(tmp_path / "step_1")
