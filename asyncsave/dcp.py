@@ -118,7 +118,7 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ._atomicity import commit_dir, discard, make_held_temp_dir
+from ._atomicity import CommitStrategy, RenameCommit, discard, make_held_temp_dir, strategy_for
 from ._bits import clone_bits, flat_bytes
 from ._catalog import latest
 from ._commit import hold_root
@@ -370,6 +370,8 @@ class StorageWriter(_DcpStorageWriter):
         never replaces a checkpoint. Nothing is left in ``root`` then.
     :raises RootInUseError: (from :meth:`finish`) the root's lock stayed held for
         ``lock_timeout_s``; nothing was committed, nothing is left in ``root``.
+    :raises CheckpointError: (on construction) ``filesystem`` cannot move files
+        (an object store), which the commit needs to gather every rank's files.
     :raises CheckpointError: (from ``set_up_storage_writer``) ``dcp.save(...,
         use_collectives=False)`` on several ranks (each rank would commit alone;
         DCP's own writer then writes per-rank metadata instead).
@@ -401,6 +403,9 @@ class StorageWriter(_DcpStorageWriter):
     _handed_lock: Any = dataclasses.field(
         default_factory=threading.Lock, init=False, repr=False, compare=False
     )
+    _strategy: CommitStrategy = dataclasses.field(  # chosen once, from ``filesystem``
+        default_factory=RenameCommit, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         check_root(self.root, "StorageWriter root")
@@ -411,6 +416,7 @@ class StorageWriter(_DcpStorageWriter):
         if not self.lock_timeout_s > 0:
             raise ValueError(f"lock_timeout_s={self.lock_timeout_s!r} must be > 0")
         check_lock_mode(self.lock)
+        self._strategy = _strategy_of(self.root, self.filesystem)
         weakref.finalize(self, _release_all, self.filesystem, self._handed)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -689,10 +695,13 @@ class StorageWriter(_DcpStorageWriter):
         return tmp
 
     def _publish(self, root: Path, tmp: Path, final: Path, step: int) -> None:
-        """Rename ``tmp`` to ``final`` and move the tracker, under the root's lock.
+        """Commit ``tmp`` (its manifest written, outside the lock) as ``final``
+        through the root's commit protocol (``CommitStrategy.commit``, the call
+        the engine's pipeline makes) and move the tracker forward, under the
+        root's lock.
 
         :raises CheckpointError: ``final`` exists; or it is committed but its
-            rename or the tracker could not be made durable (the next open
+            commit or the tracker could not be made durable (the next open
             finishes that).
         """
         fs, layout = self.filesystem, LAYOUTS[self.layout]
@@ -700,7 +709,7 @@ class StorageWriter(_DcpStorageWriter):
             if fs.exists(final):
                 raise _exists(final, step)
             try:
-                commit_dir(fs, tmp, final, overwrite=False)
+                self._strategy.commit(fs, tmp, final, overwrite=False)
             except OSError as exc:
                 if fs.exists(tmp) or not fs.exists(final):
                     raise  # before the rename: nothing committed, every directory goes
@@ -725,6 +734,23 @@ class StorageWriter(_DcpStorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # never picked automatically: construct it explicitly
+
+
+def _strategy_of(root: str, fs: LocalFileSystem) -> CommitStrategy:
+    """The commit protocol of the writer's ``root`` on ``fs``.
+
+    :raises CheckpointError: it cannot move files between directories (an
+        object store), which DCP's writer needs to gather every rank's files.
+    """
+    strategy = strategy_for(fs)
+    if not strategy.can_move_files:
+        raise CheckpointError(
+            f"StorageWriter root {root!r}: {fs!r} cannot move files between "
+            "directories (an object store), and DCP's writer moves every rank's "
+            "files into one directory at the commit: write to a POSIX root",
+            path=root,
+        )
+    return strategy
 
 
 def _located(results: list[list[WriteResult]]) -> list[list[WriteResult]]:

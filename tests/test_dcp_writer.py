@@ -516,3 +516,16 @@ def test_resets_of_overlapping_saves_through_one_writer_keep_their_own_step_and_
         out = {"w": torch.zeros(8), "meta": {"step": -1.0}}
         dcp.load(out, storage_reader=StorageReader(path), no_dist=True)
         assert out["meta"]["step"] == value and torch.equal(out["w"], torch.full((8,), value))
+
+
+def test_the_writer_refuses_a_root_that_cannot_move_files(tmp_path: Path) -> None:
+    """Each rank writes into a directory of its own and the commit moves every
+    rank's files into one: the root's commit protocol cannot do that on an
+    object store, so the writer says so at construction, before any write."""
+    import fsspec
+
+    layer = asyncsave.FsspecFileSystem(fsspec.filesystem("memory"))
+    with pytest.raises(asyncsave.CheckpointError, match="cannot move files") as info:
+        asyncsave.dcp.StorageWriter("memory://ckpt", 1, filesystem=layer)
+    assert info.value.path is not None and "ckpt" in str(info.value.path)
+    asyncsave.dcp.StorageWriter(str(tmp_path), 1)  # a POSIX root: accepted
