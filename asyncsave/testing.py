@@ -569,6 +569,7 @@ class _Round:
 
     def __init__(self, gen: int, op: str, what: str, step: int | None) -> None:
         self.gen, self.op, self.what, self.step = gen, op, what, step
+        self.first: int | None = None  # the rank that opened the round
         self.values: dict[int, Any] = {}
         self.error: tuple[str, int | None, str] | None = None  # (kind, rank, detail)
         self.done = threading.Event()
@@ -691,12 +692,14 @@ class FakeGroup:
             gen, seq = self._gen[rank], self._seq[rank]
             self._seq[rank] += 1
             rnd = self._rounds.setdefault((gen, seq), _Round(gen, op, what, step))
+            if rnd.first is None:
+                rnd.first = rank
             fault = self._fault_for(rank, what)
             if fault == "fail":
                 self._dead[rank] = f"rank {rank} died at the {what} collective (FakeGroup.fail)"
             if rnd.error is None and (rnd.op, rnd.what) != (op, what):
                 detail = (
-                    f"rank {rank} called {op} {what!r} where another rank called "
+                    f"rank {rank} called {op} {what!r} where rank {rnd.first} called "
                     f"{rnd.op} {rnd.what!r}"
                 )
                 rnd.error = ("mismatch", None, detail)
