@@ -215,9 +215,9 @@ def _pointer_doc(fs: LocalFileSystem, p: Path) -> dict[str, Any]:
     return doc
 
 
-def _pointer_root(p: Path, rel: str) -> Path:
+def _pointer_root(p: Path, rel: str, storage_options: Any = None) -> Path:
     if is_url(rel):
-        return open_root(rel)[1]
+        return open_root(rel, storage_options=storage_options)[1]
     if os.path.isabs(rel):
         return Path(rel)
     if is_url(p):
@@ -238,7 +238,7 @@ def read_pointer(
     """
     fs, p = _locate(path, CheckpointOptions(storage_options=storage_options))
     doc = _pointer_doc(fs, p)
-    return _pointer_root(p, doc["root"]), doc["step"], doc["layout"]
+    return _pointer_root(p, doc["root"], storage_options), doc["step"], doc["layout"]
 
 
 def _plain(obj: Any) -> Any:
@@ -622,7 +622,8 @@ class AsyncsaveCheckpointIO(CheckpointIO):
                     "cannot read %s (%r): this retention pass deletes nothing", d / name, exc
                 )
                 return None
-            if str(_pointer_root(d / name, doc["root"])) == str(self.root):
+            named = _pointer_root(d / name, doc["root"], self.options.storage_options)
+            if str(named) == str(self.root):
                 steps.add(doc["step"])
         return steps
 
@@ -671,7 +672,7 @@ class AsyncsaveCheckpointIO(CheckpointIO):
 
     def _load_pointer(self, fs: LocalFileSystem, p: Path, where: dict[str, Any]) -> Any:
         doc = _pointer_doc(fs, p)
-        root = _pointer_root(p, doc["root"])
+        root = _pointer_root(p, doc["root"], self.options.storage_options)
         if not is_url(root):
             where = {**where, "filesystem": None}
         elif not is_url(p):  # a local pointer to an object store's root

@@ -208,6 +208,35 @@ def test_a_url_dirpath_stays_a_url(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_s3_dirpath_keeps_everything_on_the_object_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moto_server: str
+) -> None:
+    """The moto S3 server: Lightning's ModelCheckpoint and the plugin both reach it
+    through the environment's endpoint and credentials (botocore reads them)."""
+    import s3fs
+
+    for name, value in {
+        "AWS_ENDPOINT_URL": moto_server,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    bucket = f"lightning-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem().mkdir(bucket)
+    url = f"s3://{bucket}/run1"
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    _trainer(url, 2, AsyncsaveCheckpointIO(), filename="model", save_last=True).fit(app.Tiny())
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert list(tmp_path.iterdir()) == []
+    assert [c.step for c in asyncsave.checkpoints(url)] == [8]
+    assert read_pointer(f"{url}/last.ckpt")[1] == 8
+    loaded = AsyncsaveCheckpointIO().load_checkpoint(f"{url}/model.ckpt")
+    assert loaded["global_step"] == 8
+
+
 # -- hyper-parameters ----------------------------------------------------------
 @dataclasses.dataclass
 class Config:
