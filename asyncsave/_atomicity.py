@@ -44,6 +44,7 @@ __all__ = [
     "make_temp_dir",
     "move_aside",
     "move_aside_durably",
+    "move_files",
     "strategy_for",
 ]
 
@@ -350,6 +351,29 @@ def commit_dir(fs: LocalFileSystem, tmp: Path, final: Path, *, overwrite: bool) 
     else:
         fs.rename(tmp, final)
     fs.fsync_dir(final.parent)
+
+
+def move_files(
+    fs: LocalFileSystem, src: Path, dst: Path, names: list[str], *, keep_src: bool = False
+) -> None:
+    """Move the files ``names`` of ``src`` into the save's temporary directory
+    ``dst`` (same file system: renames; ``CommitStrategy.can_move_files``), make
+    the renames durable, drop ``src``: a rank's files written before the save's
+    turn (streamed rounds, files written while staged), or another rank's files
+    gathered by DCP's writer. Both directories are fsynced: POSIX makes a rename
+    durable only with both parents (the power-loss suite's model; without
+    ``src``'s, a power cut after the commit could leave a committed checkpoint
+    without the file).
+
+    :param keep_src: leave the emptied ``src`` for the caller to remove after
+        the commit (DCP's writer: another rank's directory, locked by that rank).
+    """
+    for name in names:
+        fs.rename(src / name, dst / name)
+    fs.fsync_dir(dst)
+    fs.fsync_dir(src)
+    if not keep_src:
+        fs.remove_tree(src)
 
 
 def move_aside(

@@ -44,6 +44,7 @@ import anyio.to_thread
 import torch
 import torch.distributed as dist
 
+from ._atomicity import move_files
 from ._combine import PRECEDENCE, Context, Row, lookup
 from ._errors import (
     CheckpointError,
@@ -399,7 +400,7 @@ class PlainJob(Job):
         early = self.early
         if early is not None and early.tmp != tmp:  # a rank's own directory (several ranks)
             names = [fl.name for fl in self.layouts if fl.index in early.files]
-            await saver.run(_move_files, saver.fs, early.tmp, tmp, names)
+            await saver.run(move_files, saver.fs, early.tmp, tmp, names)
 
     def manifest(self, tmp: Path, step: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
         doc = manifest_doc(step, self.plan, self.layouts)
@@ -580,7 +581,7 @@ class StreamedJob(PlainJob):
             self.plan.entries[i].digest = digest
         if self.stream.directory != tmp:  # a rank's own directory (several ranks)
             names = [fl.name for fl in self.layouts]
-            await saver.run(_move_files, saver.fs, self.stream.directory, tmp, names)
+            await saver.run(move_files, saver.fs, self.stream.directory, tmp, names)
 
 
 class IncrementalJob(PlainJob):
@@ -1054,20 +1055,6 @@ def check_visible(fs: LocalFileSystem, tmp: Path, parts: list[dict[str, Any]]) -
                     path=path,
                     rank=r,
                 )
-
-
-def _move_files(fs: LocalFileSystem, src: Path, dst: Path, names: list[str]) -> None:
-    """Move files written before the save's turn (streamed rounds, files written
-    while staged) into the save's temporary directory (same file system:
-    renames), make the renames durable, drop ``src``. Both directories are
-    fsynced: POSIX makes a rename durable only with both parents (the power-loss
-    suite's model; without ``src``'s, a power cut after the commit could leave a
-    committed checkpoint without the file)."""
-    for name in names:
-        fs.rename(src / name, dst / name)
-    fs.fsync_dir(dst)
-    fs.fsync_dir(src)
-    fs.remove_tree(src)
 
 
 def manifest_doc(

@@ -118,7 +118,14 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ._atomicity import CommitStrategy, RenameCommit, discard, make_held_temp_dir, strategy_for
+from ._atomicity import (
+    CommitStrategy,
+    RenameCommit,
+    discard,
+    make_held_temp_dir,
+    move_files,
+    strategy_for,
+)
 from ._bits import clone_bits, flat_bytes
 from ._catalog import latest
 from ._commit import hold_root
@@ -689,9 +696,8 @@ class StorageWriter(_DcpStorageWriter):
             temps.append(made)
         tmp = root / save.tmp if save.tmp is not None else temps[-1]
         for other in temps:
-            if other != tmp:  # another rank's directory: its files move in
-                for name in fs.listdir(other):
-                    fs.rename(other / name, tmp / name)
+            if other != tmp:  # another rank's directory: its files move in, durably
+                move_files(fs, other, tmp, fs.listdir(other), keep_src=True)
         return tmp
 
     def _publish(self, root: Path, tmp: Path, final: Path, step: int) -> None:

@@ -529,3 +529,44 @@ def test_the_writer_refuses_a_root_that_cannot_move_files(tmp_path: Path) -> Non
         asyncsave.dcp.StorageWriter("memory://ckpt", 1, filesystem=layer)
     assert info.value.path is not None and "ckpt" in str(info.value.path)
     asyncsave.dcp.StorageWriter(str(tmp_path), 1)  # a POSIX root: accepted
+
+
+class _RecordsSync(LocalFileSystem):
+    """Records, in order, each rename's source directory and each fsync'd one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, str]] = []
+
+    def rename(self, src: Path, dst: Path) -> None:
+        super().rename(src, dst)
+        self.events.append(("rename-from", str(Path(src).parent)))
+
+    def fsync_dir(self, path: Path) -> None:
+        super().fsync_dir(path)
+        self.events.append(("fsync", str(path)))
+
+
+def _gather_on_two_ranks(rank: int, world: int, root: str) -> Any:
+    fs = _RecordsSync() if rank == 0 else LocalFileSystem()
+    state = {f"w{rank}": torch.full((4,), float(rank))}
+    dcp.save(state, storage_writer=StorageWriter(root, 1, filesystem=fs))
+    return fs.events if isinstance(fs, _RecordsSync) else []
+
+
+@pytest.mark.slow
+def test_the_files_gathered_from_another_ranks_directory_are_moved_durably(
+    tmp_path: Path,
+) -> None:
+    """Rank 0's commit moves rank 1's files into the directory it renames: both
+    directories are fsynced after the moves and before the commit's rename (POSIX
+    makes a rename durable only with both parents)."""
+    root = tmp_path / "run"
+    events, _ = values(run_ranks(_gather_on_two_ranks, 2, tmp_path, str(root)))
+    moved_from = {d for kind, d in events if kind == "rename-from" and ".asyncsave-tmp" in d}
+    commit = next(i for i, (kind, d) in enumerate(events) if kind == "rename-from" and d == str(root))
+    assert len(moved_from) == 1, events  # rank 1's own directory
+    (other,) = moved_from
+    last_move = max(i for i, (kind, d) in enumerate(events) if (kind, d) == ("rename-from", other))
+    assert ("fsync", other) in events[last_move:commit], events
+    assert leftovers(root) == []
