@@ -15,6 +15,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterator
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
@@ -314,12 +315,16 @@ def test_the_plugin_pickles_open_or_closed(tmp_path: Path) -> None:
     pickle.loads(pickle.dumps(copy)).teardown()  # closed
 
 
-def test_a_trained_model_pickles_with_its_trainer(tmp_path: Path) -> None:
+def test_torch_save_of_a_trainer_holding_the_plugin(tmp_path: Path) -> None:
     torch.manual_seed(0)
     trainer = _trainer(tmp_path, 1, AsyncsaveCheckpointIO())
     trainer.fit(app.Tiny())
-    plugin = pickle.loads(pickle.dumps(trainer.strategy.checkpoint_io))
-    assert isinstance(plugin, AsyncsaveCheckpointIO)
+    buffer = BytesIO()
+    torch.save(trainer, buffer)
+    buffer.seek(0)
+    copy = torch.load(buffer, weights_only=False)
+    assert isinstance(copy.strategy.checkpoint_io, AsyncsaveCheckpointIO)
+    assert copy.strategy.checkpoint_io.root == tmp_path.resolve()
 
 
 def test_saves_and_removals_after_fit_leave_nothing_open(tmp_path: Path) -> None:
