@@ -11,7 +11,12 @@ the event loop, never on the caller's process group) and are serialised by a
 ticket taken when each save is dispatched.
 
 Any foreign error of a collective (gloo's ``RuntimeError``, a timeout) is
-translated here, once, into :class:`RankFailedError`.
+translated here, once, into :class:`RankFailedError`. The rest of the package
+talks across ranks only through two helpers (DCP's ``_DistWrapper.all_gather``
+and ``broadcast``): :meth:`Coordinator.map_reduce` (a step every rank runs; one
+error naming every failed rank, on every rank) and :meth:`Coordinator.from_leader`
+(the leader's result, or its failure on every rank); both are identities on a
+world of one. :class:`Turns` is the one ordered-turn primitive.
 """
 
 from __future__ import annotations
@@ -138,8 +143,10 @@ class Coordinator:
     """The coordinator contract; this base is the world of one (see :class:`Solo`).
 
     ``broadcast`` returns rank 0's object on every rank, ``all_gather`` every
-    rank's object by rank; ``take_ticket``/``wait_turn``/``end_turn`` order the
-    collectives of consecutive saves (a save's phases run inside its turn).
+    rank's object by rank (what an implementation provides; callers use
+    :meth:`map_reduce` and :meth:`from_leader`); ``take_ticket``/``wait_turn``/
+    ``end_turn`` order the collectives of consecutive saves (a save's phases run
+    inside its turn; :meth:`turn` for a body of its own).
     """
 
     rank = 0
