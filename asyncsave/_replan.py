@@ -48,6 +48,7 @@ import anyio.from_thread
 import anyio.to_thread
 import torch
 
+from . import _format
 from ._format import FileLayout, layout_files, staging_nbytes
 from ._plan import (
     Entry,
@@ -101,7 +102,7 @@ class _Template:
     nbytes: int
     lone: list[tuple[int, int]]  # (entry, leaf) of entries that are one tensor
     blobs: list[tuple[int, list[_PartRef]]]  # (entry, its parts) of shared regions
-    key: tuple[int, int]  # (rank, max_files) the layout was made for
+    key: tuple[int, int, int]  # _key(): what the layout was made for
     devices: set[torch.device] = dataclasses.field(default_factory=set)
     smallest_entry: int | None = None  # bytes (see Plan.smallest_entry)
     rounds: dict[int, list[list[Piece]]] = dataclasses.field(default_factory=dict)
@@ -129,7 +130,7 @@ def _template(
     layouts: list[FileLayout],
     nbytes: int,
     sig: list[tuple[Any, ...]],
-    key: tuple[int, int],
+    key: tuple[int, int, int],
 ) -> _Template:
     members: list[list[int]] = [[] for _ in plan.entries]
     for i, rec in enumerate(plan.records):
@@ -217,7 +218,7 @@ class Planner:
         :raises InvalidStateError: as :meth:`plan`.
         """
         last = self._last
-        if last is None or last.key != (rank, max_files) or not _small_plain_tree(state):
+        if last is None or last.key != _key(rank, max_files) or not _small_plain_tree(state):
             return None
         sig: list[tuple[Any, ...]] = []
         flat = flatten(state, allow_pickle=allow_pickle, signature=sig)
@@ -236,7 +237,7 @@ class Planner:
     ) -> tuple[Plan, list[FileLayout], int]:
         sig: list[tuple[Any, ...]] = []
         flat = flatten(state, allow_pickle=allow_pickle, call=call, signature=sig)
-        key = (rank, max_files)
+        key = _key(rank, max_files)
         last = self._last
         if last is not None and last.key == key and last.signature == sig:
             self.reused += 1
@@ -329,6 +330,13 @@ async def plan_off_loop(
 
 _PLAIN_SCALARS = frozenset({int, float, str, bool, type(None)})
 _PLAIN_CONTAINERS = frozenset({dict, OrderedDict, list, tuple})
+
+
+def _key(rank: int, max_files: int) -> tuple[int, int, int]:
+    """What a template's file layout was made for: the rank, the most files, and
+    the bytes per file below which fewer files are written (a template made under
+    another threshold is not reused: its files would not be the ones asked for)."""
+    return rank, max_files, _format.MIN_FILE_BYTES
 
 
 def _small_plain_tree(state: Any) -> bool:
