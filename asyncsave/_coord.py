@@ -363,6 +363,11 @@ async def _in_daemon(func: Callable[..., Any], *args: Any) -> Any:
     return box["value"]
 
 
+#: The longest a rank's heartbeat may stand still before the peers name it dead
+#: (seconds); the window is half of ``dist_timeout_s`` up to this.
+HEARTBEAT_WINDOW_MAX_S = 10.0
+
+
 class Liveness:
     """Each rank's heartbeat through the process group's store, so that a rank
     that died is *named* on the survivors, and they raise within
@@ -370,7 +375,7 @@ class Liveness:
 
     A daemon thread adds 1 to ``asyncsave/<token>/hb/<rank>`` every ``interval``
     seconds; a rank whose counter has not moved for ``window`` seconds (half of
-    ``dist_timeout_s``, at most 10 s) is dead; a rank that closed its checkpointer
+    ``dist_timeout_s``, at most ``HEARTBEAT_WINDOW_MAX_S``) is dead; a rank that closed its checkpointer
     sets ``closed/<rank>`` and is named as gone, not dead. ``token`` is agreed by
     rank 0 when the group is created.
     """
@@ -380,7 +385,7 @@ class Liveness:
         self.prefix = f"asyncsave/{token}/"
         self.rank = rank
         self.world_size = world_size
-        self.window = min(timeout_s / 2, 10.0)
+        self.window = min(timeout_s / 2, HEARTBEAT_WINDOW_MAX_S)
         self.interval = self.window / 10
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="asyncsave-heartbeat", daemon=True)

@@ -332,6 +332,15 @@ _THRESHOLDS: dict[str, tuple[tuple[str, str], ...]] = {
     "own_file_bytes": (("asyncsave._incremental", "OWN_FILE_BYTES"),),
     "min_file_bytes": (("asyncsave._format", "MIN_FILE_BYTES"),),
     "chunk_bytes": (("asyncsave._write", "CHUNK_BYTES"), ("asyncsave._stream", "CHUNK_BYTES")),
+    "heartbeat_window_s": (("asyncsave._coord", "HEARTBEAT_WINDOW_MAX_S"),),
+}
+# The least value of a setting (0 where not named): a step or chunk of at least
+# a byte; ten heartbeats per window, a beat every 10 ms at most.
+_LEAST: dict[str, float] = {
+    "follow_piece_bytes": 1,
+    "chunk_bytes": 1,
+    "min_file_bytes": 1,
+    "heartbeat_window_s": 0.1,
 }
 
 
@@ -359,6 +368,7 @@ def thresholds(
     own_file_bytes: int | None = None,
     min_file_bytes: int | None = None,
     chunk_bytes: int | None = None,
+    heartbeat_window_s: float | None = None,
 ) -> Iterator[None]:
     """Lower asyncsave's size thresholds while the block runs (``None``: unchanged).
 
@@ -371,6 +381,12 @@ def thresholds(
     :param min_file_bytes: bytes per data file below which a save writes fewer
         files than it has writer threads.
     :param chunk_bytes: bytes of one ``write`` call of a data file.
+    :param heartbeat_window_s: the longest (seconds) a rank's heartbeat through
+        the process group's store may stand still before the other ranks name it
+        dead (10 s; the window is half of ``dist_timeout_s`` up to this). Set it
+        in each rank's process before its checkpointer opens: a test of a dead
+        rank then waits this long instead of 10 s, with ``dist_timeout_s`` kept
+        far beyond it.
     :raises ValueError: a value is negative (or not above 0 for the step and
         chunk sizes).
     """
@@ -380,13 +396,14 @@ def thresholds(
         "own_file_bytes": own_file_bytes,
         "min_file_bytes": min_file_bytes,
         "chunk_bytes": chunk_bytes,
+        "heartbeat_window_s": heartbeat_window_s,
     }
     patches = _Patches()
     try:
         for setting, value in given.items():
             if value is None:
                 continue
-            least = 1 if setting in ("follow_piece_bytes", "chunk_bytes", "min_file_bytes") else 0
+            least = _LEAST.get(setting, 0)
             if value < least:
                 raise ValueError(f"thresholds({setting}={value}): must be at least {least}")
             for module, name in _THRESHOLDS[setting]:

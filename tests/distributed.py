@@ -5,6 +5,10 @@ joins a gloo group through a ``FileStore`` and runs the function. A rank's outco
 comes back as ``("ok", value)``, ``("error", traceback text)`` or, for a child that
 died (SIGKILL), ``("exit", exitcode)``. Everything is bounded: children still alive
 at the deadline are killed and reported as ``("exit", None)``.
+
+Ranks run with a heartbeat window of ``HEARTBEAT_WINDOW_S`` (the library's is up
+to 10 s): a test that kills a rank hears it named within seconds, with
+``dist_timeout_s`` still far beyond.
 """
 
 from __future__ import annotations
@@ -19,6 +23,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from asyncsave.testing import thresholds
+
+#: Seconds a rank's heartbeat may stand still before its peers name it dead, in
+#: every rank this harness runs (a beat every 0.3 s).
+HEARTBEAT_WINDOW_S = 3.0
 
 
 def _child(
@@ -42,7 +52,8 @@ def _child(
             world_size=world_size,
             timeout=timedelta(seconds=60),
         )
-        value = fn(rank, world_size, *args)
+        with thresholds(heartbeat_window_s=HEARTBEAT_WINDOW_S):
+            value = fn(rank, world_size, *args)
         queue.put((rank, ("ok", value)))
     except BaseException:
         queue.put((rank, ("error", traceback.format_exc())))

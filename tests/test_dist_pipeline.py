@@ -31,7 +31,7 @@ import asyncsave
 from asyncsave import LocalFileSystem
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed import run_ranks, values
+from distributed import HEARTBEAT_WINDOW_S, run_ranks, values
 
 pytestmark = pytest.mark.slow
 
@@ -232,6 +232,8 @@ def test_a_dead_rank_is_named_on_the_survivor_before_dist_timeout(
     else:
         assert name == "RankFailedError"
         assert list(ranks) == [victim] and f"rank {victim} died" in ranks[victim]
+        # the harness's window (asyncsave.testing.thresholds), not the 10 s default
+        assert f"no heartbeat through the store for {HEARTBEAT_WINDOW_S:g} s" in ranks[victim]
     # A fresh run resumes from the last committed step, on 2 ranks and on 1.
     expected = 2 if committed else 1
     assert values(run_ranks(_resume, 2, tmp_path, str(root))) == [expected, expected]

@@ -133,6 +133,9 @@ def test_bad_arguments_are_refused_naming_them() -> None:
         pass
     with pytest.raises(ValueError, match="chunk_bytes=0"), thresholds(chunk_bytes=0):
         pass
+    with pytest.raises(ValueError, match=r"heartbeat_window_s=0\.05"):
+        with thresholds(heartbeat_window_s=0.05):
+            pass
 
 
 # -- pausing a save at a phase ------------------------------------------------------
