@@ -125,19 +125,6 @@ class Turns:
             event, self._changed = self._changed, anyio.Event()
             event.set()
 
-    @asynccontextmanager
-    async def turn(self, ticket: int | None = None) -> AsyncIterator[int]:
-        """A turn: ``ticket`` (a new one if ``None``) is waited for, the body
-        runs, and the turn ends however the body leaves (an exception, a
-        cancellation while waiting included)."""
-        if ticket is None:
-            ticket = self.take()
-        try:
-            await self.wait(ticket)
-            yield ticket
-        finally:
-            self.end(ticket)
-
 
 class Coordinator:
     """The coordinator contract; this base is the world of one (see :class:`Solo`).

@@ -252,11 +252,40 @@ async def test_a_turn_ended_before_it_came_is_skipped_and_a_stale_end_changes_no
         await turns.wait(fourth)
 
 
-async def test_a_turn_ends_when_its_body_raises() -> None:
-    turns = Turns()
-    with pytest.raises(OSError):
-        async with turns.turn():
-            raise OSError("in the turn")
+class TurnTaking(Coordinator):
+    """A coordinator whose collectives take turns, as a gloo group's do."""
+
+    def __init__(self) -> None:
+        self.turns = Turns()
+
+    def take_ticket(self) -> int:
+        return self.turns.take()
+
+    async def wait_turn(self, ticket: int) -> None:
+        await self.turns.wait(ticket)
+
+    def end_turn(self, ticket: int) -> None:
+        self.turns.end(ticket)
+
+
+async def test_a_coordinators_turn_waits_for_the_earlier_one_and_ends_when_its_body_raises() -> (
+    None
+):
+    coord, order = TurnTaking(), []
+    earlier = coord.take_ticket()  # a save dispatched before
+
+    async def resume() -> None:
+        with pytest.raises(OSError):
+            async with coord.turn():
+                order.append("resume")
+                raise OSError("in the turn")
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(resume)
+        await anyio.sleep(0.05)
+        order.append("save")  # the resume has not begun: its turn is later
+        coord.end_turn(earlier)
     with anyio.fail_after(1):
-        async with turns.turn() as ticket:
-            assert ticket == 1
+        async with coord.turn():  # the raising body's turn ended
+            order.append("next")
+    assert order == ["save", "resume", "next"]
