@@ -3,8 +3,9 @@
 Async tests run on asyncio; the modules whose subject is the event loop itself
 (the engine, close and its flush, cancellation and hangs, ordering of saves, lazy
 staging, writing while staging) run on asyncio, asyncio+uvloop and trio, where a
-backend difference could change the outcome. ``ASYNCSAVE_ALL_BACKENDS=1`` runs
-every async test on all three.
+backend difference could change the outcome (the uvloop and trio runs are marked
+``slow``: the fast tier runs them on asyncio only). ``ASYNCSAVE_ALL_BACKENDS=1``
+runs every async test on all three.
 
 Parallel runs (pytest-xdist, ``python -m pytest -n 2``; ``--dist loadgroup`` is
 in the suite's addopts):
@@ -50,10 +51,12 @@ import pytest
 pytest_plugins = ["leakcheck"]
 
 
+# uvloop and trio are marked slow: the fast tier (``-m "not slow"``) runs every
+# async test once, on asyncio; the full suite runs the backend matrix.
 _BACKENDS = [
     pytest.param(("asyncio", {}), id="asyncio"),
-    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    pytest.param(("trio", {}), id="trio"),
+    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop", marks=pytest.mark.slow),
+    pytest.param(("trio", {}), id="trio", marks=pytest.mark.slow),
 ]
 # Test modules about the event loop: the engine, close, cancellation and hangs.
 _ALL_BACKEND_MODULES = frozenset(

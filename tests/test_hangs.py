@@ -159,6 +159,7 @@ async def test_a_worker_that_dies_fails_the_save_instead_of_cancelling_the_pump(
     assert not leftover_temp_names(tmp_path)
 
 
+@pytest.mark.slow  # every call of a save in turn (test_engine covers one point)
 @pytest.mark.parametrize(
     ("anyio_backend", "overlap"),
     [("asyncio", False), ("trio", False), ("asyncio", True)],
@@ -200,6 +201,7 @@ async def test_a_call_stuck_forever_anywhere_in_a_save_times_out_everywhere(
         record("hang points", n)
 
 
+@pytest.mark.slow  # every call of a save in turn (test_engine covers one point)
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_cancelling_the_pump_at_any_call_leaves_no_partial_final_directory(
     tmp_path: Path, anyio_backend: str, caplog: pytest.LogCaptureFixture

@@ -322,6 +322,7 @@ def _crash_child(root: str, options: dict[str, Any], op: str, where: str, n: int
     anyio.run(go)
 
 
+@pytest.mark.slow  # a forked saver per kill point
 @pytest.mark.parametrize(
     ("op", "where", "n"), KILL_POINTS, ids=[f"{o}-{w}" for o, w, _ in KILL_POINTS]
 )
@@ -386,6 +387,7 @@ def test_s3_sigkill_mid_save_resumes_the_last_commit_bit_exact(
 
 
 # -- S3: CLI ----------------------------------------------------------------------
+@pytest.mark.slow  # the command line in subprocesses
 def test_s3_cli_ls_verify_inspect_and_a_flipped_byte(s3: Any, s3_endpoint: str) -> None:
     root, options, fs = s3
 
