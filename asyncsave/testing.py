@@ -11,7 +11,8 @@ the library moves them with it and leaves the tests alone (the idea of httpx's
   of the ``n``-th call of one operation; pass it as ``Checkpointer(root,
   filesystem=fs)`` (or ``Tier(..., filesystem=fs)``).
 - :func:`pause_at` stops one save at a named phase (:data:`PHASES`) until the test
-  releases it; :func:`fail_staging` makes the copy into host buffers fail.
+  releases it; :func:`fail_staging` makes the copy into host buffers fail;
+  :func:`listing_reads` runs a callback around each manifest read of a listing.
 - :func:`thresholds` lowers the sizes above which a save changes its strategy
   (written while staged, a file per tensor, several files), so that a few KiB of
   test state exercise the same code as GiBs.
@@ -76,6 +77,7 @@ __all__ = [
     "is_temp_name",
     "kill",
     "leftover_temp_names",
+    "listing_reads",
     "pause",
     "pause_at",
     "raise_errno",
@@ -543,6 +545,43 @@ def fail_staging(error: Exception) -> Iterator[None]:
         raise error
 
     patches.set(jobs, "stage_entries", stage_entries)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+@contextmanager
+def listing_reads(
+    *,
+    before: Callable[[Path], None] | None = None,
+    after: Callable[[Path], None] | None = None,
+) -> Iterator[None]:
+    """Run ``before(path)`` just before, and ``after(path)`` just after, each read
+    of a checkpoint's manifest by :func:`asyncsave.checkpoints` while the block
+    runs (``path``: the checkpoint's directory; ``after`` also when the read
+    raised, before the listing sees the error). Listing takes no lock, so retention or ``prune`` in another process
+    may remove a checkpoint at either point: a test places that race here.
+
+    :raises TypeError: ``before`` or ``after`` is given and not callable.
+    """
+    for name, fn in (("before", before), ("after", after)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name}={fn!r} must be callable")
+    listing = importlib.import_module("asyncsave._listing")
+    real = listing.read_checkpoint
+    patches = _Patches()
+
+    def read_checkpoint(fs: Any, path: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before(Path(path))
+        try:
+            return real(fs, path, **kwargs)
+        finally:
+            if after is not None:
+                after(Path(path))
+
+    patches.set(listing, "read_checkpoint", read_checkpoint)
     try:
         yield
     finally:

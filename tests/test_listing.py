@@ -3,8 +3,6 @@ the committed checkpoints of every layout preset, never a save in flight or a
 directory that never committed, and ``asyncsave.load_step(root, step)`` loads one
 by its step with the errors of ``load``."""
 
-# Private imports: retires a checkpoint between the listing's read and its use (a race
-# only a patch can place).
 from __future__ import annotations
 
 import shutil
@@ -22,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asyncsave
+from asyncsave.testing import listing_reads
 
 DIR_NAMES = {
     "asyncsave": lambda n: f"step_{n}",
@@ -177,58 +176,43 @@ def test_listing_an_object_store_root() -> None:
         mem.rm(base.split("/")[0], recursive=True)
 
 
-def test_a_checkpoint_retired_while_it_is_listed_is_left_out(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_checkpoint_retired_while_it_is_listed_is_left_out(tmp_path: Path) -> None:
     """Listing takes no lock: retention or ``prune`` may remove a checkpoint
     between reading its manifest and summing its sizes. It is left out, not a raw
     FileNotFoundError (found in review)."""
-    import asyncsave._listing as listing
-
     with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(step, {"w": torch.ones(4)}).result()
-    real = listing.read_checkpoint
 
-    def read_then_retire(fs: Any, p: Path, **kw: Any) -> Any:
-        manifest = real(fs, p, **kw)
+    def retire(p: Path) -> None:
         if p.name == "step_2":
             shutil.rmtree(p)
-        return manifest
 
-    monkeypatch.setattr(listing, "read_checkpoint", read_then_retire)
-    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1, 3]
+    with listing_reads(after=retire):
+        assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1, 3]
+    assert not (tmp_path / "step_2").exists()
 
 
 def test_a_checkpoint_retired_before_its_manifest_is_read_is_not_warned_as_damaged(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     import logging
-
-    import asyncsave._listing as listing
 
     with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
         for step in (1, 2):
             ckpt.save(step, {"w": torch.ones(4)}).result()
-    real = listing.read_checkpoint
 
-    def retire_then_read(fs: Any, p: Path, **kw: Any) -> Any:
-        if p.name == "step_1":
-            for f in sorted(p.iterdir(), key=lambda f: f.name != "manifest.json"):
+    def unlink_data_files(p: Path) -> None:
+        if p.name == "step_1":  # data files first, as a deletion in progress
+            for f in p.iterdir():
                 if f.name != "manifest.json":
-                    f.unlink()  # data files first, as a deletion in progress
-            manifest = p / "manifest.json"
-            raw = manifest.read_bytes()
-            shutil.rmtree(p)
-            p.mkdir()
-            (p / "manifest.json").write_bytes(raw)  # caught between the two unlinks
-            try:
-                return real(fs, p, **kw)
-            finally:
-                shutil.rmtree(p)
-        return real(fs, p, **kw)
+                    f.unlink()  # caught between these unlinks and the manifest's
 
-    monkeypatch.setattr(listing, "read_checkpoint", retire_then_read)
-    with caplog.at_level(logging.WARNING, logger="asyncsave"):
-        assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [2]
+    def retire(p: Path) -> None:
+        if p.name == "step_1":
+            shutil.rmtree(p)
+
+    with listing_reads(before=unlink_data_files, after=retire):
+        with caplog.at_level(logging.WARNING, logger="asyncsave"):
+            assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [2]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records

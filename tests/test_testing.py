@@ -26,6 +26,7 @@ from asyncsave.testing import (
     encode_manifest,
     fail_staging,
     leftover_temp_names,
+    listing_reads,
     pause,
     pause_at,
     raise_errno,
@@ -237,6 +238,35 @@ async def test_fail_staging_fails_the_saves_staged_inside_the_block_only(tmp_pat
     assert committed(tmp_path) == [2]
     with pytest.raises(TypeError, match="error="):
         with fail_staging(KeyboardInterrupt()):  # type: ignore[arg-type]
+            pass
+
+
+def test_listing_reads_runs_its_callbacks_around_each_manifest_read_inside_the_block_only(
+    tmp_path: Path,
+) -> None:
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, state_of(step)).result()
+    (tmp_path / "step_2" / "manifest.json").write_bytes(b"{}")  # its read raises
+    seen: list[tuple[str, str, bool]] = []
+
+    def before(p: Path) -> None:
+        seen.append(("before", p.name, (p / "manifest.json").exists()))
+
+    def after(p: Path) -> None:
+        seen.append(("after", p.name, p.is_dir()))
+
+    with listing_reads(before=before, after=after):
+        assert committed(tmp_path) == [1]
+    assert seen == [
+        ("before", "step_1", True),
+        ("after", "step_1", True),
+        ("before", "step_2", True),
+        ("after", "step_2", True),  # the read of step 2 raised: after ran all the same
+    ]
+    assert committed(tmp_path) == [1] and len(seen) == 4  # outside the block: not called
+    with pytest.raises(TypeError, match="after="):
+        with listing_reads(after="step_1"):  # type: ignore[arg-type]
             pass
 
 
