@@ -12,7 +12,9 @@ the library moves them with it and leaves the tests alone (the idea of httpx's
   filesystem=fs)`` (or ``Tier(..., filesystem=fs)``).
 - :func:`pause_at` stops one save at a named phase (:data:`PHASES`) until the test
   releases it; :func:`fail_staging` makes the copy into host buffers fail;
-  :func:`listing_reads` runs a callback around each manifest read of a listing.
+  :func:`on_early_copy` runs a callback as a lazy save copies what forward may
+  change; :func:`listing_reads` runs a callback around each manifest read of a
+  listing.
 - :func:`thresholds` lowers the sizes above which a save changes its strategy
   (written while staged, a file per tensor, several files), so that a few KiB of
   test state exercise the same code as GiBs.
@@ -78,6 +80,7 @@ __all__ = [
     "kill",
     "leftover_temp_names",
     "listing_reads",
+    "on_early_copy",
     "pause",
     "pause_at",
     "raise_errno",
@@ -545,6 +548,39 @@ def fail_staging(error: Exception) -> Iterator[None]:
         raise error
 
     patches.set(jobs, "stage_entries", stage_entries)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+@contextmanager
+def on_early_copy(fn: Callable[[int], None]) -> Iterator[None]:
+    """Call ``fn(num_tensors)`` as each lazy save begins its early copy while the
+    block runs: the copy, inside ``save(..., lazy=True)`` before it returns, of
+    what forward may change (module buffers, tensors of at most 64 KiB);
+    ``num_tensors`` is the save's number of tensors. A lazy save with nothing to
+    copy early makes no call. ``fn`` runs on the caller's event loop before the
+    copy starts: what it raises fails that ``save()`` call as a failed copy would
+    (the checkpointer takes later saves), and a cancellation of the caller's scope
+    it requests is delivered before the copy, inside ``save()``.
+
+    :raises TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} must be callable")
+    jobs = importlib.import_module("asyncsave._jobs")
+    patches = _Patches()
+    for cls in (jobs.Job, jobs.PlainJob):  # every job class inherits one of the two
+        real = cls.__dict__["eager_copies"]
+
+        def eager_copies(self: Any, real: Callable[[Any], str] = real) -> str:
+            where = real(self)
+            if where != "none":
+                fn(self.num_tensors)
+            return where
+
+        patches.set(cls, "eager_copies", eager_copies)
     try:
         yield
     finally:

@@ -5,8 +5,6 @@ save holds the staging budget: its data-file write is paused on a gate, so the
 lazy save behind it cannot stage until the test opens the gate.
 """
 
-# Private imports: replaces a job's device probe and eager snapshot to reach the lazy
-# paths on a CPU machine.
 from __future__ import annotations
 
 import errno
@@ -21,6 +19,7 @@ import torch
 from faults import FaultyFS, pause, raise_errno
 
 import asyncsave
+from asyncsave.testing import on_early_copy
 
 pytestmark = pytest.mark.anyio
 
@@ -236,48 +235,41 @@ def test_stage_before_step_refuses_what_is_not_a_checkpointer() -> None:
 
 @pytest.mark.parametrize("how", ["cancelled", "raises"])
 async def test_a_lazy_save_that_fails_before_it_returns_leaves_the_checkpointer_usable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+    tmp_path: Path, how: str
 ) -> None:
     """The caller of a lazy ``save()`` is cancelled (or the copy of its small
     tensors fails) while still inside ``save()``, once its snapshot has been
     dispatched: the caller hears it (it is in ``save()``), so the checkpointer
     does not refuse later saves as it does for a lazy save that fails after
     returning (a fresh user's trial found every later save refused)."""
-    from asyncsave._jobs import PlainJob
-
     armed = threading.Event()
     scopes: list[anyio.CancelScope] = []
-    real_devices, real_snapshot = PlainJob.devices, PlainJob.snapshot_eager
 
-    def devices(self: PlainJob) -> Any:
-        if armed.is_set() and scopes:
-            scopes.pop().cancel()  # delivered at the next checkpoint: in dispatch
-        return real_devices(self)
-
-    def snapshot_eager(self: PlainJob, ready: Any) -> None:
-        if armed.is_set():
-            raise MemoryError("no memory for the small tensors' copies")
-        real_snapshot(self, ready)
-
-    monkeypatch.setattr(PlainJob, "devices", devices)
-    if how == "raises":
-        monkeypatch.setattr(PlainJob, "snapshot_eager", snapshot_eager)
-    state = {"w": torch.randn(1 << 16), "b": torch.zeros(8)}
-    async with asyncsave.Checkpointer(tmp_path) as ckpt:
-        await (await ckpt.save(1, state, lazy=True))
-        armed.set()
+    def fail_the_copy(num_tensors: int) -> None:
+        if not armed.is_set():
+            return
         if how == "cancelled":
-            with anyio.CancelScope() as scope:
-                scopes.append(scope)
-                await ckpt.save(2, state, lazy=True)
-            assert scope.cancelled_caught and not scopes
+            scopes.pop().cancel()  # delivered at the next checkpoint: the copy's
         else:
-            with pytest.raises(MemoryError):
-                await ckpt.save(2, state, lazy=True)
-        armed.clear()
-        state["w"].add_(1.0)
-        await (await ckpt.save(2, state, lazy=True))
-        await ckpt.wait()
+            raise MemoryError("no memory for the small tensors' copies")
+
+    state = {"w": torch.randn(1 << 16), "b": torch.zeros(8)}
+    with on_early_copy(fail_the_copy):
+        async with asyncsave.Checkpointer(tmp_path) as ckpt:
+            await (await ckpt.save(1, state, lazy=True))
+            armed.set()
+            if how == "cancelled":
+                with anyio.CancelScope() as scope:
+                    scopes.append(scope)
+                    await ckpt.save(2, state, lazy=True)
+                assert scope.cancelled_caught and not scopes
+            else:
+                with pytest.raises(MemoryError):
+                    await ckpt.save(2, state, lazy=True)
+            armed.clear()
+            state["w"].add_(1.0)
+            await (await ckpt.save(2, state, lazy=True))
+            await ckpt.wait()
     info = asyncsave.latest(tmp_path)
     assert info is not None and info.step == 2
     assert torch.equal(asyncsave.load(tmp_path / "step_2")["w"], state["w"])
@@ -338,32 +330,24 @@ def _plain(state: Any) -> Any:
 
 
 async def test_a_lazy_save_of_only_large_tensors_copies_nothing_before_it_returns(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """No module buffer and no entry of at most 64 KiB: a lazy ``save()`` makes
     no early copy (and takes no worker thread for one); with one small tensor
     more, it does. Both checkpoints hold the values at save time."""
-    from asyncsave._jobs import PlainJob
-
     calls: list[int] = []
-    real = PlainJob.snapshot_eager
-
-    def counted(self: PlainJob, ready: Any) -> None:
-        calls.append(len(self.plan.entries))
-        real(self, ready)
-
-    monkeypatch.setattr(PlainJob, "snapshot_eager", counted)
     large = {"a": torch.randn(1 << 15), "b": torch.randn(1 << 16)}
     mixed = {**large, "small": torch.arange(16)}
-    async with asyncsave.Checkpointer(tmp_path) as ckpt:
-        for step, state in ((1, large), (2, large), (3, mixed), (4, mixed)):
-            expect = clone_tree(state)
-            handle = await ckpt.save(step, state, lazy=True)
-            await ckpt.staged()
-            for t in state.values():
-                t.add_(1)
-            await handle
-            assert_tree_equal(expect, asyncsave.load(tmp_path / f"step_{step}"))
+    with on_early_copy(calls.append):
+        async with asyncsave.Checkpointer(tmp_path) as ckpt:
+            for step, state in ((1, large), (2, large), (3, mixed), (4, mixed)):
+                expect = clone_tree(state)
+                handle = await ckpt.save(step, state, lazy=True)
+                await ckpt.staged()
+                for t in state.values():
+                    t.add_(1)
+                await handle
+                assert_tree_equal(expect, asyncsave.load(tmp_path / f"step_{step}"))
     assert calls == [3, 3]
 
 

@@ -27,6 +27,7 @@ from asyncsave.testing import (
     fail_staging,
     leftover_temp_names,
     listing_reads,
+    on_early_copy,
     pause,
     pause_at,
     raise_errno,
@@ -238,6 +239,38 @@ async def test_fail_staging_fails_the_saves_staged_inside_the_block_only(tmp_pat
     assert committed(tmp_path) == [2]
     with pytest.raises(TypeError, match="error="):
         with fail_staging(KeyboardInterrupt()):  # type: ignore[arg-type]
+            pass
+
+
+async def test_on_early_copy_is_called_per_lazy_save_with_an_early_copy_inside_the_block_only(
+    tmp_path: Path,
+) -> None:
+    """Called with the save's number of tensors for a lazy save with a small
+    tensor, not for an eager save nor a lazy one of only large tensors; what it
+    raises is raised by ``save()``, and the checkpointer takes later saves."""
+    small = {"w": torch.randn(1 << 16), "b": torch.zeros(8)}
+    large = {"w": torch.randn(1 << 16)}
+    calls: list[int] = []
+    fail = threading.Event()
+
+    def seen(num_tensors: int) -> None:
+        calls.append(num_tensors)
+        if fail.is_set():
+            raise CopyFailed("the early copy failed")
+
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        with on_early_copy(seen):
+            await (await ckpt.save(1, small, lazy=True))
+            await (await ckpt.save(2, small))
+            await (await ckpt.save(3, large, lazy=True))
+            assert calls == [2]
+            fail.set()
+            with pytest.raises(CopyFailed):
+                await ckpt.save(4, small, lazy=True)
+        await (await ckpt.save(4, small, lazy=True))  # outside the block: not called
+    assert calls == [2, 2] and committed(tmp_path) == [1, 2, 3, 4]
+    with pytest.raises(TypeError, match="fn="):
+        with on_early_copy(None):  # type: ignore[arg-type]
             pass
 
 
