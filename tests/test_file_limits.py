@@ -8,8 +8,6 @@ The open-file limit ran out on one file per parameter in t5x
 child that lowers its own limit, so the test process keeps its own.
 """
 
-# Private imports: reads with no descriptor left (read_entries) and lowers the file-size
-# threshold in forked children.
 from __future__ import annotations
 
 import contextlib
@@ -32,9 +30,9 @@ import pytest
 import torch
 
 import asyncsave
-import asyncsave._format
-from asyncsave._cli import main as cli_main
-from asyncsave._fs import LocalFileSystem
+from asyncsave import LocalFileSystem
+from asyncsave.testing import cli as run_cli
+from asyncsave.testing import thresholds
 
 sys.path.insert(0, str(Path(__file__).parent))
 from crashlab import small_own_files
@@ -116,7 +114,7 @@ def same(a: Any, b: Any) -> bool:
 
 def cli(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
-    return cli_main(list(argv), out=out), out.getvalue()
+    return run_cli(list(argv), out=out), out.getvalue()
 
 
 # -- incremental saves: one file per tensor -------------------------------------------
@@ -288,13 +286,9 @@ def _plain_under_the_limit(rank: int, world: int, root: str) -> dict[str, Any]:
 @contextlib.contextmanager
 def small_files() -> Iterator[None]:
     """A plain save spreads its tensors over up to ``writer_threads`` files of at
-    least ``MIN_FILE_BYTES``: lowered, so that a small state fills 64 files."""
-    old = asyncsave._format.MIN_FILE_BYTES
-    asyncsave._format.MIN_FILE_BYTES = 64
-    try:
+    least ``min_file_bytes``: lowered, so that a small state fills 64 files."""
+    with thresholds(min_file_bytes=64):
         yield
-    finally:
-        asyncsave._format.MIN_FILE_BYTES = old
 
 
 @pytest.mark.slow  # forked children with thousands of files or two ranks
@@ -369,10 +363,21 @@ def descriptors_left(n: int) -> Iterator[None]:
             os.close(fd)
 
 
-def _reads_with_few_descriptors(rank: int, world: int, root: str) -> dict[str, Any]:
-    from asyncsave._catalog import read_checkpoint
-    from asyncsave._read import read_entries
+class ManifestReadAhead(LocalFileSystem):
+    """A local file system that returns the manifest of ``path`` as read at
+    construction: a load through it opens only data files, so that with no
+    descriptor left it is the data files' opening that runs out."""
 
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.manifest = path / "manifest.json"
+        self.raw = self.manifest.read_bytes()
+
+    def read_bytes(self, path: Path) -> bytes:
+        return self.raw if Path(path) == self.manifest else super().read_bytes(path)
+
+
+def _reads_with_few_descriptors(rank: int, world: int, root: str) -> dict[str, Any]:
     limit_descriptors(FD_LIMIT)
     state = state_of(0, 300, 0)
     with small_own_files():
@@ -382,10 +387,10 @@ def _reads_with_few_descriptors(rank: int, world: int, root: str) -> dict[str, A
         out["verify"] = asyncsave.verify(path).step
         out["load"] = same(asyncsave.load(path), state)
         out["load_tensors"] = len(asyncsave.load_tensors(path, ["layers"])) == 300
-    manifest = read_checkpoint(LocalFileSystem(), path)
+    fs = ManifestReadAhead(path)
     with descriptors_left(0):
         try:
-            read_entries(path, manifest, verify=True, device=torch.device("cpu"))
+            asyncsave.load(path, filesystem=fs)
         except OSError as exc:
             out["none left"] = (exc.errno, "ulimit -n" in "".join(exc.__notes__))
     return out
