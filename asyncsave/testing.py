@@ -105,6 +105,7 @@ FILE_OPS = (
     "remove_tree",
     "link",
     "unlink",
+    "read_bytes",
 )
 
 
@@ -113,8 +114,9 @@ class FaultyFileSystem(LocalFileSystem):
     (1-based) of ``op`` whose path satisfies ``where``; every other call goes
     through unchanged.
 
-    The path ``where`` sees is the file's for ``create``, ``write``, ``fsync`` and
-    ``close`` (descriptors are mapped back to the path they were opened with), the
+    ``read_bytes`` is the read of a small file whole (a manifest, a tracker; data
+    files are read around the I/O layer). The path ``where`` sees is the file's for
+    ``create``, ``write``, ``fsync`` and ``close`` (descriptors are mapped back to the path they were opened with), the
     destination for ``rename``, ``replace``, ``link`` and ``exchange`` (its second
     argument), and the argument otherwise. The action runs in the worker thread of
     the call: it raises (the call fails), blocks, or returns :data:`PROCEED` (the
@@ -223,6 +225,11 @@ class FaultyFileSystem(LocalFileSystem):
 
     def unlink(self, path: Path) -> None:
         self._run("unlink", path, super().unlink, path)
+
+    # -- reads of small files (manifests, trackers) -------------------------------
+    def read_bytes(self, path: Path) -> bytes:
+        data: bytes = self._run("read_bytes", path, super().read_bytes, path)
+        return data
 
 
 # -- actions -------------------------------------------------------------------------

@@ -91,6 +91,20 @@ async def test_only_the_nth_matching_call_fails(tmp_path: Path) -> None:
     assert fs.fired.is_set() and committed(tmp_path) == [1]
 
 
+async def test_a_read_fault_fails_the_manifest_read_of_a_load(tmp_path: Path) -> None:
+    """``read_bytes``: the reads of small files (a manifest); a load through the
+    file system raises the errno, the same load through a plain one does not."""
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, state_of(1)))
+    manifest = str(tmp_path / "step_1" / "manifest.json")
+    fs = FaultyFileSystem("read_bytes", raise_errno(errno.EIO), where=lambda p: p == manifest)
+    with pytest.raises(OSError) as err:
+        asyncsave.load(tmp_path / "step_1", filesystem=fs)
+    assert err.value.errno == errno.EIO and fs.fired.is_set() and fs.seen == 1
+    loaded = asyncsave.load(tmp_path / "step_1", filesystem=fs)  # only the first read
+    assert torch.equal(loaded["t0"], state_of(1)["t0"]) and fs.seen == 2
+
+
 async def test_a_blocked_call_holds_the_save_until_released_then_fails(tmp_path: Path) -> None:
     gate = threading.Event()
     fs = FaultyFileSystem("rename", block(gate), where=lambda p: p.endswith("step_1"))

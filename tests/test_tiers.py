@@ -2,8 +2,6 @@
 from that committed copy to the persistent tier behind it; per-tier policies and
 retention; back-pressure; close flushes; resume from the nearest valid tier."""
 
-# Private imports: fails the persistent tier's reads at resume (the resume module's
-# load), a seam with no public handle.
 from __future__ import annotations
 
 import errno
@@ -557,30 +555,29 @@ async def test_a_run_resumed_from_the_persistent_tier_may_save_that_step_again(
 
 @pytest.mark.parametrize("fault", ["EIO while reading", "damaged"])
 async def test_a_local_copy_that_does_not_load_is_moved_aside_and_its_step_saved_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+    tmp_path: Path, fault: str
 ) -> None:
     """Resume skips a local copy that does not load (damaged, or an I/O error),
     to the persistent one, and moves it aside (kept, never deleted), so that a
     later save of that step writes. (Leaving an EIO copy in place, tried once,
     kept its step committed: the re-save was a silent no-op; found in review.)"""
-    import asyncsave._resume as resume  # resuming from the nearest tier reads there
-
     local, remote = tmp_path / "local", tmp_path / "remote"
     await _run(local, remote, [2, 3], every=2)  # step 2 on both tiers, 3 local only
+    manifest_3 = str(local / "step_3" / "manifest.json")
+    # Step 3's manifest is read by the recovery at open, then by resume's load of
+    # step 3: that second read fails with EIO (``fired`` checks it was reached).
+    fs = FaultyFS(
+        "read_bytes",
+        raise_errno(errno.EIO),
+        n=2,
+        where=lambda p: fault != "damaged" and p == manifest_3,
+    )
     if fault == "damaged":
         flip_byte(local / "step_3")
-    else:
-        real = resume.load
-
-        def eio_locally(path: Path, **kw: Any) -> Any:
-            if Path(path) == local / "step_3":
-                raise OSError(errno.EIO, "Input/output error", str(path))
-            return real(path, **kw)
-
-        monkeypatch.setattr(resume, "load", eio_locally)
     tier = Tier(remote, policy=asyncsave.SaveEvery(2))  # step 3 is not due to persist
-    async with asyncsave.Checkpointer(local, persistent=tier) as ckpt:
+    async with asyncsave.Checkpointer(local, persistent=tier, filesystem=fs) as ckpt:
         restored = await ckpt.load_latest()
+        assert fs.fired.is_set() == (fault != "damaged")
         assert restored is not None and restored.info.step == 2
         same(restored.state, state_of(2))
         redone = {**state_of(3), "b": torch.arange(100, 108)}
