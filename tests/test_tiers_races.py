@@ -3,8 +3,6 @@ persistent copy (update, overwrite), an abandoned copy against a reopened tier,
 saves admitted around the persisting queue's back-pressure, and node-local
 trackers naming a step not every rank committed."""
 
-# Private imports: slows the tier copier's file copy to place a race
-# (_tiers._copy_file).
 from __future__ import annotations
 
 import shutil
@@ -18,7 +16,8 @@ import pytest
 import torch
 
 import asyncsave
-from asyncsave import Tier, _tiers
+from asyncsave import Tier
+from asyncsave.testing import PROCEED, FaultyFileSystem
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed import run_ranks, values
@@ -27,42 +26,38 @@ from test_tiers import _PausedFS, same, state_of, steps, tracker
 pytestmark = pytest.mark.anyio
 
 
+def _is_data_file(path: str) -> bool:
+    return path.endswith(".safetensors")
+
+
 class _HeldCopy:
-    """``_tiers._copy_file`` held at its first call until ``release``; ``then``
-    runs right after that first file is copied."""
+    """The persistent tier's copy held at the creation of its first data file
+    until ``release``. Pass ``held.filesystem`` as the tier's ``filesystem``."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, then: Any = None) -> None:
-        self.started, self.release = threading.Event(), threading.Event()
-        self.then, self._first = then, True
-        real = _tiers._copy_file
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.filesystem = FaultyFileSystem("create", self._hold, where=_is_data_file)
 
-        def copy(sfs: Any, src: Path, dfs: Any, dst: Path) -> int:
-            first, self._first = self._first, False
-            if first:
-                self.started.set()
-                self.release.wait(30)
-            n = real(sfs, src, dfs, dst)
-            if first and self.then is not None:
-                self.then(src.parent)
-            return n
-
-        monkeypatch.setattr(_tiers, "_copy_file", copy)
+    def _hold(self) -> Any:
+        self.release.wait(30)
+        return PROCEED
 
     async def wait_started(self) -> None:
-        assert await anyio.to_thread.run_sync(self.started.wait, 30)
+        assert await anyio.to_thread.run_sync(self.filesystem.fired.wait, 30)
 
 
 @pytest.mark.parametrize("how", ["update", "overwrite"])
 async def test_a_step_being_persisted_is_not_swapped_under_its_copy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+    tmp_path: Path, how: str
 ) -> None:
     """update() / save(overwrite=True) of a step whose copy runs waits for the
     copy: the persistent copy is the save as committed, whole."""
     local, remote = tmp_path / "local", tmp_path / "remote"
-    held = _HeldCopy(monkeypatch)
+    held = _HeldCopy()
     old = {**state_of(1), "trainer": {"pos": torch.arange(10)}}
     new = {**state_of(1), "trainer": {"pos": torch.arange(300)}}
-    async with asyncsave.Checkpointer(local, persistent=Tier(remote, queue_size=2)) as ckpt:
+    tier = Tier(remote, queue_size=2, filesystem=held.filesystem)
+    async with asyncsave.Checkpointer(local, persistent=tier) as ckpt:
         h = await ckpt.save(1, old)
         await h
         await held.wait_started()  # the copy of 1 runs
@@ -94,7 +89,7 @@ async def test_a_step_being_persisted_is_not_swapped_under_its_copy(
 
 
 async def test_a_copy_whose_source_changes_under_it_never_commits_a_mix(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """The second defence: the local directory replaced by another checkpoint of
     its step while the copy runs (by anything): the copy commits the manifest it
@@ -104,20 +99,21 @@ async def test_a_copy_whose_source_changes_under_it_never_commits_a_mix(
     async with asyncsave.Checkpointer(other) as ckpt:
         await (await ckpt.save(1, big))
 
-    def swap(src: Path) -> None:
-        gone = src.with_name("gone")
-        src.rename(gone)
+    def swap() -> Any:  # once the first data file is copied, before its close
+        src = local / "step_1"
+        src.rename(src.with_name("gone"))
         shutil.copytree(other / "step_1", src)
+        return PROCEED
 
-    held = _HeldCopy(monkeypatch, then=swap)
-    held.release.set()
+    fs = FaultyFileSystem("close", swap, where=_is_data_file)
     failed = None
     try:
-        async with asyncsave.Checkpointer(local, persistent=Tier(remote)) as ckpt:
+        async with asyncsave.Checkpointer(local, persistent=Tier(remote, filesystem=fs)) as ckpt:
             h = await ckpt.save(1, state_of(1))
             await h.persisted()
     except asyncsave.SaveFailedError as exc:  # the copy failed: raised again at close
         failed = exc
+    assert fs.fired.is_set()
     if failed is None:
         asyncsave.verify(remote / "step_1")
         loaded = asyncsave.load(remote / "step_1")
@@ -126,17 +122,16 @@ async def test_a_copy_whose_source_changes_under_it_never_commits_a_mix(
         assert steps(remote) == []
 
 
-async def test_a_reopened_tier_waits_for_an_abandoned_copy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_reopened_tier_waits_for_an_abandoned_copy(tmp_path: Path) -> None:
     """A copy abandoned at close_timeout_s still holds the persistent root: a
     checkpointer reopened in this process refuses it (RootInUseError) rather than
     recovering the copy's temporary directory under it; once the copy ends, the
     reopened tier finds it committed whole."""
     local, remote = tmp_path / "local", tmp_path / "remote"
-    held = _HeldCopy(monkeypatch)
+    held = _HeldCopy()
     try:
-        ckpt = asyncsave.Checkpointer(local, close_timeout_s=0.3, persistent=Tier(remote))
+        tier = Tier(remote, filesystem=held.filesystem)
+        ckpt = asyncsave.Checkpointer(local, close_timeout_s=0.3, persistent=tier)
         with pytest.raises(asyncsave.CheckpointTimeoutError):
             async with ckpt:
                 await (await ckpt.save(1, state_of(1)))
