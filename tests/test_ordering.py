@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import asyncsave
+from asyncsave.testing import checkpoint_dir_name
 
 pytestmark = pytest.mark.anyio
 
@@ -60,7 +61,7 @@ async def test_s8_files_then_commit_then_tracker_then_retention(
         fs.ops.clear()
         await (await ckpt.save(2, state, training_info={"n": 2}))
     ops = fs.ops
-    final = asyncsave._paths.LAYOUTS[layout].dir_name(2)
+    final = checkpoint_dir_name(layout, 2)
     [commit] = _index(ops, lambda op: op[0] == "rename" and op[1].endswith("->" + final))
     file_syncs = _index(ops, lambda op: op[0] == "fsync" and ".asyncsave-tmp-2-" in op[1])
     names = {Path(ops[i][1]).name for i in file_syncs}

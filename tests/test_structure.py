@@ -579,8 +579,18 @@ PRIVATE_IMPORT_REASON = "# Private imports: "
 
 def imports_private_module(source: str) -> bool:
     """Whether ``source`` imports a private asyncsave module (``asyncsave._x``, in
-    any form, at any depth)."""
+    any form, at any depth), or reaches one as an attribute of the package
+    (``asyncsave._paths.LAYOUTS``: loaded by another import, a private use all
+    the same)."""
     for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "asyncsave"
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            return True
         if isinstance(node, ast.ImportFrom) and node.module:
             if node.module.startswith("asyncsave._"):
                 return True
@@ -653,6 +663,8 @@ def test_the_reason_check_wants_a_comment_above_the_imports(source: str, reason:
         ("from asyncsave._paths import is_temp_name\n", True),
         ("from asyncsave import _jobs, load\n", True),
         ("def f():\n    from asyncsave._coord import GlooGroup\n", True),
+        ("import asyncsave\nasyncsave._paths.LAYOUTS['verl']\n", True),
+        ("import asyncsave\nasyncsave.__version__, asyncsave.__all__\n", False),
         ("import asyncsave\nfrom asyncsave.testing import pause_at\n", False),
         ("from asyncsave import load, Checkpointer\n", False),
     ],
