@@ -350,6 +350,12 @@ class Admission:
         try:
             await coord.wait_turn(ticket)
             name: str = await coord.from_leader("temp-dir", step, make, failure=failure)
+        except CheckpointError:
+            coord.end_turn(ticket)
+            raise
+        except Exception as exc:  # a world of one: the leader's own error, typed
+            coord.end_turn(ticket)
+            raise failure(repr(exc)) from exc
         except BaseException:
             coord.end_turn(ticket)
             raise

@@ -88,6 +88,14 @@ def rank_failure(
     )
 
 
+def _note_own_failure(exc: Exception, error: Exception | None) -> None:
+    """A collective failed after this rank's own step had failed: the step's
+    error is kept on the collective's (a note, and logged), never lost."""
+    if error is not None:
+        exc.add_note(f"this rank's own step had failed first: {error!r}")
+        logger.error("this rank's step failed before its collective did", exc_info=error)
+
+
 class Turns:
     """The ordered-turn primitive: tickets are taken in order, and turns are
     served in ticket order, one at a time.
@@ -109,8 +117,9 @@ class Turns:
         return ticket
 
     async def wait(self, ticket: int) -> None:
-        """Until every turn before ``ticket`` has ended."""
-        while self._serving != ticket:
+        """Until every turn before ``ticket`` has ended (at once for a stale
+        ticket, one already passed: never a wait that cannot end)."""
+        while self._serving < ticket:
             await self._changed.wait()
 
     def end(self, ticket: int) -> None:
@@ -194,7 +203,11 @@ class Coordinator:
         except Exception as exc:
             error = exc
         mine = (False, repr(error)) if error is not None else (True, value)
-        outcomes = await self.all_gather(what, mine, step)
+        try:
+            outcomes = await self.all_gather(what, mine, step)
+        except Exception as exc:
+            _note_own_failure(exc, error)
+            raise
         failed = {r: cause for r, (ok, cause) in enumerate(outcomes) if not ok}
         if not failed:
             return [v for _, v in outcomes]
@@ -236,9 +249,13 @@ class Coordinator:
             if error is not None:
                 raise error
             return value
-        ok, payload = await self.broadcast(
-            what, (True, value) if error is None else (False, repr(error)), step
-        )
+        try:
+            ok, payload = await self.broadcast(
+                what, (True, value) if error is None else (False, repr(error)), step
+            )
+        except Exception as exc:
+            _note_own_failure(exc, error)
+            raise
         if ok:
             return payload
         if own and error is not None:

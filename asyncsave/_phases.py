@@ -242,15 +242,23 @@ class Pipeline:
                 self.handle._progress.all_written(job.nbytes)
                 return part, step
             except Exception:
-                await saver.discard(self.tmp)
-                self.tmp = None
+                failed_here[0] = True
                 raise
             finally:
                 self.written_s = time.perf_counter() - self.save.t0
 
-        views = await self.coord.map_reduce(
-            "files-durable", step, write, doing="save of", note=_NONE_COMMITTED, path=self.tmp
-        )
+        failed_here = [False]
+        try:
+            views = await self.coord.map_reduce(
+                "files-durable", step, write, doing="save of", note=_NONE_COMMITTED, path=self.tmp
+            )
+        except Exception:
+            # After the collective, not before: the others hear this rank's
+            # error first, not a deadline passed while it deleted its files.
+            if failed_here[0]:
+                await saver.discard(self.tmp)
+                self.tmp = None
+            raise
         other = {
             r: f"saved step {s}, not {step}: every rank must call save() with the same "
             "steps in the same order"

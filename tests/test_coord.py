@@ -289,3 +289,44 @@ async def test_a_coordinators_turn_waits_for_the_earlier_one_and_ends_when_its_b
         async with coord.turn():  # the raising body's turn ended
             order.append("next")
     assert order == ["save", "resume", "next"]
+
+
+async def test_waiting_on_a_stale_ticket_returns_at_once() -> None:
+    """A ticket already passed (its turn ended, later ones too) is never a wait
+    that cannot end."""
+    turns = Turns()
+    first, second = turns.take(), turns.take()
+    turns.end(first)
+    turns.end(second)
+    with anyio.fail_after(5):
+        await turns.wait(first)
+        await turns.wait(second)
+
+
+class BrokenCollective(Solo):
+    """A world of two whose collectives fail (a peer died)."""
+
+    world_size = 2
+
+    async def all_gather(self, what: str, obj: Any, step: int | None = None) -> list[Any]:
+        raise RankFailedError(f"{what}: rank 1 died", step=step, rank=1, ranks={1: "died"})
+
+    async def broadcast(self, what: str, obj: Any, step: int | None = None) -> Any:
+        return (await self.all_gather(what, obj, step))[0]
+
+
+@pytest.mark.parametrize("helper", ["map_reduce", "from_leader"])
+async def test_a_collective_that_fails_after_the_local_step_keeps_the_steps_error(
+    helper: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """This rank's step failed, then the collective did (the peer died): the
+    collective's error is raised, and the step's is on it (a note) and logged."""
+    coord = BrokenCollective()
+
+    async def local() -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(RankFailedError, match="rank 1 died") as caught:
+        await getattr(coord, helper)("files-durable", 3, local)
+    assert any("No space left on device" in note for note in caught.value.__notes__)
+    assert "No space left on device" in caplog.text

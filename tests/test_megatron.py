@@ -273,3 +273,44 @@ def test_megatron_request_of_cuda_tensors_one_rank(tmp_path: Path) -> None:
     out = {"w": torch.zeros(2, 4), "b": torch.zeros(3)}
     dcp.load(out, storage_reader=dcp.FileSystemReader(str(root / "iter_0000010")), no_dist=True)
     assert torch.equal(out["w"], weights(0)["w"]) and torch.equal(out["b"], weights(0)["b"])
+
+
+
+def _prepare_on_a_full_disk(rank: int, world: int, root: str) -> dict[str, Any]:
+    import errno
+
+    from asyncsave.testing import FaultyFileSystem, raise_errno
+
+    fs = FaultyFileSystem("mkdir", raise_errno(errno.ENOSPC), n=1)
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(
+            root, layout="megatron", distributed=True, filesystem=fs
+        ) as ckpt:
+            saver = MegatronSaver(ckpt)
+            try:
+                await saver.prepare(10)
+            except Exception as exc:
+                cause = exc.__cause__
+                seen["error"] = (type(exc).__name__, str(exc), getattr(cause, "errno", None))
+            # the failed prepare's turn was ended: the next one takes its own
+            seen["next"] = (await saver.prepare(10)).exists()
+
+    anyio.run(main)
+    return seen
+
+
+def test_prepare_that_cannot_make_the_temporary_directory_raises_a_typed_error(
+    tmp_path: Path,
+) -> None:
+    """One rank: a full disk at prepare() is a RankFailedError (a
+    CheckpointError) naming the temporary directory, as on several ranks, with
+    the OSError as its cause; the next prepare() is not held by the failed one."""
+    import errno
+
+    (seen,) = values(run_ranks(_prepare_on_a_full_disk, 1, tmp_path, str(tmp_path / "run")))
+    name, text, cause_errno = seen["error"]
+    assert name == "RankFailedError" and "temporary directory of step 10" in text
+    assert cause_errno == errno.ENOSPC
+    assert seen["next"] is True
