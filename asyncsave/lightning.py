@@ -101,6 +101,7 @@ from ._atomicity import strategy_for
 from ._catalog import latest
 from ._engine import retain
 from ._errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CheckpointWarning,
     UnsupportedCombinationError,
@@ -122,6 +123,9 @@ logger = logging.getLogger(__name__)
 
 POINTER_FORMAT = "asyncsave-lightning-pointer"
 _MAX_POINTER_BYTES = 64 << 10
+# The training info of a root the plugin saved whole (_save_whole): only such a
+# root is deleted by remove_checkpoint.
+_WHOLE = "lightning_whole"
 # What the plugin means when a field is not given (see plugin_options).
 _PLUGIN_DEFAULTS: dict[str, Any] = {"save_step_zero": True, "distributed": False}
 # The checkpoint entries that hold hyper-parameters (LightningModule's and
@@ -442,7 +446,10 @@ class AsyncsaveCheckpointIO(CheckpointIO):
             incremental=False,
         )
         with SyncCheckpointer(target, opts) as ckpt:
-            ckpt.save(0, _storable(state)).result()
+            # overwrite: a root left at this path by an earlier run (a crash
+            # before remove_checkpoint) is replaced atomically, never loaded
+            # in place of this save.
+            ckpt.save(0, _storable(state), overwrite=True, training_info={_WHOLE: True}).result()
 
     def _save_step(
         self, ckpt: SyncCheckpointer, checkpoint: dict[str, Any], step: int
@@ -780,14 +787,26 @@ def _int(checkpoint: dict[str, Any], key: str) -> int | None:
 
 def _remove_whole(fs: LocalFileSystem, path: Path) -> None:
     """Remove a root that :meth:`AsyncsaveCheckpointIO._save_whole` made: only
-    when it holds nothing but its step 0, tracker and lock file; any other
-    directory stays, with a warning (it may be a checkpoint of another kind)."""
+    when it holds nothing but its step 0 (whose manifest says the plugin saved it
+    whole), tracker and lock file; any other directory stays, with a warning (it
+    may be a checkpoint of another kind, or a user's own root)."""
     lay = layout_of("asyncsave")
     names = set(fs.listdir(path))
     if lay.dir_name(0) in names and names <= {lay.dir_name(0), lay.tracker_name, LOCK_NAME}:
-        fs.remove_tree(path / lay.dir_name(0))
-        fs.remove_tree(path)
-        return
+        try:
+            info = checkpoints(path, filesystem=fs)
+        except CheckpointError:
+            info = []
+        if [i.step for i in info] == [0] and info[0].training_info.get(_WHOLE) is True:
+            # Where the storage renames, moved aside in one rename, then
+            # deleted: a crash in between leaves a dot-name, never a partial
+            # checkpoint under the path.
+            if strategy_for(fs).can_move_files:
+                aside = path.with_name(f".{path.name}.removing-{os.getpid()}")
+                fs.rename(path, aside)
+                path = aside
+            fs.remove_tree(path)
+            return
     logger.warning(
         "remove_checkpoint(%s): a directory that is not a checkpoint this plugin saved "
         "whole (it holds %s): left in place",

@@ -369,6 +369,31 @@ def test_a_dict_without_a_global_step_is_saved_whole_at_its_path(tmp_path: Path)
     assert (tmp_path / "other" / "x.bin").exists()
 
 
+
+def test_a_whole_save_at_a_path_left_by_an_earlier_run_replaces_it(tmp_path: Path) -> None:
+    """An earlier run crashed before ``remove_checkpoint``: its root is still at
+    ``.temp.ckpt``. The next save there is what loads (it was silently skipped,
+    and the earlier run's weights came back)."""
+    path = tmp_path / "t" / ".temp.ckpt"
+    AsyncsaveCheckpointIO().save_checkpoint({"net.w": torch.zeros(2)}, path)
+    AsyncsaveCheckpointIO().save_checkpoint({"net.w": torch.ones(2)}, path)
+    assert torch.equal(AsyncsaveCheckpointIO().load_checkpoint(path)["net.w"], torch.ones(2))
+
+
+def test_remove_checkpoint_leaves_an_asyncsave_root_the_plugin_did_not_save_whole(
+    tmp_path: Path,
+) -> None:
+    """A user's own root with only its step 0 looks like a whole save; it is not
+    one (its manifest says so) and stays."""
+    import asyncsave
+
+    root = tmp_path / "mine"
+    with asyncsave.SyncCheckpointer(root, save_step_zero=True) as ckpt:
+        ckpt.save(0, {"w": torch.ones(2)}).result()
+    AsyncsaveCheckpointIO().remove_checkpoint(root)
+    assert torch.equal(asyncsave.load(root / "step_0")["w"], torch.ones(2))
+
+
 # -- two processes -------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(240)
