@@ -563,7 +563,13 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         checkpoint it named is deleted once no pointer names it, never while it
         is the tracked step or in flight (then by the pass after a later commit).
         After a ``teardown`` the pass runs on a checkpointer opened and closed
-        for this call."""
+        for this call.
+
+        :raises SaveFailedError: a save of this plugin failed (raised by the
+            closing ``teardown`` after a reopen).
+        :raises RootInUseError: after a teardown, another process holds the root.
+        :raises OSError: the pointer could not be removed (other than missing).
+        """
         fs, target = _locate(path, self.options)
         if fs.is_dir(target):
             _remove_whole(fs, target)
@@ -730,7 +736,12 @@ class AsyncsaveCheckpointIO(CheckpointIO):
     def wait(self) -> None:
         """Block until every save so far has committed and every path saved names
         its step (``trainer.save_checkpoint(p)`` then ``wait()``: ``p`` is
-        loadable); the checkpointer stays open. Raises a save's failure."""
+        loadable); the checkpointer stays open.
+
+        :raises SaveFailedError: a save failed (its commit, or writing its
+            pointer); :class:`CheckpointTimeoutError` when one ran past
+            ``save_timeout_s``.
+        """
         ckpt = self._ckpt
         try:
             if ckpt is not None:
@@ -743,8 +754,11 @@ class AsyncsaveCheckpointIO(CheckpointIO):
     def teardown(self) -> None:
         """Flush pending saves and their pointers, apply the retention pass once
         more (a checkpoint whose pointer went while a save was in flight), close
-        the checkpointer (a later save opens a new one); raise a save's
-        failure. Idempotent."""
+        the checkpointer (a later save opens a new one). Idempotent.
+
+        :raises SaveFailedError: a save failed (the first failure; the close
+            still ran).
+        """
         ckpt, self._ckpt = self._ckpt, None
         writer, self._writer = self._writer, None
         error: BaseException | None = None

@@ -314,11 +314,13 @@ def cli(argv: list[str], out: TextIO | None = None) -> int:
     """Run the ``asyncsave`` command (``asyncsave ls ROOT``, ``verify``,
     ``inspect``, ``prune``...) in this process, as ``python -m asyncsave`` would,
     without a second interpreter: its exit status (0 ok, 1 a finding such as a
-    damaged checkpoint, 2 a usage error).
+    damaged checkpoint or a missing root).
 
     :param argv: the arguments after ``asyncsave``.
     :param out: where its report goes (default: ``sys.stdout``); errors go to
         ``sys.stderr``.
+    :raises SystemExit: a usage error (code 2: an unknown option, a missing
+        subcommand), as argparse reports it; ``--help`` and ``--version`` (code 0).
     """
     from ._cli import main  # the command's parser: only when a test runs it
 
@@ -329,7 +331,10 @@ def encode_manifest(doc: dict[str, Any]) -> bytes:
     """The bytes of a ``manifest.json`` holding ``doc``, as a save writes them
     (compact JSON whose last field is the XXH3-64 of the rest): for a test that
     edits a field of a committed manifest (``json.loads`` of its bytes, minus
-    that checksum field) and wants the edit itself checked, not the checksum."""
+    that checksum field) and wants the edit itself checked, not the checksum.
+
+    :raises TypeError: ``doc`` holds a value JSON cannot encode.
+    """
     from ._manifest import encode_manifest as encode
 
     return encode(doc)
