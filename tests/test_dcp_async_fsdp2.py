@@ -125,6 +125,10 @@ def _default_group_refused(rank: int, world_size: int, root: str) -> list[str]:
     side = asyncsave.dcp.side_group()
     assert side is asyncsave.dcp.side_group() and side is not dist.group.WORLD
     assert dist.get_world_size(side) == world_size
+    # Both ranks through the side group's setup before either exits: a rank that
+    # exits while its peer still connects its gloo mesh fails the peer's
+    # new_group ("Connection closed by peer").
+    dist.barrier(group=side)
     return messages
 
 
