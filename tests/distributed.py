@@ -65,14 +65,45 @@ def _child(
         os._exit(0)
 
 
-def run_ranks(
+class Ranks:
+    """Ranks started by :func:`start_ranks`; :meth:`collect` waits for them."""
+
+    def __init__(self, procs: list[Any], queue: Any, deadline: float) -> None:
+        self.procs, self.queue, self.deadline = procs, queue, deadline
+
+    def collect(self) -> dict[int, tuple[str, Any]]:
+        """Every rank's outcome; ranks alive at the deadline are killed."""
+        procs, queue, deadline = self.procs, self.queue, self.deadline
+        world_size = len(procs)
+        results: dict[int, tuple[str, Any]] = {}
+        while len(results) < world_size and time.monotonic() < deadline:
+            try:
+                rank, outcome = queue.get(timeout=0.2)
+                results[rank] = outcome
+            except Exception:  # queue.Empty
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    break
+        for r, p in enumerate(procs):
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(5)
+                results.setdefault(r, ("exit", None))
+            else:
+                results.setdefault(r, ("exit", p.exitcode))
+        return results
+
+
+def start_ranks(
     fn: Callable[..., Any],
     world_size: int,
     tmp: Path,
     *args: Any,
     timeout_s: float = 120.0,
-) -> dict[int, tuple[str, Any]]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks."""
+) -> Ranks:
+    """Fork ``world_size`` ranks running ``fn(rank, world_size, *args)`` and
+    return at once (several groups may run side by side: each has its own
+    store under ``tmp``)."""
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     store = str(tmp / f"store-{uuid.uuid4().hex}")
@@ -82,24 +113,18 @@ def run_ranks(
     ]
     for p in procs:
         p.start()
-    results: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(results) < world_size and time.monotonic() < deadline:
-        try:
-            rank, outcome = queue.get(timeout=0.2)
-            results[rank] = outcome
-        except Exception:  # queue.Empty
-            if all(not p.is_alive() for p in procs) and queue.empty():
-                break
-    for r, p in enumerate(procs):
-        p.join(timeout=max(0.1, deadline - time.monotonic()))
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
-            p.join(5)
-            results.setdefault(r, ("exit", None))
-        else:
-            results.setdefault(r, ("exit", p.exitcode))
-    return results
+    return Ranks(procs, queue, time.monotonic() + timeout_s)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    tmp: Path,
+    *args: Any,
+    timeout_s: float = 120.0,
+) -> dict[int, tuple[str, Any]]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked ranks."""
+    return start_ranks(fn, world_size, tmp, *args, timeout_s=timeout_s).collect()
 
 
 def values(results: dict[int, tuple[str, Any]]) -> list[Any]:
