@@ -7,7 +7,6 @@ group does, a rank that left is named, collectives that do not match fail."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -116,9 +115,7 @@ async def test_a_rank_that_dies_at_a_collective_fails_every_rank_naming_it(
         async with asyncsave.Checkpointer(tmp_path, coordinator=group.rank(r)) as ckpt:
             await (await ckpt.save(1, part(r, 1)))
 
-    started = time.monotonic()
     outcomes = await on_every_rank(group, rank)
-    assert time.monotonic() - started < group.timeout_s  # named at once, not timed out
     for r in range(2):
         error = outcomes[r]
         # A RankFailedError, or (rank 0 past its commit) a SaveFailedError from one.
@@ -127,6 +124,7 @@ async def test_a_rank_that_dies_at_a_collective_fails_every_rank_naming_it(
         failure = error if ranked else error.__cause__
         assert isinstance(failure, asyncsave.RankFailedError), (r, error)
         assert 1 in failure.ranks and "died" in failure.ranks[1], (r, failure)
+        assert "within timeout_s" not in str(failure), (r, failure)  # named, not timed out
     # Rank 0 renames before it tells the others (the commit broadcast): a rank
     # lost there cannot undo the commit; before it, nothing is committed.
     assert (asyncsave.latest(tmp_path) is None) is (at != "commit")
@@ -141,9 +139,7 @@ async def test_a_rank_that_never_answers_fails_the_others_after_timeout_s(tmp_pa
         async with asyncsave.Checkpointer(tmp_path, coordinator=group.rank(r)) as ckpt:
             await (await ckpt.save(1, part(r, 1)))
 
-    started = time.monotonic()
     outcomes = await on_every_rank(group, rank)
-    assert time.monotonic() - started >= 0.5
     for r in range(2):
         assert isinstance(outcomes[r], asyncsave.RankFailedError), (r, outcomes[r])
         assert "within timeout_s=0.5" in str(outcomes[r]), (r, outcomes[r])
