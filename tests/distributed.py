@@ -24,7 +24,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from asyncsave.testing import thresholds
+import anyio
+
+import asyncsave
+from asyncsave.testing import FakeGroup, thresholds
 
 #: Seconds a rank's heartbeat may stand still before its peers name it dead, in
 #: every rank this harness runs (a beat every 0.3 s).
@@ -156,3 +159,21 @@ def stop_dcp_background_process() -> None:
     tempdir = process.current_process()._config.pop("tempdir", None)
     if tempdir is not None:
         shutil.rmtree(tempdir, ignore_errors=True)
+
+
+async def resume_on_ranks(root: Path, world_size: int) -> dict[int, Any]:
+    """``load_latest()`` on every rank of a :class:`FakeGroup` of ``world_size``
+    ranks in this process: each rank's ``Restored``, or the error it raised."""
+    group, out = FakeGroup(world_size), {}
+
+    async def rank(r: int) -> None:
+        try:
+            async with asyncsave.Checkpointer(root, coordinator=group.rank(r)) as ckpt:
+                out[r] = await ckpt.load_latest()
+        except asyncsave.CheckpointError as exc:
+            out[r] = exc
+
+    async with anyio.create_task_group() as tg:
+        for r in range(world_size):
+            tg.start_soon(rank, r)
+    return out

@@ -19,12 +19,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 import asyncsave
 from asyncsave import LocalFileSystem
 from asyncsave.dcp import StorageReader, StorageWriter
-from asyncsave.testing import FakeGroup
 from asyncsave.testing import cli as cli_main
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-from distributed import run_ranks, stop_dcp_background_process, values
+from distributed import resume_on_ranks, run_ranks, stop_dcp_background_process, values
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -47,24 +46,6 @@ def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def resume_on_two_ranks(root: Path) -> dict[int, Any]:
-    """``load_latest()`` on both ranks of a ``FakeGroup(2)``: what each returned,
-    or the error it raised."""
-    group, out = FakeGroup(2), {}
-
-    async def rank(r: int) -> None:
-        try:
-            async with asyncsave.Checkpointer(root, coordinator=group.rank(r)) as ckpt:
-                out[r] = await ckpt.load_latest()
-        except asyncsave.CheckpointError as exc:
-            out[r] = exc
-
-    async with anyio.create_task_group() as tg:
-        for r in range(2):
-            tg.start_soon(rank, r)
-    return out
-
-
 def test_dcp_save_commits_in_finish_and_dcp_load_reads_it_back(tmp_path: Path) -> None:
     root = tmp_path / "run"
     state = sample_state()
@@ -80,7 +61,7 @@ def test_dcp_save_commits_in_finish_and_dcp_load_reads_it_back(tmp_path: Path) -
         asyncsave.load(root / "step_5")
     # A resume on two ranks (a FakeGroup's, in this process): a typed error on
     # every rank that says how DCP state loads (into a template), nothing read.
-    for error in anyio.run(resume_on_two_ranks, root).values():
+    for error in anyio.run(resume_on_ranks, root, 2).values():
         assert isinstance(error, asyncsave.UnsupportedFormatError), error
         assert "torch.distributed.checkpoint" in str(error) and "template" in str(error)
     target = zeros_like(state)

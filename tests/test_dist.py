@@ -21,10 +21,9 @@ import torch.distributed as dist
 
 import asyncsave
 from asyncsave import LocalFileSystem, RankFailedError
-from asyncsave.testing import FakeGroup
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed import run_ranks, values
+from distributed import resume_on_ranks, run_ranks, values
 
 pytestmark = pytest.mark.slow
 
@@ -73,24 +72,6 @@ def _two_saves_between_barriers(rank: int, world: int, root: str, backend: str) 
         return seen
 
     return anyio.run(main, backend=backend)
-
-
-async def resume_on_ranks(root: Path, world_size: int) -> dict[int, Any]:
-    """``load_latest()`` on every rank of a :class:`FakeGroup` of ``world_size``
-    ranks in this process: each rank's ``Restored``, or the error it raised."""
-    group, out = FakeGroup(world_size), {}
-
-    async def rank(r: int) -> None:
-        try:
-            async with asyncsave.Checkpointer(root, coordinator=group.rank(r)) as ckpt:
-                out[r] = await ckpt.load_latest()
-        except asyncsave.CheckpointError as exc:
-            out[r] = exc
-
-    async with anyio.create_task_group() as tg:
-        for r in range(world_size):
-            tg.start_soon(rank, r)
-    return out
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
