@@ -30,7 +30,7 @@ from ._errors import (
     CorruptCheckpointError,
     UnsafeLoadError,
 )
-from ._format import SAFETENSORS_DTYPES
+from ._format import SAFETENSORS_BITS
 from ._fs import LocalFileSystem
 from ._fsspec import FsspecFileSystem, open_root
 from ._manifest import CHECKSUM, Manifest, torch_dtype
@@ -40,7 +40,6 @@ from ._types import CheckpointInfo, Tagged
 
 __all__ = ["verify", "verify_data"]
 
-_ST_ITEMSIZE = {name: dtype.itemsize for dtype, name in SAFETENSORS_DTYPES.items()}
 _READ_CHUNK = 8 << 20
 
 
@@ -91,19 +90,23 @@ def _check_header(fpath: Path, f: Any, manifest: Manifest, file_index: int) -> N
 
 
 def _well_formed(h: Any) -> bool:
-    """A safetensors tensor entry: known dtype, shape and byte range that agree."""
+    """A safetensors tensor entry: known dtype, shape and byte range that agree.
+
+    Any dtype name safetensors has is accepted, whatever the manifest's dtype:
+    checkpoints written before asyncsave named ``F8_E8M0`` and ``F4`` hold
+    those tensors as ``U8`` bytes, and the manifest says what they are."""
     if not isinstance(h, dict) or set(h) != {"dtype", "shape", "data_offsets"}:
         return False
     dtype, shape, offsets = h["dtype"], h["shape"], h["data_offsets"]
-    itemsize = _ST_ITEMSIZE.get(dtype) if isinstance(dtype, str) else None
+    bits = SAFETENSORS_BITS.get(dtype) if isinstance(dtype, str) else None
     return (
-        itemsize is not None
+        bits is not None
         and isinstance(shape, list)
         and all(type(d) is int and d >= 0 for d in shape)
         and isinstance(offsets, list)
         and len(offsets) == 2
         and all(type(o) is int and o >= 0 for o in offsets)
-        and offsets[1] - offsets[0] == math.prod(shape) * itemsize
+        and 8 * (offsets[1] - offsets[0]) == math.prod(shape) * bits
     )
 
 

@@ -11,9 +11,11 @@ multiple of 4096 bytes (which O_DIRECT writes need), and entries are ordered by 
 entry's size is a multiple of its element size, so every entry starts at a multiple
 of its own element size, which is what typed views (and mmap loads) need.
 
-Dtypes safetensors has no name for (complex128, complex32, float8_e8m0fnu,
-float4_e2m1fn_x2, the sub-byte and bits types) and shared-storage blobs are stored
-as ``U8`` byte arrays; the manifest records the real dtype.
+Every dtype safetensors names is stored as that dtype, so ``safetensors.torch.load_file``
+returns it (see :func:`header_dtype`). Dtypes safetensors has no name for (complex128,
+complex32, the sub-byte and bits types) and the blobs of storages shared by tensors
+of different extents are stored as ``U8`` byte arrays; the manifest records the real
+dtype and stays the source of truth.
 """
 
 from __future__ import annotations
@@ -27,7 +29,16 @@ import torch
 from ._paths import data_file_name
 from ._plan import Entry
 
-__all__ = ["FileLayout", "SAFETENSORS_DTYPES", "layout_buckets", "layout_files"]
+__all__ = [
+    "ALL_SAFETENSORS_DTYPES",
+    "FileLayout",
+    "NEWER_SAFETENSORS_DTYPES",
+    "SAFETENSORS_BITS",
+    "SAFETENSORS_DTYPES",
+    "header_dtype",
+    "layout_buckets",
+    "layout_files",
+]
 
 HEADER_ALIGN = 64
 # Data start in every file and every file's data in the staging buffer are aligned
@@ -57,6 +68,41 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.uint32: "U32",
     torch.uint16: "U16",
 }
+# Names safetensors added later (0.5: MX scales and FP4). A reader of manifest
+# format 1 or 2 refuses a header naming them, so a save that writes one says
+# manifest format 3 (``_manifest.NAMED_DTYPES_VERSION``): such a reader then
+# asks to be upgraded instead of calling the file damaged.
+NEWER_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    dtype: name
+    for dtype, name in (
+        (getattr(torch, "float8_e8m0fnu", None), "F8_E8M0"),
+        (getattr(torch, "float4_e2m1fn_x2", None), "F4"),
+    )
+    if dtype is not None
+}
+ALL_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {**SAFETENSORS_DTYPES, **NEWER_SAFETENSORS_DTYPES}
+# Bits per element of each safetensors dtype name this writes or reads.
+SAFETENSORS_BITS: dict[str, int] = {
+    name: (4 if name == "F4" else 8 * dtype.itemsize)
+    for dtype, name in ALL_SAFETENSORS_DTYPES.items()
+}
+
+
+def header_dtype(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[str, list[int]] | None:
+    """The safetensors dtype name and header shape of a tensor of ``dtype`` and
+    ``shape``, or ``None`` when safetensors cannot name it (stored as ``U8``).
+
+    ``float4_e2m1fn_x2`` holds two 4-bit values per element; safetensors' ``F4``
+    counts the 4-bit values, so its header shape doubles the last dimension (as
+    ``safetensors.torch.save_file`` writes it); a 0-d one has no such shape and
+    is stored as ``U8``.
+    """
+    name = ALL_SAFETENSORS_DTYPES.get(dtype)
+    if name is None:
+        return None
+    if name == "F4":
+        return (name, [*shape[:-1], 2 * shape[-1]]) if shape else None
+    return name, list(shape)
 
 
 @dataclasses.dataclass
@@ -108,10 +154,11 @@ def layout_buckets(
         rel = 0
         for i in order:
             e = entries[i]
-            st_dtype = SAFETENSORS_DTYPES.get(e.dtype) if not e.is_blob else None
-            shape = list(e.shape) if st_dtype else [e.nbytes]
+            # A blob of a shared region is a uint8 entry of shape (nbytes,).
+            named = header_dtype(e.dtype, e.shape)
+            st_dtype, shape = named if named is not None else ("U8", [e.nbytes])
             header_obj[e.name] = {
-                "dtype": st_dtype or "U8",
+                "dtype": st_dtype,
                 "shape": shape,
                 "data_offsets": [rel, rel + e.nbytes],
             }

@@ -56,7 +56,7 @@ from ._format import FileLayout
 from ._fs import LocalFileSystem
 from ._handle import ProgressCounter
 from ._incremental import Base, Report, Reuse
-from ._manifest import CHECKSUM, CHUNKS_VERSION, FORMAT, FORMAT_VERSION, renumbered
+from ._manifest import CHECKSUM, FORMAT, format_version, renumbered
 from ._options import CheckpointOptions
 from ._paths import Layout
 from ._plan import Entry, Plan, ViewCache, is_stateful
@@ -1077,9 +1077,7 @@ def _manifest_doc(
     ]
     return {
         "format": FORMAT,
-        "format_version": (
-            CHUNKS_VERSION if any("chunks" in r for r in plan.records) else FORMAT_VERSION
-        ),
+        "format_version": format_version(plan.records),
         "step": step,
         "world_size": 1,
         "checksum": CHECKSUM,
@@ -1124,6 +1122,7 @@ def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
             {"entries": [e0, len(entries)], "tensors": [t0, len(tensors)], "tree": part["tree"]}
         )
     return {
+        "format_version": format_version(tensors),
         "world_size": len(parts),
         "files": files,
         "entries": entries,

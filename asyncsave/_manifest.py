@@ -28,10 +28,12 @@ __all__ = [
     "FORMAT",
     "CHUNKS_VERSION",
     "FORMAT_VERSION",
+    "NAMED_DTYPES_VERSION",
     "READ_VERSION",
     "Manifest",
     "check_training_info",
     "encode_manifest",
+    "format_version",
     "parse_manifest",
     "record_entries",
     "torch_dtype",
@@ -44,7 +46,14 @@ FORMAT_VERSION = 1  # what saves write, unless they need a newer one
 # only a manifest that has such a record says 2, so older readers refuse it as
 # a newer format (UnsupportedFormatError), never read it as damaged.
 CHUNKS_VERSION = 2
-READ_VERSION = CHUNKS_VERSION  # the newest this reads
+# Version 3 adds one thing: data files may name the safetensors dtypes ``F8_E8M0``
+# and ``F4`` (float8_e8m0fnu, float4_e2m1fn_x2; earlier saves stored them as
+# ``U8``), which a reader of versions 1-2 refuses in a header. Only a manifest
+# with a tensor of such a dtype says 3.
+NAMED_DTYPES_VERSION = 3
+READ_VERSION = NAMED_DTYPES_VERSION  # the newest this reads
+# dtype names (as in tensor records) whose data files need NAMED_DTYPES_VERSION
+_NEWER_NAMED = frozenset({"float8_e8m0fnu", "float4_e2m1fn_x2"})
 CHECKSUM = "xxh3_64"
 SELF_CHECKSUM = "manifest_xxh3_64"  # last field: XXH3-64 of the document without it
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
@@ -103,6 +112,17 @@ def _torch_dtype(name: Any) -> torch.dtype | None:
     ):
         return None
     return dtype
+
+
+def format_version(tensors: list[dict[str, Any]]) -> int:
+    """The manifest ``format_version`` a save of these tensor records writes: the
+    oldest that reads it (1, unless a record is chunked or has a dtype whose
+    safetensors name came later), so older asyncsave versions load what they can."""
+    if any(rec["dtype"] in _NEWER_NAMED for rec in tensors):
+        return NAMED_DTYPES_VERSION
+    if any("chunks" in rec for rec in tensors):
+        return CHUNKS_VERSION
+    return FORMAT_VERSION
 
 
 def _fail(path: Path, what: str) -> CorruptCheckpointError:

@@ -38,7 +38,14 @@ from ._errors import (
 from ._format import FileLayout, layout_files, staging_nbytes
 from ._fs import LocalFileSystem
 from ._handle import SaveHandle
-from ._manifest import CHECKSUM, SELF_CHECKSUM, encode_manifest, record_entries, renumbered
+from ._manifest import (
+    CHECKSUM,
+    SELF_CHECKSUM,
+    encode_manifest,
+    format_version,
+    record_entries,
+    renumbered,
+)
 from ._paths import MANIFEST_NAME
 from ._pipeline import Saver, as_save_error
 from ._plan import Plan, make_plan
@@ -192,6 +199,7 @@ def _splice(
     doc["tree"]["items"][slot] = [["s", key], _remap_leaves(new_node, lambda i: i + n_tensors)]
     old_data = {f["name"] for f in doc["files"][:n_files]}
     _compact(doc)
+    doc["format_version"] = max(doc["format_version"], format_version(doc["tensors"]))
     return old_data, {f["name"] for f in doc["files"]}
 
 
