@@ -150,10 +150,13 @@ def layout_buckets(
         # Largest element size first keeps every entry naturally aligned; the
         # plan's order breaks ties so the layout is deterministic.
         order = sorted(bucket, key=lambda i: (-entries[i].align, i))
-        header_obj: dict[str, object] = {"__metadata__": {"format": "pt", "writer": "asyncsave"}}
+        meta = {"format": "pt", "writer": "asyncsave"}
+        header_obj: dict[str, object] = {"__metadata__": meta}
         rel = 0
         for i in order:
             e = entries[i]
+            for alias in e.aliases:  # tied weights: as safetensors.torch.save_model
+                meta.setdefault(alias, e.name)
             # A blob of a shared region is a uint8 entry of shape (nbytes,).
             named = header_dtype(e.dtype, e.shape)
             st_dtype, shape = named if named is not None else ("U8", [e.nbytes])

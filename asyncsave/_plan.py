@@ -71,7 +71,8 @@ class TensorLeaf:
 @dataclasses.dataclass
 class Entry:
     """A run of bytes in a data file: one tensor, or the covering span of a storage
-    shared by several tensors (a blob).
+    shared by several tensors (a blob: ``uint8``, or for tied weights the tensor
+    they all are, with its dtype and shape).
 
     ``source`` is what the stager copies from: the tensor itself (copied through a
     same-size integer view, so every dtype is copied bit-exactly), or for a blob a
@@ -99,6 +100,8 @@ class Entry:
     # Filled in by the writer:
     digest: str = ""  # XXH3-64 hex digest of the bytes written
     parts: tuple[tuple[int, torch.Tensor], ...] = ()  # dropped once staged
+    # The other keys of tied weights stored under ``name`` (see _shared_entry).
+    aliases: tuple[str, ...] = ()
 
     def segments(self) -> list[tuple[int, int, torch.Tensor | None]]:
         """A blob's bytes ``[0, nbytes)`` as runs ``(start, end, source)``, in
@@ -705,34 +708,8 @@ def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]
         if len(members) < 2 and not (lone.is_cuda and not lone.is_contiguous()):
             continue
         grouped.update(members)
-        lo, hi = region[0].start, max(span.end for span in region)
-        origin = _origin(leaves, ts, members, lo)
-        # One part per storage, each from where the previous one ended: the spans
-        # come in start order and each starts before the bytes covered so far end.
-        parts: list[tuple[int, torch.Tensor]] = []
-        covered = lo
-        for span in region:
-            if span.end <= covered:
-                continue
-            base = span.storage.data_ptr()
-            part = torch.empty(0, dtype=torch.uint8, device=lone.device).set_(
-                span.storage, covered - base, (span.end - covered,), (1,)
-            )
-            parts.append((covered - origin, part))
-            covered = span.end
-        nbytes = -(-(hi - origin) // _BLOB_ALIGN) * _BLOB_ALIGN
-        entries.append(
-            Entry(
-                name=_unique(leaves[members[0]].key + "#storage", names),
-                source=parts[0][1],
-                nbytes=nbytes,
-                align=_BLOB_ALIGN,
-                is_blob=True,
-                dtype=torch.uint8,
-                shape=(nbytes,),
-                parts=tuple(parts),
-            )
-        )
+        entry, origin = _shared_entry(leaves, ts, region, members, names)
+        entries.append(entry)
         for i in members:
             t = ts[i]
             records[i] = _record(
@@ -759,6 +736,80 @@ def _group(leaves: list[TensorLeaf]) -> tuple[list[Entry], list[dict[str, Any]]]
         )
         records[i] = _record(leaf, t, entry=len(entries) - 1, offset=0, stride=None)
     return entries, records
+
+
+def _shared_entry(
+    leaves: list[TensorLeaf],
+    ts: list[torch.Tensor],
+    region: list[_Span],
+    members: list[int],
+    names: set[str],
+) -> tuple[Entry, int]:
+    """The entry of a region of shared memory, and the address where it starts.
+
+    Tied weights (every member the same contiguous tensor: one address, dtype,
+    shape and strides) are stored as that tensor, with its dtype and shape, under
+    the first of their keys (sorted, as ``safetensors.torch.save_model`` keeps one
+    name), so ``safetensors`` alone reads them by name; the other keys are
+    ``aliases`` (the header's metadata maps each to the kept name). Any other
+    region is a ``uint8`` blob named ``<first key>#storage``.
+
+    :raises UnsupportedTensorError: see :func:`_origin`.
+    """
+    lo, hi = region[0].start, max(span.end for span in region)
+    origin = _origin(leaves, ts, members, lo)
+    first = ts[members[0]]
+    # One part per storage, each from where the previous one ended: the spans
+    # come in start order and each starts before the bytes covered so far end.
+    parts: list[tuple[int, torch.Tensor]] = []
+    covered = lo
+    for span in region:
+        if span.end <= covered:
+            continue
+        base = span.storage.data_ptr()
+        part = torch.empty(0, dtype=torch.uint8, device=first.device).set_(
+            span.storage, covered - base, (span.end - covered,), (1,)
+        )
+        parts.append((covered - origin, part))
+        covered = span.end
+    if _tied(ts, members):
+        keys = sorted(leaves[i].key for i in members)
+        entry = Entry(
+            name=_unique(keys[0], names),
+            source=parts[0][1],
+            nbytes=hi - origin,  # numel * element size: contiguous, origin = lo
+            align=first.element_size(),
+            is_blob=True,
+            dtype=first.dtype,
+            shape=tuple(first.shape),
+            parts=tuple(parts),
+            aliases=tuple(keys[1:]),
+        )
+        return entry, origin
+    nbytes = -(-(hi - origin) // _BLOB_ALIGN) * _BLOB_ALIGN
+    entry = Entry(
+        name=_unique(leaves[members[0]].key + "#storage", names),
+        source=parts[0][1],
+        nbytes=nbytes,
+        align=_BLOB_ALIGN,
+        is_blob=True,
+        dtype=torch.uint8,
+        shape=(nbytes,),
+        parts=tuple(parts),
+    )
+    return entry, origin
+
+
+def _tied(ts: list[torch.Tensor], members: list[int]) -> bool:
+    """Whether the tensors ``members`` of ``ts`` are all one contiguous tensor
+    (same address, dtype, shape and strides): tied weights."""
+    first = ts[members[0]]
+    if not first.is_contiguous():
+        return False
+    extent = (first.data_ptr(), first.dtype, first.shape, first.stride())
+    return all(
+        (t.data_ptr(), t.dtype, t.shape, t.stride()) == extent for t in map(ts.__getitem__, members)
+    )
 
 
 def _record(

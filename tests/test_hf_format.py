@@ -168,3 +168,87 @@ async def test_safe_open_reads_every_named_tensor_by_name(tmp_path: Path) -> Non
         for key, value in state.items():
             got = sf.get_tensor(key)
             assert got.dtype == value.dtype and torch.equal(bits(got), bits(value))
+
+
+def header_metadata(path: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            out.update(sf.metadata() or {})
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex128], ids=str)
+async def test_tied_weights_are_read_by_name_and_come_back_tied(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    w = torch.randn(10, 4).to(dtype)
+    state = {"model": {"transformer.wte.weight": w, "lm_head.weight": w, "ln.bias": torch.randn(4)}}
+    path = await save(tmp_path, state)
+    seen = by_name(path)
+    # One copy, under the first key (sorted), as safetensors.torch.save_model keeps.
+    assert "model/transformer.wte.weight" not in seen
+    assert not any(k.endswith("#storage") for k in seen)
+    kept = seen["model/lm_head.weight"]
+    if dtype in SAFETENSORS_KNOWS:
+        assert kept.dtype == dtype and torch.equal(kept, w)
+    else:  # complex128: one tensor's bytes, named by the key all the same
+        assert torch.equal(kept, bits(w))
+    assert header_metadata(path)["model/transformer.wte.weight"] == "model/lm_head.weight"
+    out = asyncsave.load(path)["model"]
+    assert torch.equal(out["lm_head.weight"], w) and out["lm_head.weight"].dtype == dtype
+    assert out["lm_head.weight"].data_ptr() == out["transformer.wte.weight"].data_ptr()
+    out["lm_head.weight"][0, 0] = 7  # still tied: a write through one shows in the other
+    assert out["transformer.wte.weight"][0, 0] == 7
+    assert manifest(path)["format_version"] == 1  # older readers load it as a view
+
+
+async def test_parameters_tied_in_a_module_stay_tied_across_reused_plans(tmp_path: Path) -> None:
+    emb = torch.nn.Embedding(6, 3)
+    head = torch.nn.Linear(3, 6, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.Sequential(emb, head)
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2):  # the second save reuses the first one's plan
+            with torch.no_grad():
+                emb.weight.add_(1.0)
+            await (await ckpt.save(step, {"model": model}))
+    seen = by_name(tmp_path / "step_2")
+    assert torch.equal(seen["model/0.weight"], emb.weight.detach())
+    assert "model/1.weight" not in seen
+    out = asyncsave.load(tmp_path / "step_2")["model"]
+    assert isinstance(out["0.weight"], torch.Tensor) and torch.equal(out["1.weight"], emb.weight)
+    assert out["0.weight"].data_ptr() == out["1.weight"].data_ptr()
+
+
+async def test_tied_weights_stream_through_a_budget_smaller_than_them(tmp_path: Path) -> None:
+    w = torch.randn(64, 128)  # 32 KiB
+    state = {"a": w, "b": w, "c": torch.randn(100)}
+    async with asyncsave.Checkpointer(tmp_path, budget_bytes=3 * 4096) as ckpt:
+        await (await ckpt.save(1, state))
+    asyncsave.verify(tmp_path / "step_1")
+    assert torch.equal(by_name(tmp_path / "step_1")["a"], w)
+    out = asyncsave.load(tmp_path / "step_1")
+    assert torch.equal(out["b"], w) and out["a"].data_ptr() == out["b"].data_ptr()
+
+
+@pytest.mark.parametrize(
+    "views",
+    [
+        lambda w: {"w": w, "row": w[3]},  # a part of it
+        lambda w: {"w": w, "t": w.t()},  # same bytes, other strides
+        lambda w: {"w": w, "u8": w.view(torch.uint8)},  # same bytes, other dtype
+        lambda w: {"a": w[1::2], "b": w[1::2]},  # identical, but not contiguous
+    ],
+    ids=["part", "transposed", "reinterpreted", "strided"],
+)
+async def test_tensors_sharing_memory_otherwise_keep_the_blob(tmp_path: Path, views: Any) -> None:
+    w = torch.randn(8, 4)
+    state = views(w)
+    path = await save(tmp_path, state)
+    assert [k for k in by_name(path) if k.endswith("#storage")]
+    out = asyncsave.load(path)
+    ptrs = {v.untyped_storage().data_ptr() for v in out.values()}
+    assert len(ptrs) == 1
+    for k, v in state.items():
+        assert torch.equal(bits(out[k]), bits(v)) and out[k].stride() == v.stride(), k
