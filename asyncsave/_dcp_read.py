@@ -89,6 +89,8 @@ _METADATA_CLASSES = {
     "torch": {"Size"},
     "torch.serialization": {"_get_layout"},
     "asyncsave.dcp": {"ItemLocation"},
+    # DCP's own locations: a save through asyncsave.dcp.StorageWriter(_extensions=...).
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "collections": {"OrderedDict"},
 }
 

@@ -56,6 +56,39 @@ thread, so one writer object serves saves one after another or overlapping.
    :class:`~asyncsave.Checkpointer` open removes; nothing half-written ever carries
    a final name.
 
+``FileSystemWriter``'s keywords
+--------------------------------
+
+:class:`StorageWriter` takes every keyword of torch 2.13's ``FileSystemWriter``,
+by keyword only (the argument after ``root`` is ``step``; a ``bool`` there, as in
+``FileSystemWriter(path, False)``, is an ``InvalidStepError`` that says so):
+
+- ``thread_count``: files per rank, each written by a thread of its own
+  (items spread by size, as ``FileSystemWriter`` does).
+- ``single_file_per_rank``: ``False``: one file per item.
+- ``overwrite``: replace a committed ``step_<step>``: the new save is
+  committed by the root's commit protocol with ``overwrite`` (an atomic
+  ``RENAME_EXCHANGE``, as ``CheckpointOptions(overwrite=True)`` does for
+  :meth:`Checkpointer.save`; readers see the old checkpoint or the new one,
+  never neither). Default ``False``, unlike DCP's ``True``: a committed
+  checkpoint is replaced only when asked (refused as DCP refuses with
+  ``overwrite=False``).
+- ``_extensions``: DCP's stream transforms (``[ZStandard()]``): the save is
+  written in DCP's own ``.distcp`` format by torch's ``FileSystemWriter``
+  into the temporary directory (each stored, compressed, file checksummed
+  with XXH3-64), then committed and tracked as any other; it is no longer
+  safetensors. :class:`StorageReader` and ``FileSystemReader`` read it.
+- ``serialization_format``: used with ``_extensions`` (DCP's files); the
+  default files are safetensors whatever its value.
+- ``sync_files``: accepted; every file is fsynced whatever its value (the
+  commit's guarantees rest on it).
+- ``per_thread_copy_ahead``: used with ``_extensions`` (DCP's GPU copy-ahead);
+  otherwise accepted without effect: items are copied to host memory before
+  the files are written.
+- ``cache_staged_state_dict``: accepted without effect: this writer is no
+  ``AsyncStager``; staging is DCP's stager's (``dcp.async_save(...,
+  async_stager=...)``).
+
 Both classes are plain picklable dataclasses (paths and ints), so DCP's process
 executor (``async_checkpointer_type=AsyncCheckpointerType.PROCESS``) can ship the
 writer to its background process.
@@ -98,12 +131,19 @@ import time
 import uuid
 import weakref
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint._extension import StreamTransformExtension
+from torch.distributed.checkpoint.filesystem import (
+    FileSystemReader,
+    SerializationFormat,
+    _StorageInfo,
+)
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -130,15 +170,25 @@ from ._bits import clone_bits, flat_bytes
 from ._catalog import latest
 from ._commit import hold_root
 from ._dcp_read import DCP_METADATA_NAME, read_dcp_metadata
+from ._dcp_write import (
+    StoredFile,
+    check_writer_options,
+    distcp_global_plan,
+    lay_out,
+    verify_stored,
+    write_distcp_part,
+    write_layouts,
+)
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     ChecksumMismatchError,
     CorruptCheckpointError,
+    InvalidStepError,
     SaveFailedError,
 )
-from ._format import SAFETENSORS_DTYPES, layout_files, staging_nbytes
+from ._format import SAFETENSORS_DTYPES, staging_nbytes
 from ._fs import LocalFileSystem, check_lock_mode, holds_lock
 from ._fsspec import check_root
 from ._jobs import Job, Services, register_job
@@ -205,13 +255,22 @@ def _entry_of(name: str, t: torch.Tensor) -> tuple[Entry, int]:
 
 
 def write_part(
-    fs: LocalFileSystem, tmp: Path, rank: int, items: list[tuple[str, torch.Tensor]]
+    fs: LocalFileSystem,
+    tmp: Path,
+    rank: int,
+    items: list[tuple[str, torch.Tensor]],
+    *,
+    thread_count: int = 1,
+    single_file_per_rank: bool = True,
 ) -> list[ItemLocation]:
-    """Write one rank's items into ``tmp`` as one safetensors file, fsynced.
+    """Write one rank's items into ``tmp`` as safetensors files, fsynced:
+    ``thread_count`` files of balanced size (fewer when there are fewer items),
+    each written by a thread of its own, or one file per item
+    (``single_file_per_rank=False``).
 
     :param items: ``(unique name, contiguous CPU tensor)``; byte items as ``uint8``.
     :returns: one :class:`ItemLocation` per item, in order.
-    :raises OSError: from the file system (the partial file stays in ``tmp``).
+    :raises OSError: from the file system (the partial files stay in ``tmp``).
     """
     entries: list[Entry] = []
     lengths: list[int] = []
@@ -219,11 +278,16 @@ def write_part(
         entry, n = _entry_of(name, t)
         entries.append(entry)
         lengths.append(n)
-    layouts = layout_files(entries, rank=rank, max_files=1)
+    layouts = lay_out(
+        entries, rank=rank, thread_count=thread_count, single_file_per_rank=single_file_per_rank
+    )
     buffer = torch.empty(staging_nbytes(layouts), dtype=torch.uint8)
     copy_cpu(buffer, entries)
-    for fl in layouts:
-        for i, digest in write_data_file(fs, tmp, fl, entries, buffer).items():
+    written = write_layouts(
+        layouts, thread_count, lambda fl: write_data_file(fs, tmp, fl, entries, buffer)
+    )
+    for digests in written:
+        for i, digest in digests.items():
             entries[i].digest = digest
     out = []
     for (name, t), e, n in zip(items, entries, lengths, strict=True):
@@ -245,15 +309,25 @@ def write_part(
 
 
 def dcp_manifest_doc(
-    step: int, results: list[list[WriteResult]], metadata_blob: bytes
+    step: int,
+    results: list[list[WriteResult]],
+    metadata_blob: bytes,
+    *,
+    stored: Sequence[StoredFile] = (),
 ) -> dict[str, Any]:
     """asyncsave's manifest of a DCP checkpoint: every data file with its size,
     every item as an entry with its checksum, ``.metadata``'s size and checksum,
-    and a ``{"type": "dcp"}`` tree (``asyncsave.load`` refuses it, pointing here)."""
+    and a ``{"type": "dcp"}`` tree (``asyncsave.load`` refuses it, pointing here).
+
+    :param stored: the files of DCP's own format (``_extensions``), recorded under
+        ``dcp_files`` with their size and the checksum of their stored bytes
+        (``files`` and ``entries`` list safetensors files only, which
+        :func:`asyncsave.verify` opens); the results' locations are then DCP's.
+    """
     files: list[dict[str, Any]] = []
     index: dict[str, int] = {}
     entries: list[dict[str, Any]] = []
-    for rank_results in results:
+    for rank_results in results if not stored else ():
         for wr in rank_results:
             loc = wr.storage_data
             if not isinstance(loc, ItemLocation):
@@ -286,6 +360,7 @@ def dcp_manifest_doc(
             "nbytes": len(metadata_blob),
             CHECKSUM: xxhash.xxh3_64_hexdigest(metadata_blob),
         },
+        "dcp_files": [{"name": f.name, "nbytes": f.nbytes, CHECKSUM: f.checksum} for f in stored],
         "costs": {},
     }
 
@@ -338,8 +413,9 @@ class _Written:
     the rank wrote it into (``None``: the shared one of asyncsave's own collective
     commit). Only ``loc`` is recorded in DCP's ``Metadata``."""
 
-    loc: ItemLocation
+    loc: Any  # ItemLocation; DCP's own ``_StorageInfo`` with ``_extensions``
     tmp: str | None
+    stored: StoredFile | None = None  # with ``_extensions``: the file ``loc`` is in
 
 
 @dataclasses.dataclass
@@ -372,9 +448,16 @@ class StorageWriter(_DcpStorageWriter):
         the root at the same moment may leave the tracker behind the newest step,
         and a :class:`~asyncsave.Checkpointer` opened meanwhile may remove this
         save's temporary directory. Use it where one process saves at a time.
+
+    ``FileSystemWriter``'s keywords (``thread_count``, ``overwrite``,
+    ``_extensions``...): keyword-only, see the module's documentation.
+
     :raises CheckpointError: (from ``prepare_local_plan``, before anything is
-        written, or from :meth:`finish`) ``step_<step>`` exists already: a DCP save
-        never replaces a checkpoint. Nothing is left in ``root`` then.
+        written, or from :meth:`finish`) ``step_<step>`` exists already and not
+        ``overwrite``: the message says DCP's words ("Checkpoint already exists
+        and self.overwrite=False"). Nothing is left in ``root`` then.
+    :raises TypeError, ValueError: (on construction) a ``FileSystemWriter``
+        keyword of the wrong type or range (named).
     :raises RootInUseError: (from :meth:`finish`) the root's lock stayed held for
         ``lock_timeout_s``; nothing was committed, nothing is left in ``root``.
     :raises CheckpointError: (on construction) ``filesystem`` cannot move files
@@ -390,6 +473,18 @@ class StorageWriter(_DcpStorageWriter):
     filesystem: LocalFileSystem = dataclasses.field(default_factory=LocalFileSystem)
     lock_timeout_s: float = 60.0
     lock: str = "flock"
+    single_file_per_rank: bool = dataclasses.field(default=True, kw_only=True)
+    sync_files: bool = dataclasses.field(default=True, kw_only=True)
+    thread_count: int = dataclasses.field(default=1, kw_only=True)
+    per_thread_copy_ahead: int = dataclasses.field(default=10_000_000, kw_only=True)
+    cache_staged_state_dict: bool = dataclasses.field(default=False, kw_only=True)
+    overwrite: bool = dataclasses.field(default=False, kw_only=True)
+    _extensions: Sequence[StreamTransformExtension] | None = dataclasses.field(
+        default=None, kw_only=True
+    )
+    serialization_format: SerializationFormat = dataclasses.field(
+        default=SerializationFormat.TORCH_SAVE, kw_only=True
+    )
     # Set by asyncsave's own collective commit (Checkpointer.save of DTensor state):
     # write into this existing temporary directory and do not commit in finish().
     _tmp: str | None = None
@@ -423,6 +518,7 @@ class StorageWriter(_DcpStorageWriter):
         if not self.lock_timeout_s > 0:
             raise ValueError(f"lock_timeout_s={self.lock_timeout_s!r} must be > 0")
         check_lock_mode(self.lock)
+        self._extensions = check_writer_options(**self._options(), extensions=self._extensions)
         self._strategy = _strategy_of(self.root, self.filesystem)
         weakref.finalize(self, _release_all, self.filesystem, self._handed)
 
@@ -490,11 +586,23 @@ class StorageWriter(_DcpStorageWriter):
     def _end(self) -> None:
         self._local.save = None
 
+    def _options(self) -> dict[str, Any]:
+        """``FileSystemWriter``'s keywords but ``_extensions``, as given."""
+        return {name: getattr(self, name) for name in _FSW_OPTIONS}
+
     @property
     def checkpoint_id(self) -> str:
         """The directory the current (or next) save of this thread commits."""
         save: _Save | None = getattr(self._local, "save", None)
         return os.fspath(self._final(save if save is not None else self._fresh()))
+
+    @property
+    def save_id(self) -> str:
+        """The id of this thread's current save (or of its next one, fixed by this
+        read): a UUID, fresh for every save, recorded in
+        ``Metadata.storage_meta.save_id`` beside ``checkpoint_id`` (the directory
+        it commits), as ``FileSystemWriter.save_id`` is."""
+        return self._upcoming().save_id
 
     # 0
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -558,14 +666,17 @@ class StorageWriter(_DcpStorageWriter):
         save = self._current()
         final = self._final(save)
         if self._tmp is None and self.filesystem.exists(final):
-            raise _exists(final, save.step)
+            if not self.overwrite:
+                raise _exists(final, save.step)
+            self._strategy.check_overwrite(self.filesystem, final, save.step)
         return plan
 
     # 3
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Unchanged: no plan carries anything of one save (DCP's plan caching
-        replays a rank's first plan in later saves)."""
-        return plans
+        """No plan carries anything of one save (DCP's plan caching replays a
+        rank's first plan in later saves); with ``_extensions``, each rank's
+        prefix of DCP's file names (``__<rank>_``), as ``FileSystemWriter`` sets."""
+        return distcp_global_plan(plans) if self._extensions else plans
 
     # 4
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -574,26 +685,26 @@ class StorageWriter(_DcpStorageWriter):
         failure removes the directory."""
         save = self._current()
         try:
+            if self._extensions:
+                return _done(_write_distcp(self, save, plan, planner))
             items = [
                 (f"{i:06d}:{_item_name(it.index)}", _resolve_item(planner, it))
                 for i, it in enumerate(plan.items)
             ]
-            fs = self.filesystem
             locs: list[ItemLocation] = []
-            if items and self._tmp is not None:
-                locs = write_part(fs, save.root / self._tmp, save.rank, items)
-            elif items:
-                fs.makedirs(save.root)
-                tmp, fd = make_held_temp_dir(fs, save.root, save.step, lock=self.lock)
-                if fd is not None:
-                    save.held.append(fd)
-                save.tmp = tmp.name
+            if items:
+                tmp = self._rank_dir(save)
                 try:
-                    locs = write_part(fs, tmp, save.rank, items)
+                    locs = write_part(
+                        self.filesystem,
+                        tmp,
+                        save.rank,
+                        items,
+                        thread_count=self.thread_count,
+                        single_file_per_rank=self.single_file_per_rank,
+                    )
                 except BaseException:
-                    discard(fs, tmp)
-                    self._release(save)
-                    save.tmp = None
+                    self._drop_rank_dir(save, tmp)
                     raise
         finally:
             if not save.is_coordinator:
@@ -608,9 +719,27 @@ class StorageWriter(_DcpStorageWriter):
                     index=it.index, size_in_bytes=loc.nbytes, storage_data=_Written(loc, save.tmp)
                 )
             )
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return _done(results)
+
+    def _rank_dir(self, save: _Save) -> Path:
+        """The directory this rank writes into: asyncsave's shared one, or a
+        temporary directory of its own, made and locked now."""
+        if self._tmp is not None:
+            return save.root / self._tmp
+        self.filesystem.makedirs(save.root)
+        tmp, fd = make_held_temp_dir(self.filesystem, save.root, save.step, lock=self.lock)
+        if fd is not None:
+            save.held.append(fd)
+        save.tmp = tmp.name
+        return tmp
+
+    def _drop_rank_dir(self, save: _Save, tmp: Path) -> None:
+        """A failed write: this rank's own directory goes (the shared one is the
+        engine's)."""
+        if save.tmp is not None:
+            discard(self.filesystem, tmp)
+            self._release(save)
+            save.tmp = None
 
     # 5
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -660,13 +789,13 @@ class StorageWriter(_DcpStorageWriter):
     ) -> None:
         """:meth:`finish` proper; appends the directory it creates to ``temps``."""
         fs, root, step = self.filesystem, save.root, save.step
-        located = _located(results)
+        located, stored = _located(results)
         metadata.storage_data = {wr.index: wr.storage_data for rr in located for wr in rr}
         metadata.storage_meta = StorageMeta(
             checkpoint_id=os.fspath(self._final(save)), save_id=save.save_id
         )
         blob = pickle.dumps(metadata)
-        doc = dcp_manifest_doc(step, located, blob)
+        doc = dcp_manifest_doc(step, located, blob, stored=stored)
         if not self._commit:
             assert self._tmp is not None
             write_bytes(fs, root / self._tmp / DCP_METADATA_NAME, blob)
@@ -674,72 +803,104 @@ class StorageWriter(_DcpStorageWriter):
             return
         layout = LAYOUTS[self.layout]
         final = root / layout.dir_name(step)
-        if fs.exists(final):
+        if fs.exists(final) and not self.overwrite:
             raise _exists(final, step)
-        tmp = self._gather(save, temps)
+        tmp = _gather(self, save, temps)
         write_bytes(fs, tmp / DCP_METADATA_NAME, blob)
         write_bytes(fs, tmp / MANIFEST_NAME, encode_manifest(doc))
-        self._publish(root, tmp, final, step)
+        _publish(self, root, tmp, final, step)
         for other in temps:
             if other != tmp:
                 discard(fs, other)  # another rank's, emptied above
 
-    def _gather(self, save: _Save, temps: list[Path]) -> Path:
-        """The temporary directory that commits, every rank's files moved into it
-        (made now if this rank wrote nothing, and appended to ``temps``)."""
-        fs, root = self.filesystem, save.root
-        if save.tmp is None:  # this rank wrote nothing
-            fs.makedirs(root)
-            made, fd = make_held_temp_dir(fs, root, save.step, lock=self.lock)
-            if fd is not None:
-                save.held.append(fd)
-            temps.append(made)
-        tmp = root / save.tmp if save.tmp is not None else temps[-1]
-        for other in temps:
-            if other != tmp:  # another rank's directory: its files move in, durably
-                move_files(fs, other, tmp, fs.listdir(other), keep_src=True)
-        return tmp
-
-    def _publish(self, root: Path, tmp: Path, final: Path, step: int) -> None:
-        """Commit ``tmp`` (its manifest written, outside the lock) as ``final``
-        through the root's commit protocol (``CommitStrategy.commit``, the call
-        the engine's pipeline makes) and move the tracker forward, under the
-        root's lock.
-
-        :raises CheckpointError: ``final`` exists; or it is committed but its
-            commit or the tracker could not be made durable (the next open
-            finishes that).
-        """
-        fs, layout = self.filesystem, LAYOUTS[self.layout]
-        with hold_root(fs, root, timeout_s=self.lock_timeout_s, lock=self.lock):
-            if fs.exists(final):
-                raise _exists(final, step)
-            try:
-                self._strategy.commit(fs, tmp, final, overwrite=False)
-            except OSError as exc:
-                if fs.exists(tmp) or not fs.exists(final):
-                    raise  # before the rename: nothing committed, every directory goes
-                raise CheckpointError(
-                    f"{final} is committed (renamed to its final name), but making the "
-                    f"rename durable (fsync of {root}) failed: {exc!r}; the tracker was "
-                    "not moved, the next Checkpointer open moves it",
-                    step=step,
-                    path=final,
-                ) from exc
-            if layout.tracker_name is not None:
-                try:
-                    advance_tracker(fs, root / layout.tracker_name, step)
-                except OSError as exc:
-                    raise CheckpointError(
-                        f"{final} is committed, but moving the tracker failed: {exc!r}; "
-                        "the next Checkpointer open moves it",
-                        step=step,
-                        path=final,
-                    ) from exc
-
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False  # never picked automatically: construct it explicitly
+
+
+def _write_distcp(
+    writer: StorageWriter, save: _Save, plan: SavePlan, planner: SavePlanner
+) -> list[WriteResult]:
+    """``write_data`` with ``_extensions``: DCP's own files through torch's
+    ``FileSystemWriter`` (see ``asyncsave._dcp_write``), each stored file
+    checksummed."""
+    if not plan.items:
+        return []
+    tmp = writer._rank_dir(save)
+    try:
+        results, stored = write_distcp_part(
+            tmp,
+            plan,
+            planner,
+            is_coordinator=save.is_coordinator,
+            rank=save.rank,
+            options={**writer._options(), "extensions": writer._extensions},
+        )
+    except BaseException:
+        writer._drop_rank_dir(save, tmp)
+        raise
+    return [
+        dataclasses.replace(
+            wr,
+            storage_data=_Written(wr.storage_data, save.tmp, stored[wr.storage_data.relative_path]),
+        )
+        for wr in results
+    ]
+
+
+def _gather(writer: StorageWriter, save: _Save, temps: list[Path]) -> Path:
+    """The temporary directory that commits, every rank's files moved into it
+    (made now if this rank wrote nothing, and appended to ``temps``)."""
+    fs, root = writer.filesystem, save.root
+    if save.tmp is None:  # this rank wrote nothing
+        fs.makedirs(root)
+        made, fd = make_held_temp_dir(fs, root, save.step, lock=writer.lock)
+        if fd is not None:
+            save.held.append(fd)
+        temps.append(made)
+    tmp = root / save.tmp if save.tmp is not None else temps[-1]
+    for other in temps:
+        if other != tmp:  # another rank's directory: its files move in, durably
+            move_files(fs, other, tmp, fs.listdir(other), keep_src=True)
+    return tmp
+
+
+def _publish(writer: StorageWriter, root: Path, tmp: Path, final: Path, step: int) -> None:
+    """Commit ``tmp`` (its manifest written, outside the lock) as ``final``
+    through the root's commit protocol (``CommitStrategy.commit``, the call
+    the engine's pipeline makes) and move the tracker forward, under the
+    root's lock.
+
+    :raises CheckpointError: ``final`` exists; or it is committed but its
+        commit or the tracker could not be made durable (the next open
+        finishes that).
+    """
+    fs, layout = writer.filesystem, LAYOUTS[writer.layout]
+    with hold_root(fs, root, timeout_s=writer.lock_timeout_s, lock=writer.lock):
+        if fs.exists(final) and not writer.overwrite:
+            raise _exists(final, step)
+        try:
+            writer._strategy.commit(fs, tmp, final, overwrite=writer.overwrite)
+        except OSError as exc:
+            if fs.exists(tmp) or not fs.exists(final):
+                raise  # before the rename: nothing committed, every directory goes
+            raise CheckpointError(
+                f"{final} is committed (renamed to its final name), but making the "
+                f"rename durable (fsync of {root}) failed: {exc!r}; the tracker was "
+                "not moved, the next Checkpointer open moves it",
+                step=step,
+                path=final,
+            ) from exc
+        if layout.tracker_name is not None:
+            try:
+                advance_tracker(fs, root / layout.tracker_name, step)
+            except OSError as exc:
+                raise CheckpointError(
+                    f"{final} is committed, but moving the tracker failed: {exc!r}; "
+                    "the next Checkpointer open moves it",
+                    step=step,
+                    path=final,
+                ) from exc
 
 
 def _strategy_of(root: str, fs: LocalFileSystem) -> CommitStrategy:
@@ -759,19 +920,43 @@ def _strategy_of(root: str, fs: LocalFileSystem) -> CommitStrategy:
     return strategy
 
 
-def _located(results: list[list[WriteResult]]) -> list[list[WriteResult]]:
-    """Every rank's write results with their asyncsave location as storage data.
+def _located(
+    results: list[list[WriteResult]],
+) -> tuple[list[list[WriteResult]], list[StoredFile]]:
+    """Every rank's write results with their location as storage data, and the
+    files of DCP's own format they are in (none for asyncsave's files).
 
     :raises CheckpointError: a result was not written by this storage writer.
     """
     located: list[list[WriteResult]] = []
+    stored: dict[str, StoredFile] = {}
     for rank_results in results:
         located.append([])
         for wr in rank_results:
             if not isinstance(wr.storage_data, _Written):
                 raise CheckpointError(f"write result {wr.index} has no asyncsave location")
+            if wr.storage_data.stored is not None:
+                stored[wr.storage_data.stored.name] = wr.storage_data.stored
             located[-1].append(dataclasses.replace(wr, storage_data=wr.storage_data.loc))
-    return located
+    return located, [stored[n] for n in sorted(stored)]
+
+
+def _done(value: Any) -> Future[Any]:
+    fut: Future[Any] = Future()
+    fut.set_result(value)
+    return fut
+
+
+# FileSystemWriter's keywords (torch 2.13) but ``_extensions``.
+_FSW_OPTIONS = (
+    "single_file_per_rank",
+    "sync_files",
+    "thread_count",
+    "per_thread_copy_ahead",
+    "cache_staged_state_dict",
+    "overwrite",
+    "serialization_format",
+)
 
 
 def _release_all(fs: LocalFileSystem, handed: dict[str, int]) -> None:
@@ -784,13 +969,20 @@ def _release_all(fs: LocalFileSystem, handed: dict[str, int]) -> None:
 
 
 def _check_step(step: Any) -> None:
+    if isinstance(step, bool):
+        raise InvalidStepError(
+            f"StorageWriter step={step!r}: the argument after the root is the step (an "
+            "int); FileSystemWriter's single_file_per_rank and its other options are "
+            f"keywords here: StorageWriter(root, step, single_file_per_rank={step!r})"
+        )
     if type(step) is not int or step < 0:
         raise ValueError(f"step={step!r} must be a non-negative int")
 
 
 def _exists(final: Path, step: int) -> CheckpointError:
     return CheckpointError(
-        f"{final} exists already; a DCP save never replaces a checkpoint",
+        f"Checkpoint already exists and self.overwrite=False: {final} exists already "
+        "(pass overwrite=True to replace it atomically, or save under a new step)",
         step=step,
         path=final,
     )
@@ -821,6 +1013,17 @@ class StorageReader(_DcpStorageReader):
     :param load_id: DCP's id of this load, recorded in
         ``read_metadata().storage_meta.load_id`` (as ``FileSystemReader`` does); a
         fresh UUID at construction and at every ``reset``.
+    :param _extension_registry: DCP's ``ExtensionRegistry`` for stream transforms
+        (as ``FileSystemReader`` takes it; ``None``: DCP's default, which knows
+        ``ZStandard``).
+
+    Checkpoints in DCP's own format are read by torch's ``FileSystemReader``, to
+    which this reader hands them: those written with ``_extensions`` (their stored
+    files checked against the manifest's checksums first, with ``verify``), and a
+    directory that ``FileSystemWriter`` wrote (``.metadata`` and ``*.distcp``, no
+    asyncsave manifest: read as DCP reads it, its ``.metadata`` unpickled by
+    DCP; nothing to verify it against). A root is resolved through asyncsave's
+    tracker only: pass a ``FileSystemWriter`` directory itself.
     :raises ValueError: an unknown ``layout``.
     :raises CheckpointNotFoundError: (from ``read_metadata``) nothing committed
         there; a root holding another layout's checkpoints names the ``layout`` to
@@ -837,6 +1040,9 @@ class StorageReader(_DcpStorageReader):
     _metadata: Metadata | None = None
     _dir: str | None = None
     load_id: str = dataclasses.field(default_factory=lambda: str(uuid.uuid4()))
+    _extension_registry: Any = None
+    # DCP's own reader of a checkpoint in DCP's format (set per load).
+    _inner: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_root(self.path, "StorageReader path")
@@ -862,7 +1068,7 @@ class StorageReader(_DcpStorageReader):
         """The checkpoint directory this reader reads (a root resolves to its latest)."""
         if self._dir is None:
             p = Path(self.path)
-            if not self.filesystem.exists(p / MANIFEST_NAME):
+            if not self.filesystem.exists(p / MANIFEST_NAME) and not self._foreign(p):
                 info = latest(
                     p, layout=self.layout, fallback=self.fallback, filesystem=self.filesystem
                 )
@@ -872,9 +1078,22 @@ class StorageReader(_DcpStorageReader):
             self._dir = os.fspath(p)
         return Path(self._dir)
 
+    def _foreign(self, path: Path) -> bool:
+        """Whether ``path`` is a directory ``FileSystemWriter`` wrote (DCP's
+        ``.metadata``, no asyncsave manifest)."""
+        fs = self.filesystem
+        return fs.exists(path / DCP_METADATA_NAME) and not fs.exists(path / MANIFEST_NAME)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self._dir = None  # a load begins: a root resolves to its latest now
-        metadata = read_dcp_metadata(self.filesystem, self.checkpoint_dir())
+        self._inner = None
+        path = self.checkpoint_dir()
+        if self._foreign(path):
+            self._inner = FileSystemReader(path, _extension_registry=self._extension_registry)
+            self._inner.load_id = self.load_id
+            foreign: Metadata = self._inner.read_metadata(*args, **kwargs)
+            return foreign
+        metadata = read_dcp_metadata(self.filesystem, path)
         metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
         return metadata
 
@@ -882,6 +1101,14 @@ class StorageReader(_DcpStorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self._metadata = metadata
+        if self._inner is None and any(
+            isinstance(v, _StorageInfo) for v in (metadata.storage_data or {}).values()
+        ):  # written with _extensions: DCP's own files
+            self._inner = FileSystemReader(
+                self.checkpoint_dir(), _extension_registry=self._extension_registry
+            )
+        if self._inner is not None:
+            self._inner.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -892,6 +1119,13 @@ class StorageReader(_DcpStorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assert self._metadata is not None and self._metadata.storage_data is not None
         path = self.checkpoint_dir()
+        if self._inner is not None:
+            if self.verify and not self._foreign(path):
+                data = self._metadata.storage_data
+                names = {data[req.storage_index].relative_path for req in plan.items}
+                verify_stored(self.filesystem, path, names)
+            fut: Future[None] = self._inner.read_data(plan, planner)
+            return fut
         by_file: dict[str, list[Any]] = defaultdict(list)
         for req in plan.items:
             loc = self._metadata.storage_data[req.storage_index]
@@ -927,9 +1161,7 @@ class StorageReader(_DcpStorageReader):
                     target = planner.resolve_tensor(req).detach()
                     target.copy_(t)
                     planner.commit_tensor(req, target)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        return _done(None)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
