@@ -73,9 +73,11 @@ __all__ = [
     "Pause",
     "block",
     "checkpoint_dir_name",
+    "checkpoint_step",
     "cli",
     "encode_manifest",
     "fail_staging",
+    "gloo_collectives",
     "is_temp_name",
     "kill",
     "leftover_temp_names",
@@ -85,6 +87,7 @@ __all__ = [
     "pause_at",
     "raise_errno",
     "thresholds",
+    "tracker_file_name",
 ]
 
 #: Returned by an action of :class:`FaultyFileSystem`: the real call goes ahead.
@@ -308,6 +311,32 @@ def checkpoint_dir_name(layout: str, step: int) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUT_NAMES}")
     return LAYOUTS[layout].dir_name(step)
+
+
+def checkpoint_step(layout: str, name: str) -> int | None:
+    """The step a final directory name stands for under the layout preset
+    ``layout`` (``"step_7"`` -> ``7``), or ``None`` when ``name`` is not one (a
+    temporary or retired entry, a stray file, another preset's name): the
+    inverse of :func:`checkpoint_dir_name`.
+
+    :raises ValueError: ``layout`` is not one of :data:`LAYOUT_NAMES`.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUT_NAMES}")
+    return LAYOUTS[layout].parse_dir_name(name)
+
+
+def tracker_file_name(layout: str) -> str | None:
+    """The name of the tracker file in the root under the layout preset
+    ``layout`` (``"latest_checkpointed_iteration.txt"`` for ``"asyncsave"``,
+    ``"megatron"`` and ``"verl"``), or ``None`` for a preset that keeps none
+    (``"nemo_rl"``).
+
+    :raises ValueError: ``layout`` is not one of :data:`LAYOUT_NAMES`.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUT_NAMES}")
+    return LAYOUTS[layout].tracker_name
 
 
 def cli(argv: list[str], out: TextIO | None = None) -> int:
@@ -630,6 +659,37 @@ def listing_reads(
                 after(Path(path))
 
     patches.set(listing, "read_checkpoint", read_checkpoint)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+@contextmanager
+def gloo_collectives(fn: Callable[[str], None]) -> Iterator[None]:
+    """Call ``fn(kind)`` just before each collective of a save's gloo group in
+    this process while the block runs: ``kind`` is ``"broadcast"`` or
+    ``"all_gather"``, and ``fn`` runs in the worker thread that is about to make
+    the collective (where the save's peers wait for it). What ``fn`` raises
+    fails that collective as a failed exchange would; ``os.kill`` of the own
+    process from ``fn`` is a rank that died at that collective (for crash tests
+    of several processes). The coordinator of a :class:`FakeGroup` makes no
+    gloo collectives: ``fn`` is not called for it.
+
+    :raises TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} must be callable")
+    coord = importlib.import_module("asyncsave._coord")
+    patches = _Patches()
+    for kind in ("broadcast", "all_gather"):
+        real = getattr(coord.GlooGroup, f"_{kind}")
+
+        def collective(self: Any, obj: Any, _real: Any = real, _kind: str = kind) -> Any:
+            fn(_kind)
+            return _real(self, obj)
+
+        patches.set(coord.GlooGroup, f"_{kind}", collective)
     try:
         yield
     finally:

@@ -22,8 +22,6 @@ opened a checkpointer):
    newest committed step.
 """
 
-# Private imports: the children resolve every layout preset's names and lower the
-# incremental file threshold, and the lab names the pipeline's modules it kills in.
 from __future__ import annotations
 
 import argparse
@@ -54,28 +52,25 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fstrace import TracingFS
 
 import asyncsave
-import asyncsave._incremental
-from asyncsave._paths import LAYOUTS, is_temp_name
+from asyncsave.testing import checkpoint_step, is_temp_name, thresholds, tracker_file_name
 
 
 @contextlib.contextmanager
 def small_own_files() -> Iterator[None]:
-    """Incremental saves give a tensor of OWN_FILE_BYTES or more a data file of
+    """Incremental saves give a tensor of 1 MiB (``own_file_bytes``) or more a data file of
     its own: lowered, while the lab's scenarios run (in its forked children, or
     around an in-process recording), so that this small state has one file per
     tensor, some shared, some not. Never at import: other test files in the same
     process rely on the library's value."""
-    old = asyncsave._incremental.OWN_FILE_BYTES
-    asyncsave._incremental.OWN_FILE_BYTES = 64
-    try:
+    with thresholds(own_file_bytes=64):
         yield
-    finally:
-        asyncsave._incremental.OWN_FILE_BYTES = old
+
 
 # Every child is forked from this process: what the children use is imported here,
 # once, not again in each of the ~1,700 children (asyncsave's public names and
 # anyio's backends load lazily; importing them cost a child about 0.1 s, more than
-# its scenario).
+# its scenario). The modules are named only to load them early (their members are
+# not used here).
 for _module in (
     "asyncsave._engine",
     "asyncsave._resume",
@@ -90,8 +85,7 @@ for _module in (
 for _name in ("Checkpointer", "latest", "load", "verify"):
     getattr(asyncsave, _name)
 
-LAYOUT = LAYOUTS["asyncsave"]
-TRACKER = LAYOUT.tracker_name
+TRACKER = tracker_file_name("asyncsave")
 assert TRACKER is not None
 MAX_WRITE = 1024  # short writes: a crash may fall in the middle of a data file
 
@@ -183,7 +177,7 @@ def newest_ack(events: list[tuple[str, int, int]], base: dict[int, int]) -> int 
 def final_dirs(root: Path) -> dict[int, Path]:
     out = {}
     for p in root.iterdir():
-        step = LAYOUT.parse_dir_name(p.name)
+        step = checkpoint_step("asyncsave", p.name)
         if step is not None and p.is_dir():
             out[step] = p
     return out

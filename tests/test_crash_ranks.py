@@ -14,8 +14,6 @@ The survivor must return (the harness deadline is far below ``dist_timeout_s``
 times the number of collectives): a dead peer is found through the store.
 """
 
-# Private imports: counts and kills at the collectives of the gloo coordinator itself
-# (GlooGroup).
 from __future__ import annotations
 
 import os
@@ -30,6 +28,7 @@ import torch
 
 import asyncsave
 from asyncsave import LocalFileSystem
+from asyncsave.testing import gloo_collectives
 
 sys.path.insert(0, str(Path(__file__).parent))
 from distributed import run_ranks, start_ranks, values
@@ -96,17 +95,7 @@ def _counting_fs(calls: _Calls) -> LocalFileSystem:
 
 
 def _scenario(rank: int, world: int, root: str, victim: int, kill_at: int | None) -> list[str]:
-    from asyncsave._coord import GlooGroup
-
     calls = _Calls(kill_at if rank == victim else None)
-    for name in ("_broadcast", "_all_gather"):
-        base = getattr(GlooGroup, name)
-
-        def collective(self: Any, obj: Any, _base: Any = base, _name: str = name) -> Any:
-            calls(_name)
-            return _base(self, obj)
-
-        setattr(GlooGroup, name, collective)
     fs = _counting_fs(calls)
     acks = Path(root).parent / f"acks-{rank}"
 
@@ -130,7 +119,8 @@ def _scenario(rank: int, world: int, root: str, victim: int, kill_at: int | None
         except asyncsave.SaveFailedError:
             pass  # the peer died: this rank raised instead of hanging
 
-    anyio.run(main)
+    with gloo_collectives(calls):  # "broadcast" or "all_gather", in this rank's process
+        anyio.run(main)
     return calls.names
 
 
@@ -162,7 +152,7 @@ def test_every_call_of_each_rank_killed_then_resume_on_two_and_one(tmp_path: Pat
     recorded = values(
         run_ranks(_scenario, 2, tmp_path / "rec", str(tmp_path / "rec" / "run"), -1, None)
     )
-    assert "rename" in recorded[0] and "_all_gather" in recorded[1]
+    assert "rename" in recorded[0] and "all_gather" in recorded[1]
     points = [(r, k) for r in (0, 1) for k in range(1, len(recorded[r]) + 1)]
     failures: list[str] = []
     # Two kill points run side by side (each its own group and store): a point

@@ -1,7 +1,5 @@
 """The engine: await a save, commit atomically, move the tracker, fail loudly."""
 
-# Private imports: a unit test of the staging pool's poisoning, which no public call
-# reaches on demand.
 from __future__ import annotations
 
 import errno
@@ -692,26 +690,3 @@ async def test_a_forked_child_does_not_keep_the_root_locked(tmp_path: Path) -> N
     finally:
         child.terminate()
         child.join()
-
-
-async def test_a_poisoned_pool_wakes_waiters_with_an_error() -> None:
-    from asyncsave._stage import StagingPool
-
-    pool = StagingPool(None)
-    lease = await pool.acquire(1024, pin=False)
-    errors: list[BaseException] = []
-
-    async def waiter() -> None:
-        try:
-            await pool.acquire(1024, pin=False)
-        except asyncsave.SaveFailedError as exc:
-            errors.append(exc)
-
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(waiter)
-            tg.start_soon(waiter)
-            await anyio.sleep(0.05)
-            lease.poison()  # device copies into it never finished
-    assert len(errors) == 2
-    await pool.aclose()

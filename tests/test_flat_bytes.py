@@ -5,13 +5,15 @@ rounds, hashing and the DCP writer, tested on CPU tensors of every layout
 offset into their storage) and every dtype, ``bool`` whose bytes are not 0/1
 included; and saved and loaded bit for bit."""
 
-# Private imports: unit tests of the private byte views and gathers of staging.
+# Private imports: unit tests of the private staging helpers (byte views, gathers,
+# the staging pool's poisoning, which no public call reaches on demand).
 from __future__ import annotations
 
 import itertools
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +23,7 @@ import asyncsave
 from asyncsave._bits import clone_bits, flat_bytes
 from asyncsave._format import layout_files
 from asyncsave._plan import make_plan
-from asyncsave._stage import gather_batches, gather_into
+from asyncsave._stage import StagingPool, gather_batches, gather_into
 
 pytestmark = pytest.mark.anyio
 
@@ -224,3 +226,24 @@ async def test_cuda_one_element_tensors_of_any_stride_and_odd_bools_round_trip(
     out = asyncsave.load(tmp_path / "step_1")
     for k in state:
         assert torch.equal(flat_bytes(out[k]), expected[k]), k
+
+
+async def test_a_poisoned_pool_wakes_waiters_with_an_error() -> None:
+    pool = StagingPool(None)
+    lease = await pool.acquire(1024, pin=False)
+    errors: list[BaseException] = []
+
+    async def waiter() -> None:
+        try:
+            await pool.acquire(1024, pin=False)
+        except asyncsave.SaveFailedError as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            tg.start_soon(waiter)
+            await anyio.sleep(0.05)
+            lease.poison()  # device copies into it never finished
+    assert len(errors) == 2
+    await pool.aclose()

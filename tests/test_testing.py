@@ -22,9 +22,11 @@ from asyncsave.testing import (
     FaultyFileSystem,
     block,
     checkpoint_dir_name,
+    checkpoint_step,
     cli,
     encode_manifest,
     fail_staging,
+    gloo_collectives,
     leftover_temp_names,
     listing_reads,
     on_early_copy,
@@ -32,6 +34,7 @@ from asyncsave.testing import (
     pause_at,
     raise_errno,
     thresholds,
+    tracker_file_name,
 )
 
 pytestmark = pytest.mark.anyio
@@ -376,3 +379,49 @@ async def test_newest_format_version_is_read_and_one_above_is_not(tmp_path: Path
     path.write_bytes(encode_manifest({**doc, "format_version": NEWEST_FORMAT_VERSION + 1}))
     with pytest.raises(asyncsave.UnsupportedFormatError):
         asyncsave.load(tmp_path / "step_1")
+
+
+def test_checkpoint_step_and_tracker_file_name_follow_each_layout_preset() -> None:
+    for layout in LAYOUT_NAMES:
+        assert checkpoint_step(layout, checkpoint_dir_name(layout, 40)) == 40
+    assert checkpoint_step("asyncsave", "step_x") is None
+    assert checkpoint_step("asyncsave", "iter_0000007") is None  # another preset's name
+    assert checkpoint_step("asyncsave", ".asyncsave-tmp-step_3-ab") is None
+    assert tracker_file_name("asyncsave") == "latest_checkpointed_iteration.txt"
+    assert tracker_file_name("megatron") == "latest_checkpointed_iteration.txt"
+    with pytest.raises(ValueError, match="layout='nope'"):
+        checkpoint_step("nope", "step_1")
+    with pytest.raises(ValueError, match="layout='nope'"):
+        tracker_file_name("nope")
+
+
+def _collectives_of_a_save(rank: int, world: int, root: str) -> tuple[list[str], list[str]]:
+    seen: list[str] = []
+
+    async def save(step: int) -> None:
+        async with asyncsave.Checkpointer(root, dist_timeout_s=30) as ckpt:
+            await (await ckpt.save(step, {"w": torch.full((4,), float(rank))}))
+
+    with gloo_collectives(seen.append):
+        anyio.run(save, 1)
+    inside = list(seen)
+    anyio.run(save, 2)  # after the block: not seen
+    return inside, seen
+
+
+def test_gloo_collectives_sees_each_collective_of_a_gloo_save_inside_the_block_only(
+    tmp_path: Path,
+) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from distributed import run_ranks, values
+
+    results = values(run_ranks(_collectives_of_a_save, 2, tmp_path, str(tmp_path / "run")))
+    for inside, after in results:
+        assert "all_gather" in inside and set(inside) <= {"broadcast", "all_gather"}
+        assert after == inside
+    assert [info.step for info in asyncsave.checkpoints(tmp_path / "run")] == [1, 2]
+    with pytest.raises(TypeError, match="fn="):
+        with gloo_collectives("all_gather"):  # type: ignore[arg-type]
+            pass
