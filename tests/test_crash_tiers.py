@@ -16,8 +16,6 @@ the rename or commit marker, the tracker). Afterwards:
    bit-exact, from the persistent tier.
 """
 
-# Private imports: kills a rank at the collectives of the gloo coordinator itself
-# (GlooGroup).
 from __future__ import annotations
 
 import os
@@ -33,6 +31,7 @@ import torch
 
 import asyncsave
 from asyncsave import FsspecFileSystem, LocalFileSystem, Tier
+from asyncsave.testing import gloo_collectives
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_objstore
@@ -137,17 +136,7 @@ def _scenario(
     backend: str,
     scope: str = "shared",
 ) -> list[tuple[str, str]]:
-    from asyncsave._coord import GlooGroup
-
     calls = _Calls(kill_at if rank == victim else None)
-    for name in ("_broadcast", "_all_gather"):
-        orig = getattr(GlooGroup, name)
-
-        def collective(self: Any, obj: Any, _orig: Any = orig, _name: str = name) -> Any:
-            calls("gloo", _name)
-            return _orig(self, obj)
-
-        setattr(GlooGroup, name, collective)
     local_fs = _counting(LocalFileSystem, "local", calls)()
 
     async def main() -> None:
@@ -169,7 +158,8 @@ def _scenario(
         except asyncsave.SaveFailedError:
             pass  # the peer died: this rank raised instead of hanging
 
-    anyio.run(main, backend=backend)
+    with gloo_collectives(lambda kind: calls("gloo", kind)):
+        anyio.run(main, backend=backend)
     return calls.names
 
 

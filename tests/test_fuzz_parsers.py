@@ -3,13 +3,15 @@ manifest, and every byte of a committed checkpoint.
 
 Property: whatever the bytes, the outcome is a value or a typed
 :class:`asyncsave.CheckpointError`, never another exception and never a wrong
-result. Hypothesis profiles (``tests/conftest.py``): ``ci`` (default, bounded) and
+result. The parsers are reached as a user reaches them: a tracker through
+:func:`asyncsave.latest` on a root that holds only that tracker (a step it names
+is reported missing, with that step; a damaged one is skipped, the root
+scanned), a manifest through :func:`asyncsave.load` and :func:`asyncsave.verify`. Hypothesis profiles (``tests/conftest.py``): ``ci`` (default, bounded) and
 ``long``; a longer local run::
 
     ASYNCSAVE_FUZZ_PROFILE=long python -m pytest tests/test_fuzz_parsers.py
 """
 
-# Private imports: fuzzes the private manifest and tracker parsers directly.
 from __future__ import annotations
 
 import json
@@ -26,20 +28,47 @@ from hypothesis import strategies as st
 from reliability import record
 
 import asyncsave
-from asyncsave._manifest import encode_manifest, parse_manifest
-from asyncsave._track import MAX_TRACKER_BYTES, parse_tracker
+from asyncsave.testing import encode_manifest, tracker_file_name
 
-P = Path("fuzz")
 MAX_STEP = 2**63 - 1
+MAX_TRACKER_BYTES = 64  # a longer tracker file is damaged, whatever it holds
+TRACKER = tracker_file_name("asyncsave")
+assert TRACKER is not None
 
 
 # -- tracker ----------------------------------------------------------------------
 
 
-@given(st.binary(max_size=80))
-def test_any_tracker_bytes_parse_to_a_step_or_a_typed_error(raw: bytes) -> None:
+@pytest.fixture(scope="module")
+def tracker_root() -> Any:
+    """A root that holds a tracker and no checkpoint (the tracker is rewritten per
+    example)."""
+    tmp = Path(tempfile.mkdtemp(prefix="asyncsave-fuzz-tracker-"))
+    yield tmp
+    shutil.rmtree(tmp)
+
+
+def parse_tracker(raw: bytes, root: Path) -> int:
+    """The step a tracker holding ``raw`` names, read by :func:`asyncsave.latest`:
+    it reports that step missing (nothing is committed here); a damaged tracker
+    raises :class:`asyncsave.CorruptCheckpointError` here, as the library's
+    parser does, after :func:`asyncsave.latest` skipped it (nothing found)."""
+    (root / TRACKER).write_bytes(raw)
     try:
-        step = parse_tracker(raw, P)
+        info = asyncsave.latest(root)
+    except asyncsave.CheckpointNotFoundError as exc:
+        assert f"names step {exc.step}," in str(exc), exc
+        assert type(exc.step) is int
+        return exc.step
+    assert info is None
+    raise asyncsave.CorruptCheckpointError(f"tracker {raw!r} skipped as damaged")
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=80))
+def test_any_tracker_bytes_parse_to_a_step_or_a_typed_error(tracker_root: Path, raw: bytes) -> None:
+    try:
+        step = parse_tracker(raw, tracker_root)
     except asyncsave.CorruptCheckpointError:
         return
     assert type(step) is int and 0 <= step <= MAX_STEP
@@ -48,24 +77,26 @@ def test_any_tracker_bytes_parse_to_a_step_or_a_typed_error(raw: bytes) -> None:
     assert text.isdigit() and int(text) == step
 
 
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.integers(0, MAX_STEP),
     st.sampled_from(["", " ", "\n", "\r\n", "\t", "  \n"]),
     st.sampled_from(["", " ", "\n", "\t"]),
 )
 def test_every_step_written_as_megatron_and_verl_do_reads_back(
-    step: int, tail: str, head: str
+    tracker_root: Path, step: int, tail: str, head: str
 ) -> None:
     raw = f"{head}{step}{tail}".encode()
     if len(raw) <= MAX_TRACKER_BYTES:
-        assert parse_tracker(raw, P) == step
+        assert parse_tracker(raw, tracker_root) == step
 
 
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.text(max_size=30))
-def test_any_text_tracker_never_parses_to_a_wrong_step(text: str) -> None:
+def test_any_text_tracker_never_parses_to_a_wrong_step(tracker_root: Path, text: str) -> None:
     raw = text.encode("utf-8")
     try:
-        step = parse_tracker(raw, P)
+        step = parse_tracker(raw, tracker_root)
     except asyncsave.CorruptCheckpointError:
         return
     assert str(step) == text.strip().lstrip("0") or (step == 0 and set(text.strip()) == {"0"})
@@ -80,12 +111,15 @@ number_like = st.from_regex(
 )
 
 
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(number_like)
-def test_number_like_trackers_parse_only_when_they_are_a_plain_decimal(text: str) -> None:
+def test_number_like_trackers_parse_only_when_they_are_a_plain_decimal(
+    tracker_root: Path, text: str
+) -> None:
     """Signs, floats, hex, underscores, non-ASCII digits, steps past 2**63-1: a
     typed error, never a step (Megatron's int() would take some of these)."""
     try:
-        step = parse_tracker(text.encode("utf-8"), P)
+        step = parse_tracker(text.encode("utf-8"), tracker_root)
     except asyncsave.CorruptCheckpointError:
         return
     plain = text.strip()
@@ -122,12 +156,30 @@ def good_checkpoint() -> Any:
     shutil.rmtree(tmp)
 
 
-@given(st.binary(max_size=400))
-def test_any_manifest_bytes_are_a_manifest_or_a_typed_error(raw: bytes) -> None:
-    try:
-        parse_manifest(raw, P)
-    except (asyncsave.CorruptCheckpointError, asyncsave.UnsupportedFormatError):
-        pass
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.binary(max_size=400))
+def test_any_manifest_bytes_are_a_manifest_or_a_typed_error(
+    good_checkpoint: Any, scratch: Path, raw: bytes
+) -> None:
+    """A checkpoint whose manifest is any bytes: load() and verify() raise a
+    damaged- or unsupported-checkpoint error, never another exception."""
+    path, _ = good_checkpoint
+    copy = scratch / "step_3"
+    if not copy.exists():
+        shutil.copytree(path, copy)
+    (copy / "manifest.json").write_bytes(raw)
+    for call in (asyncsave.load, asyncsave.verify):
+        try:
+            call(copy)
+        except (asyncsave.CorruptCheckpointError, asyncsave.UnsupportedFormatError):
+            pass
+
+
+@pytest.fixture(scope="module")
+def scratch() -> Any:
+    tmp = Path(tempfile.mkdtemp(prefix="asyncsave-fuzz-scratch-"))
+    yield tmp
+    shutil.rmtree(tmp)
 
 
 json_values = st.recursive(
