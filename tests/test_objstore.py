@@ -6,8 +6,6 @@ prefix without it is uncommitted: not counted by any reader (they say why), and 
 deleted: the next open adopts it if it verifies completely, else moves it aside.
 """
 
-# Private imports: unit tests of the private root opener (open_root, is_url) that picks
-# the I/O layer.
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +31,6 @@ import torch
 
 import asyncsave
 from asyncsave import FsspecFileSystem, LocalFileSystem
-from asyncsave._fsspec import is_url, open_root
 from asyncsave.testing import cli as cli_main
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -542,11 +539,19 @@ def test_deleting_a_checkpoint_removes_its_marker_alone_first(mem_root: str) -> 
     # first call leaves an uncommitted prefix, never a marked one missing files.
     _commit_steps(mem_root, 1)
     rec = _Recorder(fsspec.filesystem("memory"))
-    fs, root = open_root(mem_root, filesystem=FsspecFileSystem(rec))
-    fs.remove_tree(root / "step_1")
+
+    async def retire_step_1() -> None:
+        async with asyncsave.Checkpointer(
+            mem_root, filesystem=FsspecFileSystem(rec), retention=asyncsave.KeepLast(1)
+        ) as ckpt:
+            await (await ckpt.save(2, state_of(2)))
+
+    anyio.run(retire_step_1)
     path = mem_root.removeprefix("memory://")
-    assert rec.calls == [("rm_file", f"{path}/step_1/{MARKER}"), ("rm", f"{path}/step_1")]
+    deletes = [c for c in rec.calls if c[1].startswith(f"{path}/step_1")]
+    assert deletes == [("rm_file", f"{path}/step_1/{MARKER}"), ("rm", f"{path}/step_1")]
     assert not rec._fs.exists(f"{path}/step_1")
+    assert [info.step for info in asyncsave.checkpoints(mem_root)] == [2]
 
 
 def test_fsspec_layer_overrides_every_call_of_the_local_layer() -> None:
@@ -557,31 +562,58 @@ def test_fsspec_layer_overrides_every_call_of_the_local_layer() -> None:
 
 
 # -- root resolution ----------------------------------------------------------------
-def test_open_root_chooses_the_layer_from_the_root(tmp_path: Path) -> None:
-    fs, path = open_root(tmp_path)
-    assert type(fs) is LocalFileSystem and path == tmp_path and fs.atomic_rename
-    fs, path = open_root(f"file://{tmp_path}")
-    assert type(fs) is LocalFileSystem and path == tmp_path
-    fs, path = open_root("memory://x/y")
-    assert isinstance(fs, FsspecFileSystem) and str(path / "step_1").endswith("x/y/step_1")
-    assert is_url("s3://b/k") and not is_url(str(tmp_path)) and is_url(path)
+async def _save_one(root: Any, **kwargs: Any) -> None:
+    async with asyncsave.Checkpointer(root, **kwargs) as ckpt:
+        await (await ckpt.save(1, state_of(1)))
+
+
+def test_the_root_chooses_the_layer(tmp_path: Path) -> None:
+    """A local path, a ``file://`` URL and a local ``UPath`` save through the local
+    layer (files on this disk, published by rename: no commit marker); a URL of
+    another protocol through fsspec (objects under that URL, with a marker)."""
     from upath import UPath
 
-    for local in (UPath(tmp_path), UPath(f"file://{tmp_path}")):
-        fs, path = open_root(local)
-        assert type(fs) is LocalFileSystem and type(path) is type(tmp_path) and path == tmp_path
+    for i, root in enumerate(
+        [
+            tmp_path / "p",
+            f"file://{tmp_path}/u",
+            UPath(tmp_path / "up"),
+            UPath(f"file://{tmp_path}/uu"),
+        ]
+    ):
+        anyio.run(_save_one, root)
+        on_disk = tmp_path / ["p", "u", "up", "uu"][i] / "step_1"
+        assert (on_disk / "manifest.json").is_file(), root
+        assert not (on_disk / MARKER).exists(), root  # renamed into place, no marker
+        info = asyncsave.latest(root)
+        assert info is not None and info.step == 1
+    mem = f"memory:///asyncsave-test-{uuid.uuid4().hex[:12]}/x/y"
+    try:
+        anyio.run(_save_one, mem)
+        objects = fsspec.filesystem("memory")
+        assert objects.exists(f"{mem.removeprefix('memory://')}/step_1/{MARKER}")
+        info = asyncsave.latest(mem)
+        assert info is not None and str(info.path).startswith("memory://") and info.step == 1
+    finally:
+        fsspec.filesystem("memory").rm(
+            mem.removeprefix("memory://").rsplit("/", 2)[0], recursive=True
+        )
+
+
+def test_storage_options_and_filesystem_must_fit_the_root(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="storage_options"):
-        open_root(tmp_path, storage_options={"key": "k"})
+        anyio.run(lambda: _save_one(tmp_path, storage_options={"key": "k"}))
     with pytest.raises(ValueError, match="local file system"):
-        open_root("memory://x", filesystem=LocalFileSystem())
+        anyio.run(lambda: _save_one("memory://x", filesystem=LocalFileSystem()))
     with pytest.raises(ValueError, match="storage_options"):
         asyncsave.CheckpointOptions(storage_options=["key"])  # type: ignore[arg-type]
+    assert not (tmp_path / "step_1").exists()
 
 
 def test_errors_name_url_paths() -> None:
-    _, path = open_root("memory://x/y")
-    err = asyncsave.CheckpointNotFoundError("gone", path=path)
-    assert err.path == "memory://x/y"
+    with pytest.raises(asyncsave.CheckpointNotFoundError) as caught:
+        asyncsave.load("memory://x/y/step_9")
+    assert caught.value.path == "memory://x/y/step_9"
 
 
 # -- several ranks (issue 11) ---------------------------------------------------------
@@ -685,6 +717,25 @@ async def test_s3_incremental_save_copies_unchanged_objects_server_side(s3: Any)
     assert_same(loaded, {**state, "trainer": {"step": 2, "name": "run-1"}})
 
 
+class ETagPerObject:
+    """An fsspec file system whose objects' ETags name the object, as GCS and
+    Azure give a server-side copy an ETag of its own (S3 and moto give a copy its
+    source's ETag)."""
+
+    def __init__(self, fs: Any) -> None:
+        self._fs = fs
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        info = dict(self._fs.info(path, **kwargs))
+        for field in ("ETag", "etag"):
+            if info.get(field):
+                info[field] = f"{info[field]}@{path}"
+        return info
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fs, name)
+
+
 class SourceReplacedBeforeCopy(FaultyFsspecFS):
     """Overwrites each copy's source with other bytes (same size) just before the
     server-side copy, while ``armed``: a base object replaced between its check
@@ -704,25 +755,16 @@ class SourceReplacedBeforeCopy(FaultyFsspecFS):
 @pytest.mark.anyio
 @pytest.mark.parametrize("replaced", [False, True], ids=["untouched", "replaced-before-copy"])
 async def test_s3_copies_are_checked_through_their_source_when_etags_differ(
-    s3: Any, monkeypatch: pytest.MonkeyPatch, replaced: bool
+    s3: Any, replaced: bool
 ) -> None:
     """A store may give a copy an ETag of its own (GCS, Azure): simulated here by
     identities that name the object. A copy of an object this process wrote is
     then taken as checked when the source's identity is the known one before and
     after the copy (nothing read back); a source overwritten just before the copy
     is caught (the copy is read back, differs) and the file is uploaded in full."""
-    from asyncsave import _incremental
-
-    real_identity = _incremental._identity
-
-    def per_object(fs: Any, path: Path) -> Any:
-        ident = real_identity(fs, path)
-        return None if ident is None else (*ident, str(path))
-
-    monkeypatch.setattr(_incremental, "_identity", per_object)
     root, options, _ = s3
     state = state_of(1, big=True)  # model/w: its own data file (over 1 MiB)
-    layer = SourceReplacedBeforeCopy(s3fs.S3FileSystem(**options))
+    layer = SourceReplacedBeforeCopy(ETagPerObject(s3fs.S3FileSystem(**options)))
     async with asyncsave.Checkpointer(root, filesystem=layer, incremental=True) as ckpt:
         await (await ckpt.save(1, state))
         state["optim"]["m"].add_(1.0)
