@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
         UnsupportedTypeError,
         WaitTimeoutError,
     )
+    from ._export import export_hf
     from ._fs import LocalFileSystem
     from ._fsspec import FsspecFileSystem
     from ._lazy import stage_before_step
@@ -106,6 +107,7 @@ _LAZY = {
     "UnsupportedTypeError": "._errors",
     "WaitTimeoutError": "._errors",
     "LocalFileSystem": "._fs",
+    "export_hf": "._export",
     "adopt": "._commit",
     "FsspecFileSystem": "._fsspec",
     "stage_before_step": "._lazy",
@@ -212,6 +214,7 @@ __all__ = [
     "__version__",
     "adopt",
     "checkpoints",
+    "export_hf",
     "latest",
     "load",
     "load_step",

@@ -7,6 +7,7 @@
     asyncsave inspect PATH     the state tree with dtype, shape and bytes per tensor
     asyncsave prune ROOT --keep-last N [--keep-every K] [--keep-best METRIC N] [--dry-run]
     asyncsave adopt PATH       commit a checkpoint copied without its commit marker
+    asyncsave export --format hf PATH OUT   the model's weights as a Hugging Face directory
 
 ROOT and PATH may be URLs (``s3://bucket/prefix``, any fsspec URL). Credentials
 and endpoint come from the environment as the fsspec implementation reads them
@@ -175,6 +176,29 @@ def cmd_adopt(fs: LocalFileSystem, path: Path, args: argparse.Namespace, out: Te
         return 1
     done = "already committed; verified" if was else "verified, commit marker written"
     print(f"ok   {path}: step {info.step}, {_size(info.nbytes)}: {done}", file=out)
+    return 0
+
+
+def cmd_export(fs: LocalFileSystem, path: Path, args: argparse.Namespace, out: TextIO) -> int:
+    """``asyncsave export --format hf PATH OUT``: the model's weights of one
+    checkpoint as ``model.safetensors`` (or shards and their index) in OUT."""
+    import torch
+
+    from ._export import export_hf
+
+    if path.name == MANIFEST_NAME:
+        path = path.parent
+    written = export_hf(
+        path,
+        args.out,
+        key=args.key,
+        config=args.config,
+        max_shard_bytes=args.max_shard_size,
+        dtype=None if args.dtype is None else getattr(torch, args.dtype),
+        filesystem=fs,
+    )
+    for f in written:
+        print(f"wrote {f} ({_size(f.stat().st_size)})", file=out)
     return 0
 
 
@@ -736,6 +760,44 @@ def _prune_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _export_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out", help="the directory to write (created; must hold no weights yet)")
+    p.add_argument(
+        "--format", choices=("hf",), default="hf", help="hf: Hugging Face safetensors (default)"
+    )
+    p.add_argument(
+        "--key",
+        default=None,
+        help="key path of the model's state dict in the saved tree (default: 'model' if "
+        "present, else the whole state when it holds only tensors)",
+    )
+    p.add_argument("--config", default=None, metavar="FILE", help="a config.json to copy")
+    p.add_argument(
+        "--max-shard-size",
+        type=_size_arg,
+        default="5GB",
+        metavar="SIZE",
+        help="bytes per shard, e.g. 5GB (default), 500MB; past it: shards and an index",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default=None,
+        help="cast floating-point weights to this dtype (default: as saved)",
+    )
+
+
+def _size_arg(text: str) -> str:
+    # Imports torch: only when `export` parses its options (it loads torch anyway).
+    from ._export import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
 def _check_prune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot say of ``prune``'s options: a rule is given, and each
     ``--keep-best`` N is a positive integer (``parser.error``: exit status 2)."""
@@ -795,6 +857,17 @@ COMMANDS = (
         "Nothing is deleted; run it once the copy is complete.",
     ),
     _Command(
+        "export",
+        cmd_export,
+        "path",
+        "write a checkpoint's model weights as a Hugging Face model directory",
+        "Write the model's weights of the checkpoint PATH into OUT as model.safetensors "
+        "(model-0000i-of-0000n.safetensors and model.safetensors.index.json past "
+        "--max-shard-size), which transformers' from_pretrained loads (with --config). "
+        "DTensor (FSDP2) checkpoints of N ranks are consolidated into full tensors.",
+        (_export_options,),
+    ),
+    _Command(
         "prune",
         cmd_prune,
         "root",
@@ -813,7 +886,7 @@ def _parser() -> argparse.ArgumentParser:
     """The ``asyncsave`` parser, one subparser per row of :data:`COMMANDS`."""
     parser = argparse.ArgumentParser(
         prog="asyncsave",
-        description="List, verify, inspect, adopt and prune asyncsave checkpoints.",
+        description="List, verify, inspect, adopt, export and prune asyncsave checkpoints.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -1,0 +1,183 @@
+"""``asyncsave.export_hf`` and ``asyncsave export --format hf``: a checkpoint's model
+weights as a directory that ``transformers``' ``from_pretrained`` loads."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import asyncsave
+from asyncsave.testing import cli
+
+pytestmark = pytest.mark.anyio
+
+transformers.logging.set_verbosity_error()  # GPT2's bos/eos ids past a tiny vocabulary
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    return GPT2LMHeadModel(config).eval()
+
+
+def logits(model: GPT2LMHeadModel) -> torch.Tensor:
+    ids = torch.arange(24).remainder(100).view(2, 12)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+async def save_trained(root: Path, model: GPT2LMHeadModel, step: int = 3) -> Path:
+    """A checkpoint as a trainer writes it: model, optimizer, plain values."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    loss = model(torch.arange(16).view(2, 8), labels=torch.arange(16).view(2, 8)).loss
+    loss.backward()
+    opt.step()
+    model.eval()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+    async with asyncsave.Checkpointer(root) as ckpt:
+        info = await (await ckpt.save(step, state))
+    return info.path
+
+
+async def test_an_export_loads_with_from_pretrained_and_gives_equal_logits(tmp_path: Path) -> None:
+    model = tiny_gpt2()
+    path = await save_trained(tmp_path / "run", model)
+    out = tmp_path / "hf"
+    written = asyncsave.export_hf(path, out, config=model.config)
+    assert [f.name for f in written] == ["model.safetensors", "config.json"]
+    loaded = GPT2LMHeadModel.from_pretrained(out).eval()
+    assert torch.equal(logits(loaded), logits(model))
+    # Tied weights: under each name, and tied again by from_pretrained.
+    weights = safetensors.torch.load_file(out / "model.safetensors")
+    assert torch.equal(weights["lm_head.weight"], weights["transformer.wte.weight"])
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    assert set(weights) == set(model.state_dict())
+
+
+async def test_a_sharded_export_has_an_index_and_loads(tmp_path: Path) -> None:
+    model = tiny_gpt2()
+    path = await save_trained(tmp_path / "run", model)
+    out = tmp_path / "hf"
+    written = asyncsave.export_hf(path, out, config=model.config, max_shard_bytes="20KB")
+    shards = [f for f in written if f.suffix == ".safetensors"]
+    assert len(shards) > 2 and shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert all(f.stat().st_size < 20_000 + 13_000 for f in shards)  # wte alone is 12,800 B
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.state_dict())
+    assert set(index["weight_map"].values()) == {f.name for f in shards}
+    stored = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert index["metadata"]["total_size"] == stored
+    assert not (out / "model.safetensors").exists()
+    loaded = GPT2LMHeadModel.from_pretrained(out).eval()
+    assert torch.equal(logits(loaded), logits(model))
+
+
+async def test_dtype_casts_floating_weights_only(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.randn(4, 4), "ids": torch.arange(3)}, "step": 1}
+    async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
+        info = await (await ckpt.save(1, state))
+    asyncsave.export_hf(info.path, tmp_path / "hf", dtype=torch.bfloat16)
+    weights = safetensors.torch.load_file(tmp_path / "hf" / "model.safetensors")
+    assert weights["w"].dtype == torch.bfloat16
+    assert torch.equal(weights["w"], state["model"]["w"].bfloat16())
+    assert weights["ids"].dtype == torch.int64 and torch.equal(weights["ids"], torch.arange(3))
+
+
+async def test_the_key_picks_a_sub_tree_and_nested_levels_join_with_dots(tmp_path: Path) -> None:
+    w, b = torch.randn(3, 2), torch.randn(3)
+    state = {"policy": {"net": {"0": {"weight": w, "bias": b}}}, "value": {"w": torch.ones(1)}}
+    async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
+        info = await (await ckpt.save(1, state))
+    asyncsave.export_hf(info.path, tmp_path / "hf", key="policy")
+    weights = safetensors.torch.load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(weights) == {"net.0.weight", "net.0.bias"}
+    assert torch.equal(weights["net.0.weight"], w) and torch.equal(weights["net.0.bias"], b)
+
+
+async def test_a_state_of_only_tensors_exports_whole_by_default(tmp_path: Path) -> None:
+    sd = {"a.weight": torch.randn(2, 2), "b.bias": torch.randn(2)}
+    async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
+        info = await (await ckpt.save(1, sd))
+    asyncsave.export_hf(info.path, tmp_path / "hf")
+    weights = safetensors.torch.load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(weights) == set(sd) and all(torch.equal(weights[k], v) for k, v in sd.items())
+
+
+async def test_bad_requests_are_typed_errors_naming_the_key(tmp_path: Path) -> None:
+    c = torch.randn(2).to(torch.complex128)
+    state = {"policy": {"w": torch.randn(2)}, "bad": {"c": c}, "step": 4}
+    async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
+        info = await (await ckpt.save(1, state))
+    with pytest.raises(asyncsave.MissingItemError, match="'model'") as no_default:
+        asyncsave.export_hf(info.path, tmp_path / "a")
+    assert no_default.value.key == "model"
+    with pytest.raises(asyncsave.MissingItemError, match="'critic'"):
+        asyncsave.export_hf(info.path, tmp_path / "b", key="critic")
+    with pytest.raises(asyncsave.UnsupportedTensorError, match="complex128") as bad:
+        asyncsave.export_hf(info.path, tmp_path / "c", key="bad")
+    assert bad.value.key == "bad/c"
+    with pytest.raises(ValueError, match="size"):
+        asyncsave.export_hf(info.path, tmp_path / "d", key="policy", max_shard_bytes="5 parsecs")
+    asyncsave.export_hf(info.path, tmp_path / "e", key="policy")
+    with pytest.raises(FileExistsError, match=r"model\.safetensors"):
+        asyncsave.export_hf(info.path, tmp_path / "e", key="policy")
+    assert not [p for p in (tmp_path / "e").iterdir() if p.name.startswith(".")]
+
+
+async def test_a_damaged_checkpoint_is_refused_not_exported(tmp_path: Path) -> None:
+    async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
+        info = await (await ckpt.save(1, {"model": {"w": torch.randn(1000)}}))
+    (data,) = info.path.glob("*.safetensors")
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(asyncsave.ChecksumMismatchError, match="model/w"):
+        asyncsave.export_hf(info.path, tmp_path / "hf")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+async def test_a_dcp_checkpoint_exports_its_full_tensors(tmp_path: Path) -> None:
+    # The DCP route (the one DTensor state takes), here from one process.
+    import torch.distributed.checkpoint as dcp
+
+    from asyncsave.dcp import StorageWriter
+
+    model = tiny_gpt2()
+    writer = StorageWriter(tmp_path / "run", 5)
+    dcp.save({"model": model.state_dict(), "step": 5}, storage_writer=writer, no_dist=True)
+    info = asyncsave.latest(tmp_path / "run")
+    assert info is not None
+    path = info.path
+    asyncsave.export_hf(path, tmp_path / "hf", config=model.config.to_dict())
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    assert torch.equal(logits(loaded), logits(model))
+
+
+async def test_the_command_exports_with_a_config_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tiny_gpt2()
+    path = await save_trained(tmp_path / "run", model)
+    model.config.save_pretrained(tmp_path / "cfg")
+    out = io.StringIO()
+    argv = ["export", "--format", "hf", str(path), str(tmp_path / "hf")]
+    argv += ["--config", str(tmp_path / "cfg" / "config.json"), "--max-shard-size", "30KB"]
+    assert cli(argv, out=out) == 0
+    assert "model.safetensors.index.json" in out.getvalue() and "config.json" in out.getvalue()
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    assert torch.equal(logits(loaded), logits(model))
+    capsys.readouterr()
+    assert cli(["export", str(path), str(tmp_path / "x"), "--key", "nothing"]) == 1
+    err = capsys.readouterr().err
+    assert "'nothing'" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as usage:  # a size that is not one: usage, exit 2
+        cli(["export", str(path), str(tmp_path / "y"), "--max-shard-size", "5 parsecs"])
+    assert usage.value.code == 2 and "5 parsecs" in capsys.readouterr().err
