@@ -7,6 +7,7 @@ import io
 import json
 from pathlib import Path
 
+import anyio
 import pytest
 import safetensors.torch
 import torch
@@ -181,3 +182,58 @@ async def test_the_command_exports_with_a_config_file(
     with pytest.raises(SystemExit) as usage:  # a size that is not one: usage, exit 2
         cli(["export", str(path), str(tmp_path / "y"), "--max-shard-size", "5 parsecs"])
     assert usage.value.code == 2 and "5 parsecs" in capsys.readouterr().err
+
+
+# -- saved on 2 gloo ranks (CPU) -----------------------------------------------------
+
+
+def _save_on_two(rank: int, world: int, root: str) -> bytes | None:
+    """Rank 0 and 1 save one tiny GPT-2: FSDP2-sharded (DTensor state, DCP's route)
+    under ``root/fsdp``, and a plain per-rank state under ``root/plain`` (rank 0's
+    weights are the model's; rank 1's are not). Rank 0 returns the full state dict
+    (``torch.save`` bytes: a tensor would cross the pipe through shared memory)."""
+    import io
+
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_gpt2()
+    plain = {
+        k: v.clone() if rank == 0 else torch.zeros_like(v) for k, v in model.state_dict().items()
+    }
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)  # wte and the tied lm_head stay in the root's group
+
+    async def main() -> None:
+        async with asyncsave.Checkpointer(f"{root}/fsdp", dist_timeout_s=60) as ckpt:
+            await (await ckpt.save(7, {"model": model, "step": 7}))
+        async with asyncsave.Checkpointer(f"{root}/plain", dist_timeout_s=60) as ckpt:
+            await (await ckpt.save(7, {"model": plain, "rank": rank}))
+
+    anyio.run(main)
+    full = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    if rank:
+        return None
+    buffer = io.BytesIO()
+    torch.save(full, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.slow
+def test_checkpoints_saved_on_two_ranks_export_whole(tmp_path: Path) -> None:
+    from distributed import run_ranks, values
+
+    root = tmp_path / "run"
+    packed, _ = values(run_ranks(_save_on_two, 2, tmp_path, str(root), timeout_s=300))
+    full = torch.load(io.BytesIO(packed), weights_only=True)
+    reference = tiny_gpt2()
+    reference.load_state_dict(full)
+    manifest = json.loads((root / "fsdp" / "step_7" / "manifest.json").read_bytes())
+    assert manifest["world_size"] == 2 and manifest["tree"]["type"] == "dcp"
+    for kind in ("fsdp", "plain"):
+        out = tmp_path / f"hf-{kind}"
+        asyncsave.export_hf(root / kind / "step_7", out, config=reference.config)
+        loaded = GPT2LMHeadModel.from_pretrained(out).eval()
+        assert torch.equal(logits(loaded), logits(reference)), kind
+        weights = safetensors.torch.load_file(out / "model.safetensors")
+        assert set(weights) == set(full), kind
