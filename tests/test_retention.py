@@ -1,7 +1,6 @@
 """Retention: restart-safe, applied only after a commit, never deleting what resume
 needs (S2, S3, S8)."""
 
-# Private imports: unit tests of the private retention candidates and their application.
 from __future__ import annotations
 
 import errno
@@ -10,6 +9,9 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,6 @@ import torch
 from faults import FaultyFS, block, pause
 
 import asyncsave
-from asyncsave._retention import Candidate
 
 pytestmark = pytest.mark.anyio
 
@@ -40,8 +41,44 @@ RetireFS = FaultyFS
 # -- the rules on their own ------------------------------------------------------
 
 
-def _cands(*steps: int, **infos: dict[str, Any]) -> list[Candidate]:
+@dataclass(frozen=True)
+class Candidate:
+    """A committed checkpoint as a rule's ``keep`` sees it: its ``step`` and the
+    ``training_info`` saved with it (what the engine passes: checked below)."""
+
+    step: int
+    training_info: Mapping[str, object]
+
+
+def _cands(*steps: int, **infos: dict[str, Any]) -> list[Any]:
     return [Candidate(s, infos.get(f"s{s}", {})) for s in steps]
+
+
+class Recording(asyncsave.Retention):
+    """A user's rule: keeps everything, and records what each pass showed it."""
+
+    def __init__(self) -> None:
+        self.passes: list[list[Any]] = []
+
+    def keep(self, candidates: list[Any]) -> set[int]:
+        self.passes.append(list(candidates))
+        return {c.step for c in candidates}
+
+
+async def test_a_rule_is_shown_every_committed_checkpoint_sorted_with_its_training_info(
+    tmp_path: Path,
+) -> None:
+    rule = Recording()
+    async with asyncsave.Checkpointer(tmp_path, retention=rule) as ckpt:
+        for step in (2, 5, 3):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", asyncsave.CheckpointWarning)  # 3 below 5
+                await (await ckpt.save(step, _state(step), training_info={"r": step / 10}))
+    last = rule.passes[-1]
+    assert [c.step for c in last] == [2, 3, 5]
+    assert [dict(c.training_info) for c in last] == [{"r": 0.2}, {"r": 0.3}, {"r": 0.5}]
+    # the rules below are fed candidates of the same shape
+    assert asyncsave.KeepLast(2).keep(last) == asyncsave.KeepLast(2).keep(_cands(2, 3, 5))
 
 
 def test_keep_last_keeps_the_highest_steps() -> None:
@@ -333,22 +370,32 @@ async def test_a_late_older_step_is_retired_by_the_next_pass_and_can_be_saved_ag
     assert torch.equal(asyncsave.load(tmp_path / "step_8")["w"], _state(88)["w"])
 
 
-def test_apply_retention_guards_protected_and_newest(tmp_path: Path) -> None:
-    import anyio as _anyio
-
-    from asyncsave._fs import LocalFileSystem
-    from asyncsave._paths import LAYOUTS
-    from asyncsave._retention import apply_retention
-
-    async def make() -> None:
-        async with asyncsave.Checkpointer(tmp_path, layout="nemo-rl") as ckpt:
-            for step in (1, 2, 3, 4):
-                await ckpt.save(step, _state(step))
-
-    _anyio.run(make)
-    fs, layout = LocalFileSystem(), LAYOUTS["nemo-rl"]
-    drop_all = asyncsave.KeepEvery(1000)  # keeps none of 1..4
-    assert apply_retention(fs, tmp_path, layout, drop_all, lambda: {2}) == [1, 3]
-    assert _steps(tmp_path) == [2, 4]  # 2 protected, 4 the newest
-    assert apply_retention(fs, tmp_path, layout, drop_all, ()) == [2]
-    assert _steps(tmp_path) == [4]
+async def test_retention_spares_a_save_in_flight_and_the_newest_without_a_tracker(
+    tmp_path: Path,
+) -> None:
+    """No tracker (nemo-rl): the newest committed step is what resume takes, so a
+    rule that keeps nothing still leaves it when a late, older step commits; and a
+    step whose overwrite is in flight stays until a pass after its save ends."""
+    async with asyncsave.Checkpointer(tmp_path, layout="nemo-rl") as ckpt:
+        for step in (1, 3, 5):
+            await (await ckpt.save(step, _state(step)))
+    gate = threading.Event()
+    fs = FaultyFS(
+        "create", pause(gate), where=lambda p: ".asyncsave-tmp-3-" in p and "manifest" in p
+    )
+    drop_all = asyncsave.KeepEvery(1000)  # keeps none of 1..6
+    async with asyncsave.Checkpointer(
+        tmp_path, layout="nemo-rl", filesystem=fs, retention=drop_all
+    ) as ckpt:
+        h3 = await ckpt.save(3, _state(33), overwrite=True)
+        try:
+            with anyio.fail_after(30):
+                while not fs.fired.is_set():
+                    await anyio.sleep(0.01)
+            await (await ckpt.save(4, _state(4)))  # late: older than 5
+            assert _steps(tmp_path) == [3, 4, 5]  # 3 in flight, 4 just committed, 5 the newest
+        finally:
+            gate.set()
+        await h3
+        await (await ckpt.save(6, _state(6)))
+    assert _steps(tmp_path) == [6]
