@@ -518,7 +518,7 @@ class StorageWriter(_DcpStorageWriter):
         if not self.lock_timeout_s > 0:
             raise ValueError(f"lock_timeout_s={self.lock_timeout_s!r} must be > 0")
         check_lock_mode(self.lock)
-        self._extensions = check_writer_options(**self._options(), extensions=self._extensions)
+        self._extensions = check_writer_options(**_options_of(self), extensions=self._extensions)
         self._strategy = _strategy_of(self.root, self.filesystem)
         weakref.finalize(self, _release_all, self.filesystem, self._handed)
 
@@ -584,11 +584,10 @@ class StorageWriter(_DcpStorageWriter):
         return save
 
     def _end(self) -> None:
+        save: _Save | None = getattr(self._local, "save", None)
+        if save is not None:
+            self._local.last_id = save.save_id
         self._local.save = None
-
-    def _options(self) -> dict[str, Any]:
-        """``FileSystemWriter``'s keywords but ``_extensions``, as given."""
-        return {name: getattr(self, name) for name in _FSW_OPTIONS}
 
     @property
     def checkpoint_id(self) -> str:
@@ -598,10 +597,13 @@ class StorageWriter(_DcpStorageWriter):
 
     @property
     def save_id(self) -> str:
-        """The id of this thread's current save (or of its next one, fixed by this
-        read): a UUID, fresh for every save, recorded in
-        ``Metadata.storage_meta.save_id`` beside ``checkpoint_id`` (the directory
-        it commits), as ``FileSystemWriter.save_id`` is."""
+        """The id (a UUID, fresh per save) of this thread's save in flight, else
+        of its last one, else of its next one (fixed by this read); the
+        coordinator's is ``Metadata.storage_meta.save_id``, as with DCP's writer."""
+        save: _Save | None = getattr(self._local, "save", None)
+        last: str | None = getattr(self._local, "last_id", None)
+        if save is None and last is not None:
+            return last
         return self._upcoming().save_id
 
     # 0
@@ -834,7 +836,7 @@ def _write_distcp(
             planner,
             is_coordinator=save.is_coordinator,
             rank=save.rank,
-            options={**writer._options(), "extensions": writer._extensions},
+            options={**_options_of(writer), "extensions": writer._extensions},
         )
     except BaseException:
         writer._drop_rank_dir(save, tmp)
@@ -939,6 +941,11 @@ def _located(
                 stored[wr.storage_data.stored.name] = wr.storage_data.stored
             located[-1].append(dataclasses.replace(wr, storage_data=wr.storage_data.loc))
     return located, [stored[n] for n in sorted(stored)]
+
+
+def _options_of(writer: StorageWriter) -> dict[str, Any]:
+    """The writer's ``FileSystemWriter`` keywords but ``_extensions``, as given."""
+    return {name: getattr(writer, name) for name in _FSW_OPTIONS}
 
 
 def _done(value: Any) -> Future[Any]:

@@ -236,12 +236,15 @@ def test_save_id_is_public_recorded_in_storage_meta_and_fresh_per_save(tmp_path:
     first = writer.save_id
     assert first == writer.save_id  # fixed for the save about to begin
     dcp.save(state(1.0), storage_writer=writer, no_dist=True)
+    assert writer.save_id == first  # after the save: the save's (as FileSystemWriter)
     meta = StorageReader(tmp_path).read_metadata()
     assert meta.storage_meta is not None
     assert meta.storage_meta.save_id == first
     assert meta.storage_meta.checkpoint_id == str(tmp_path / "step_1")
     writer.step = 2
-    assert writer.save_id != first
+    dcp.save(state(2.0), storage_writer=writer, no_dist=True)
+    second = StorageReader(tmp_path).read_metadata().storage_meta
+    assert second is not None and second.save_id == writer.save_id != first
 
 
 # -- stream transforms (_extensions) -----------------------------------------------------
