@@ -151,11 +151,32 @@ def export_hf(
     items = _selected(source.items, key, source.all_tensors, p)
     for item in items:
         _check_nameable(item, dtype, p)
+    doc = None if config is None else _config_dict(config)
     out = Path(out_dir)
     _check_out(out)
-    shards = _shards(items, limit, dtype)
-    names = _shard_names(len(shards))
     written: list[Path] = []
+    try:
+        _write_shards(out, source, _shards(items, limit, dtype), dtype, save_file, written)
+        if doc is not None:
+            written.append(_write_json(out / CONFIG_NAME, doc))
+    except BaseException:
+        for f in written:  # an export that failed leaves no part of itself
+            f.unlink(missing_ok=True)
+        raise
+    return written
+
+
+def _write_shards(
+    out: Path,
+    source: Any,
+    shards: list[list[_Item]],
+    dtype: torch.dtype | None,
+    save_file: Any,
+    written: list[Path],
+) -> None:
+    """Read, write and drop one shard at a time (then the index, if sharded),
+    appending each file to ``written`` once it is in place."""
+    names = _shard_names(len(shards))
     weight_map: dict[str, str] = {}
     total = 0
     for shard, name in zip(shards, names, strict=True):
@@ -169,9 +190,6 @@ def export_hf(
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         written.append(_write_json(out / INDEX_NAME, index))
-    if config is not None:
-        written.append(_write_json(out / CONFIG_NAME, _config_dict(config)))
-    return written
 
 
 class _PlainSource:

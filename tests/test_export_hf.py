@@ -133,15 +133,37 @@ async def test_bad_requests_are_typed_errors_naming_the_key(tmp_path: Path) -> N
     assert not [p for p in (tmp_path / "e").iterdir() if p.name.startswith(".")]
 
 
-async def test_a_damaged_checkpoint_is_refused_not_exported(tmp_path: Path) -> None:
-    async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
-        info = await (await ckpt.save(1, {"model": {"w": torch.randn(1000)}}))
-    (data,) = info.path.glob("*.safetensors")
+def _flip_a_byte_of(path: Path, key: str) -> None:
+    """Damage one byte of the tensor ``key`` in its data file (under its checksum)."""
+    doc = json.loads((path / "manifest.json").read_bytes())
+    rec = next(t for t in doc["tensors"] if t["key"] == key)
+    entry = doc["entries"][rec["entry"]]
+    data = path / doc["files"][entry["file"]]["name"]
     raw = bytearray(data.read_bytes())
-    raw[-5] ^= 0xFF
+    raw[entry["offset"] + entry["nbytes"] // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    with pytest.raises(asyncsave.ChecksumMismatchError, match="model/w"):
-        asyncsave.export_hf(info.path, tmp_path / "hf")
+
+
+async def test_only_the_models_bytes_are_read_and_a_failed_export_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    model = {f"layer{i}.weight": torch.randn(64, 64) for i in range(4)}  # 16 KiB each
+    state = {"model": model, "optim": {"m": torch.randn(1000)}, "step": 1}
+    async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
+        info = await (await ckpt.save(1, state))
+    _flip_a_byte_of(info.path, "optim/m")
+    with pytest.raises(asyncsave.ChecksumMismatchError, match="optim/m"):
+        asyncsave.load(info.path)
+    # The export reads the model's entries only: the damaged optimizer is not read.
+    asyncsave.export_hf(info.path, tmp_path / "ok", max_shard_bytes=20_000)
+    assert len(list((tmp_path / "ok").glob("model-*.safetensors"))) == 4
+    # A damaged weight in the last shard: the shards written before it are removed.
+    _flip_a_byte_of(info.path, "model/layer3.weight")
+    out = tmp_path / "bad"
+    with pytest.raises(asyncsave.ChecksumMismatchError, match="layer3"):
+        asyncsave.export_hf(info.path, out, max_shard_bytes=20_000, config={"a": 1})
+    assert list(out.iterdir()) == []
+    asyncsave.export_hf(info.path, out, key="optim", verify=False)  # the directory is usable
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
