@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import errno
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from . import _marker
 from ._errors import CheckpointError, LockUnavailableError
@@ -36,6 +38,7 @@ from ._write import write_bytes
 
 __all__ = [
     "CommitStrategy",
+    "FileSink",
     "MarkerCommit",
     "RenameCommit",
     "commit_dir",
@@ -180,6 +183,16 @@ class CommitStrategy:
         the old bytes or the new ones; durable on return (blocking)."""
         raise NotImplementedError
 
+    def replace_file_streamed(
+        self, fs: LocalFileSystem, path: Path, produce: Callable[[FileSink], Any]
+    ) -> None:
+        """Replace the file at ``path`` by what ``produce`` writes into the
+        :class:`FileSink` it is given (any size, never held whole in memory):
+        readers see the old file or the whole new one; durable on return
+        (blocking). A failure of ``produce`` or of the I/O removes the temporary
+        file (or discards the upload) and propagates unchanged."""
+        raise NotImplementedError
+
 
 class RenameCommit(CommitStrategy):
     """A local (or shared POSIX) directory: temp dir + fsync + atomic rename +
@@ -204,6 +217,24 @@ class RenameCommit(CommitStrategy):
         tmp = path.parent / temp_file_name(path.name)
         try:
             write_bytes(fs, tmp, data)
+            fs.replace(tmp, path)
+        except BaseException:
+            try:
+                fs.unlink(tmp)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    logger.warning("could not remove %s", tmp, exc_info=True)
+            raise
+        fs.fsync_dir(path.parent)
+
+    def replace_file_streamed(
+        self, fs: LocalFileSystem, path: Path, produce: Callable[[FileSink], Any]
+    ) -> None:
+        # Temp file beside the final name, written and fsynced, rename(2) over
+        # the old one, fsync of the directory: the tracker's sequence, streamed.
+        tmp = path.parent / temp_file_name(path.name)
+        try:
+            _stream_to(fs, tmp, produce)
             fs.replace(tmp, path)
         except BaseException:
             try:
@@ -256,8 +287,58 @@ class MarkerCommit(CommitStrategy):
         # One PUT: it replaces an object atomically on S3.
         write_bytes(fs, path, data)
 
+    def replace_file_streamed(
+        self, fs: LocalFileSystem, path: Path, produce: Callable[[FileSink], Any]
+    ) -> None:
+        # One upload, completed at close: an object store replaces the object
+        # atomically then; a failed upload is discarded (never completed).
+        _stream_to(fs, path, produce)
+
     def __repr__(self) -> str:
         return "MarkerCommit()"
+
+
+class FileSink:
+    """The writable file :meth:`CommitStrategy.replace_file_streamed` hands to its
+    producer: ``write`` (all of ``data``, looping on short writes) and ``flush``
+    (nothing: the strategy fsyncs), as ``torch.save`` needs of a file object.
+
+    :param fs: the I/O layer; :param fd: a descriptor of ``fs.create``.
+    """
+
+    def __init__(self, fs: LocalFileSystem, fd: int) -> None:
+        self.fs, self.fd = fs, fd
+        self.nbytes = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            n = self.fs.write(self.fd, view[done:])
+            if n <= 0:
+                raise OSError(errno.EIO, f"write returned {n}")
+            done += n
+        self.nbytes += done
+        return done
+
+    def flush(self) -> None:
+        """Nothing: the data is fsynced once the producer returns."""
+
+
+def _stream_to(fs: LocalFileSystem, path: Path, produce: Callable[[FileSink], Any]) -> None:
+    """Create ``path``, let ``produce`` write it, fsync and close it; closed from
+    the ``except`` block on failure (an upload is then discarded)."""
+    fd = fs.create(path)
+    try:
+        produce(FileSink(fs, fd))
+        fs.fsync(fd)
+    except BaseException:
+        try:
+            fs.close(fd)
+        except OSError:
+            logger.warning("closing %s after a failed write failed too", path, exc_info=True)
+        raise
+    fs.close(fd)
 
 
 def strategy_for(fs: LocalFileSystem) -> CommitStrategy:

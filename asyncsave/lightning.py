@@ -1,4 +1,5 @@
-"""Lightning: a ``CheckpointIO`` plugin that saves through asyncsave.
+"""Lightning: a ``CheckpointIO`` plugin that writes real ``.ckpt`` files,
+asynchronously and atomically.
 
 ::
 
@@ -11,84 +12,84 @@
         callbacks=[ModelCheckpoint(dirpath="runs/exp1", save_last=True)],
     )
     trainer.fit(model, ckpt_path="last")   # resumes when runs/exp1 has a checkpoint
+    Model.load_from_checkpoint("runs/exp1/last.ckpt")   # no asyncsave needed
 
-How Lightning's calls map onto asyncsave (one adapter over the core, as
-``asyncsave.dcp`` and ``asyncsave.megatron`` are):
+The file at each path Lightning names is the checkpoint, in torch's own zip
+format (what ``torch.save`` writes): ``LightningModule.load_from_checkpoint``,
+``torch.load(path, weights_only=True)``, ``trainer.fit(ckpt_path=...)``,
+copying or listing the folder all work without this plugin. How Lightning's
+calls map onto asyncsave:
 
-1. ``save_checkpoint(checkpoint, path)``: the checkpoint dict is saved as the
-   asyncsave checkpoint of its ``global_step`` under the plugin's root (the
-   directory of the first path saved, ``ModelCheckpoint``'s ``dirpath``, unless
-   ``root`` is given; a local path or an fsspec URL such as ``s3://bucket/run``
-   or ``memory://run``), through a :class:`~asyncsave.SyncCheckpointer`: it
-   returns once the tensors are staged (training goes on, as with Lightning's
-   ``AsyncCheckpointIO``, without its clone of every tensor); writing, the
-   commit and the tracker follow in the background. No tensor is pickled;
-   Lightning's plain entries (epoch, loops, callback states, optimizer states)
-   are stored as JSON, dict subclasses (Lightning's ``AttributeDict``) as plain
-   dicts. Hyper-parameters are stored as the plain data Lightning writes to
-   ``hparams.yaml``: an OmegaConf ``DictConfig``/``ListConfig`` as its resolved
-   container, an ``argparse.Namespace`` as the dict of its attributes, a
-   dataclass as ``dataclasses.asdict``; they load back as those dicts and lists
-   (``hparams_type``, a class, is stored by its qualified name, which Lightning
-   reads as ``AttributeDict``). Any other entry that is not plain data raises
-   :class:`~asyncsave.UnsupportedTypeError` naming it
+1. ``save_checkpoint(checkpoint, path)`` stages: every tensor of the dict is
+   copied into host buffers the plugin keeps and reuses (one per position in the
+   tree, page-locked for CUDA sources), the containers are rebuilt and the plain
+   entries kept, so the call returns once that copy is made and training may
+   change the tensors. One writer thread then serialises the staged tree with
+   ``torch.save`` into a temporary file beside ``path`` (a name starting with
+   ``.asyncsave-tmp-``, which Lightning's ``*.ckpt`` listing never sees), fsyncs
+   it, renames it onto ``path`` and fsyncs the directory: the commit protocol's
+   streamed file replacement (one upload, completed at close, on an object
+   store). torch records a CRC-32 of every record of the zip; ``torch.load`` does
+   not check them, this plugin's ``load_checkpoint`` does (and
+   :func:`verify_ckpt` alone).
+
+   Entries are those ``torch.load(weights_only=True)`` loads (what Lightning's
+   ``load_from_checkpoint`` uses by default): tensors, ``dict``/``OrderedDict``
+   (``AttributeDict`` and other dict subclasses become plain dicts), ``list``,
+   ``tuple``, ``set``, ``int``, ``float``, ``complex``, ``str``, ``bytes``,
+   ``bool``, ``None``, ``torch.dtype``/``device``/``Size``. Hyper-parameters are
+   stored as the plain data Lightning writes to ``hparams.yaml`` (an OmegaConf
+   container resolved, a ``Namespace`` as its attributes, a dataclass through
+   ``dataclasses.asdict``; ``hparams_type`` by its qualified name). Anything else
+   raises :class:`~asyncsave.UnsupportedTypeError` naming the entry
    (``hyper_parameters/config``) unless the plugin was made with
-   ``allow_pickle=True``.
+   ``allow_pickle=True`` (then it is pickled, and loading it needs
+   ``weights_only=False``).
 
-   ``path`` itself becomes a small JSON *pointer* file (``{"root": ..., "step":
-   N}``). A new path is created before ``save_checkpoint`` returns, marked
-   ``"pending"`` (loading it before the step commits raises
-   :class:`~asyncsave.CheckpointNotFoundError`): Lightning's
+   A path that does not exist yet is created before the call returns, as a tiny
+   *pending* file (a torch file ``{"format": "asyncsave-lightning-pending",
+   "global_step": N}``) that the commit replaces: Lightning's
    ``ModelCheckpoint`` sees the name taken and gives the next save another
-   (``model-v1.ckpt``), so no two saves share a name. A path that exists
-   already (``last.ckpt``) keeps naming its previous step until the new step
-   has committed, then is replaced atomically. A save that fails removes the
-   pending pointers it created; a save that did not happen (step 0 with
-   ``save_step_zero=False``) writes none. One step is in flight at a time: a
-   save of a later step first waits until the earlier steps have committed and
-   their pointers are written (with saves some steps apart that wait is
-   nothing), so a crash mid-save leaves ``last.ckpt`` naming the previous step,
-   committed. Several paths saved at one ``global_step`` (the top-k file and
-   ``last.ckpt``) point at one checkpoint, saved once (the first call's dict).
-2. ``remove_checkpoint(path)``: the pointer goes at once; the checkpoint it
-   named is deleted by asyncsave's retention pass (which never deletes the
-   tracked step, a step in flight, or one any other pointer still names) right
-   away when it is committed, else after its commit.
-3. ``load_checkpoint(path)``: ``path`` may be a pointer file (what
-   ``ckpt_path="last"`` and ``ModelCheckpoint.best_model_path`` give), an
-   asyncsave checkpoint directory (``runs/exp1/step_40``), or a root
-   (``runs/exp1``: its latest committed checkpoint, as the tracker names it).
-   Lightning's ``LightningModule.load_from_checkpoint(path)`` does not ask the
-   plugin (it calls ``torch.load`` on the path) and fails on a pointer with
-   torch's ``UnpicklingError``: outside a Trainer, load with
-   ``AsyncsaveCheckpointIO().load_checkpoint(path)["state_dict"]``.
-4. ``wait()`` and ``teardown()``, as Lightning's ``AsyncCheckpointIO``: ``wait``
-   blocks until every save so far has committed and its paths name it;
-   ``teardown`` (called by the trainer at the end of ``fit``) does that and
-   closes the checkpointer (no thread of the plugin is left). Both raise a
-   save's failure (also raised by the next ``save_checkpoint`` once known). A
-   ``trainer.save_checkpoint(p)`` after ``fit`` reopens the checkpointer and
-   returns once staged, as during ``fit``: call ``wait()`` before reading ``p``,
-   ``teardown()`` when done. ``remove_checkpoint`` after a ``teardown`` opens
-   and closes a checkpointer for that call only.
+   (``model-v1.ckpt``). A path that exists (``last.ckpt``) keeps its previous
+   checkpoint until the new one is whole. A failed save removes the pending file
+   it created and raises at the next save, ``wait`` or ``teardown``. One global
+   step is in flight at a time: a save of another step first waits until the
+   earlier writes are committed (with saves some steps apart that wait is
+   nothing), so a crash mid-save leaves every earlier path whole. Several paths
+   saved at one ``global_step`` (the top-k file and ``last.ckpt``) share the
+   staged copy of every tensor that has not changed since (no second copy while
+   the first write runs); each path gets its own file with its own dict.
+2. ``remove_checkpoint(path)`` deletes the file (a write still in flight for it
+   is dropped, or its file deleted once written).
+3. ``load_checkpoint(path, map_location, weights_only)`` verifies the CRC-32s,
+   then ``torch.load`` s the file; ``weights_only=None`` means ``True`` unless the
+   plugin has ``allow_pickle=True``. It also reads what the previous release
+   wrote: a JSON pointer file, an asyncsave checkpoint directory
+   (``runs/exp1/step_40``) or root (its latest committed step).
+4. ``wait()`` blocks until every save so far is committed; ``teardown()``
+   (called by the trainer at the end of ``fit``) does that, stops the writer
+   thread and frees the staging buffers. Both raise a save's failure.
 
-One process saves (rank 0 under Lightning's strategies): the checkpointer runs
-with ``distributed=False``, and ``distributed=True`` is refused. The plugin
-pickles (``torch.save(trainer)``, ``strategy="ddp_spawn"``): the copy holds the
-settings and what this run's pointers name, and opens its own checkpointer at
-its first save. Lightning is an optional extra (``pip install
+Lightning calls the IO on global rank 0 only: the plugin writes from one process
+(``distributed=True`` is refused), pickles (``strategy="ddp_spawn"``: the copy
+starts its own writer at its first save), and a dict without ``global_step``
+(the weights ``ddp_spawn`` hands to the launching process) is committed before
+``save_checkpoint`` returns. Lightning is an optional extra (``pip install
 asyncsave[lightning]``, tested with lightning 2.6.6).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import dataclasses
 import json
 import logging
 import os
+import pickle
 import threading
 import warnings
+import zipfile
 from argparse import Namespace
 from collections import OrderedDict
 from pathlib import Path
@@ -98,12 +99,17 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ._atomicity import strategy_for
+from ._bits import as_bits
 from ._catalog import latest
-from ._engine import retain
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     CheckpointWarning,
+    ChecksumMismatchError,
+    SaveFailedError,
+    StagingBudgetError,
+    UnsafeLoadError,
     UnsupportedCombinationError,
     UnsupportedFormatError,
     UnsupportedTypeError,
@@ -114,16 +120,25 @@ from ._listing import checkpoints, layout_of, load_step
 from ._load import load
 from ._options import CheckpointOptions
 from ._paths import LOCK_NAME, MANIFEST_NAME
-from ._retention import Candidate, Retention
-from ._sync import SyncCheckpointer, SyncSaveHandle, run_on_loop
 
-__all__ = ["POINTER_FORMAT", "AsyncsaveCheckpointIO", "plugin_options", "read_pointer"]
+__all__ = [
+    "PENDING_FORMAT",
+    "POINTER_FORMAT",
+    "AsyncsaveCheckpointIO",
+    "plugin_options",
+    "read_pointer",
+    "verify_ckpt",
+]
 
 logger = logging.getLogger(__name__)
 
+#: What the previous release wrote at each path: a JSON pointer to a step directory.
 POINTER_FORMAT = "asyncsave-lightning-pointer"
+#: What a new path holds while its first save is in flight.
+PENDING_FORMAT = "asyncsave-lightning-pending"
 _MAX_POINTER_BYTES = 64 << 10
-# The training info of a root the plugin saved whole (_save_whole): only such a
+_ZIP_MAGIC = b"PK\x03\x04"
+# The training info of a root the previous release saved whole: only such a
 # root is deleted by remove_checkpoint.
 _WHOLE = "lightning_whole"
 # What the plugin means when a field is not given (see plugin_options).
@@ -132,6 +147,9 @@ _PLUGIN_DEFAULTS: dict[str, Any] = {"save_step_zero": True, "distributed": False
 # LightningDataModule's ``CHECKPOINT_HYPER_PARAMS_KEY``).
 _HPARAMS_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
 _HPARAMS_TYPE_KEYS = ("hparams_type", "datamodule_hparams_type")
+# Leaves torch.load(weights_only=True) loads (torch.Size before tuple).
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+_KEYS = (type(None), bool, int, float, str)
 
 
 def plugin_options(options: CheckpointOptions | None = None, **overrides: Any) -> CheckpointOptions:
@@ -184,7 +202,9 @@ def _locate(path: Any, options: CheckpointOptions) -> tuple[LocalFileSystem, Pat
             storage_options=options.storage_options,
             what="checkpoint path",
         )
-    return LocalFileSystem(), Path(os.path.abspath(os.fspath(path)))
+    fs = options.filesystem
+    local = fs if fs is not None and not _is_url_fs(fs) else LocalFileSystem()
+    return local, Path(os.path.abspath(os.fspath(path)))
 
 
 def _is_url_fs(fs: LocalFileSystem | None) -> bool:
@@ -245,23 +265,6 @@ def read_pointer(
     return _pointer_root(p, doc["root"], storage_options), doc["step"], doc["layout"]
 
 
-def _plain(obj: Any) -> Any:
-    """Lightning's dict subclasses (``AttributeDict``, ``hparams``) as plain dicts,
-    recursively; everything else unchanged (the plan names what it cannot store)."""
-    t = type(obj)
-    if isinstance(obj, dict) and t is not OrderedDict:
-        return {k: _plain(v) for k, v in obj.items()}
-    if t is OrderedDict:
-        out: OrderedDict[Any, Any] = OrderedDict((k, _plain(v)) for k, v in obj.items())
-        meta = getattr(obj, "_metadata", None)
-        if meta is not None:
-            out._metadata = meta  # type: ignore[attr-defined]
-        return out
-    if t in (list, tuple):
-        return t(_plain(v) for v in obj)
-    return obj
-
-
 def _is_omegaconf(obj: Any) -> bool:
     # Not imported unless a value is one: omegaconf is the user's dependency.
     return type(obj).__module__.startswith("omegaconf.") and hasattr(obj, "_get_node")
@@ -288,7 +291,7 @@ def _hparams(obj: Any) -> Any:
 
 
 def _storable(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint dict as asyncsave stores it without pickle (see the module
+    """The checkpoint dict with its hyper-parameters as plain data (see the module
     docstring); the caller's dict is not changed."""
     out = dict(checkpoint)
     for key in _HPARAMS_KEYS:
@@ -297,39 +300,197 @@ def _storable(checkpoint: dict[str, Any]) -> dict[str, Any]:
     for key in _HPARAMS_TYPE_KEYS:
         if isinstance(out.get(key), type):
             out[key] = f"{out[key].__module__}.{out[key].__qualname__}"
-    return _plain(out)
+    return out
 
 
-class _Referenced(Retention):
-    """Keeps every step a pointer names: the pointers of this run (in memory,
-    also those whose save has not committed yet) and every pointer file in the
-    directories this plugin writes to (on disk: a restarted run keeps them)."""
+class _Arena:
+    """The host buffers a checkpoint's tensors are staged into: one per position
+    in the tree (``state_dict/net.0.weight``), reused by the next save whose
+    tensor there has the same shape, dtype and kind of memory, so a run whose
+    state keeps its shapes allocates them once (Lightning's ``AsyncCheckpointIO``
+    clones every tensor at every save instead). Copies move bits, never values
+    (``as_bits``: every dtype round-trips exactly).
 
-    def __init__(self, plugin: AsyncsaveCheckpointIO) -> None:
-        self.plugin = plugin
+    A buffer is one tensor of its own (never a view of one large block): torch's
+    zip format writes one record per storage, and loads each tensor over its
+    storage, so a view of a shared block would write and load the whole block.
 
-    def keep(self, candidates: list[Candidate]) -> set[int]:
-        steps = self.plugin._referenced_steps()
-        # A pointer directory or file that could not be read may name any step:
-        # this pass keeps every one (the next pass decides again).
-        return {c.step for c in candidates} if steps is None else steps
+    Within one global step (Lightning saves the top-k file and ``last.ckpt`` one
+    after the other), a CPU tensor whose bits equal its buffer's is not copied
+    again, and the buffer is shared by both files; while a write still reads the
+    buffers, a tensor that changed gets a buffer of its own for this save.
 
-    def __repr__(self) -> str:
-        return "KeepReferencedByLightning()"
+    :param budget_bytes: cap on the bytes of buffers held (``None``: none).
+    """
+
+    def __init__(self, budget_bytes: int | None) -> None:
+        self.budget_bytes = budget_bytes
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._step: int | None = None
+        self._same_step = False
+        self._busy = False
+        self._devices: set[torch.device] = set()
+
+    def begin(self, step: int | None, *, busy: bool) -> None:
+        """Start staging a save of ``step``; ``busy``: a write still reads the
+        buffers (only for a second save of the step being written)."""
+        self._same_step = step is not None and step == self._step
+        self._step, self._busy, self._devices = step, busy, set()
+
+    def end(self) -> None:
+        """Wait for the device-to-host copies of this save (one synchronize per
+        CUDA device)."""
+        for device in self._devices:
+            torch.cuda.current_stream(device).synchronize()
+
+    def clear(self) -> None:
+        """Free every buffer (``teardown``)."""
+        self._buffers.clear()
+        self._step = None
+
+    def tensor(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """The staged copy of ``t``, found at ``key``: a CPU tensor of ``t``'s
+        shape and dtype (contiguous), or a CPU clone for what has no plain
+        strided memory (sparse, quantized, nested, meta, subclasses).
+
+        :raises StagingBudgetError: a new buffer would exceed ``budget_bytes``.
+        """
+        if (
+            type(t) not in (torch.Tensor, torch.nn.Parameter)
+            or t.layout != torch.strided
+            or t.is_quantized
+            or t.is_nested
+            or t.device.type == "meta"
+        ):
+            t = t.detach()
+            return t.clone() if t.device.type == "meta" else t.to("cpu", copy=True)
+        src = t.detach().resolve_conj().resolve_neg()
+        pin = src.device.type == "cuda"
+        buf = self._buffers.get(key)
+        fits = buf is not None and (buf.shape, buf.dtype, buf.is_pinned()) == (
+            src.shape,
+            src.dtype,
+            pin,
+        )
+        if buf is not None and fits and self._same_step and not pin:
+            if torch.equal(as_bits(buf), as_bits(src)):
+                return buf  # staged by this step's earlier save, unchanged since
+        if buf is None or self._busy or not fits:
+            buf = self._allocate(key, src, pin)
+        as_bits(buf).copy_(as_bits(src), non_blocking=pin)
+        if pin:
+            self._devices.add(src.device)
+        return buf
+
+    def _allocate(self, key: str, t: torch.Tensor, pin: bool) -> torch.Tensor:
+        held = sum(b.nbytes for k, b in self._buffers.items() if k != key)
+        nbytes = t.numel() * t.element_size()
+        if self.budget_bytes is not None and held + nbytes > self.budget_bytes:
+            raise StagingBudgetError(
+                f"staging {key!r} ({nbytes} bytes) would hold {held + nbytes} bytes of "
+                f"host buffers, over budget_bytes={self.budget_bytes}: raise it, or "
+                "leave it unset (the plugin keeps one copy of the state's tensors)",
+                key=key,
+            )
+        buf = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=pin)
+        if not self._busy:
+            self._buffers[key] = buf
+        return buf
+
+
+def _join(key: str, k: Any) -> str:
+    return f"{key}/{k}" if key else str(k)
+
+
+def _stage(obj: Any, key: str, arena: _Arena, allow_pickle: bool) -> Any:
+    """``obj`` with every tensor replaced by its staged copy and every container
+    rebuilt (dict subclasses as plain dicts, an ``OrderedDict`` with its
+    ``_metadata``): nothing of the caller's is shared but immutable leaves.
+
+    :raises UnsupportedTypeError: a leaf or key that
+        ``torch.load(weights_only=True)`` refuses, named by its path, unless
+        ``allow_pickle`` (then it is deep-copied and pickled by the writer).
+    """
+    if isinstance(obj, torch.Tensor):
+        return arena.tensor(key, obj)
+    t = type(obj)
+    if t in _LEAVES:
+        return obj
+    if isinstance(obj, dict):
+        out: dict[Any, Any] = OrderedDict() if t is OrderedDict else {}
+        for k, v in obj.items():
+            if type(k) not in _KEYS and not allow_pickle:
+                _refuse(_join(key, repr(k)), k)
+            out[k] = _stage(v, _join(key, k), arena, allow_pickle)
+        meta = getattr(obj, "_metadata", None) if t is OrderedDict else None
+        if meta is not None:
+            out._metadata = copy.deepcopy(meta)  # type: ignore[attr-defined]
+        return out
+    if t in (list, tuple, set):
+        return t(_stage(v, _join(key, i), arena, allow_pickle) for i, v in enumerate(obj))
+    if allow_pickle:
+        return copy.deepcopy(obj)
+    _refuse(key, obj)
+
+
+def _refuse(key: str, obj: Any) -> Any:
+    raise UnsupportedTypeError(
+        f"Lightning checkpoint entry {key!r} is a {type(obj).__qualname__}, not plain "
+        "data: torch.load(weights_only=True), which load_from_checkpoint uses by "
+        "default, refuses it. Convert it, or pass AsyncsaveCheckpointIO(allow_pickle=True) "
+        "and load with weights_only=False (only checkpoints you trust)",
+        key=key,
+    )
+
+
+def verify_ckpt(path: str | os.PathLike[str], storage_options: Any = None) -> None:
+    """Check every record of a torch zip ``.ckpt`` against the CRC-32 torch wrote
+    for it (``torch.load`` does not); reads the whole file once. ``path`` may be a
+    local path or an fsspec URL.
+
+    :raises ChecksumMismatchError: a record's bytes differ from its CRC-32 (named).
+    :raises UnsupportedFormatError: not a torch zip file.
+    :raises FileNotFoundError: no file at ``path``.
+    """
+    fs, p = _locate(path, CheckpointOptions(storage_options=storage_options))
+    with fs.open_read(p) as f:
+        try:
+            bad = zipfile.ZipFile(f).testzip()
+        except zipfile.BadZipFile as exc:
+            raise UnsupportedFormatError(
+                f"{p} is not a torch zip checkpoint ({exc})", path=p
+            ) from exc
+    if bad is not None:
+        raise ChecksumMismatchError(
+            f"{p}: record {bad!r} does not match the CRC-32 torch wrote for it "
+            "(the file was damaged after it was written)",
+            path=p,
+            key=bad,
+        )
+
+
+def _pending_bytes(step: int | None) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save({"format": PENDING_FORMAT, "global_step": step}, buf)
+    return buf.getvalue()
 
 
 class AsyncsaveCheckpointIO(CheckpointIO):
-    """Lightning's ``CheckpointIO`` over asyncsave (see the module docstring).
+    """Lightning's ``CheckpointIO`` writing torch ``.ckpt`` files in the
+    background (see the module docstring).
 
-    :param root: where the checkpoints (``step_N`` directories and the tracker)
-        live, a local path or an fsspec URL; default: the directory of the first
-        path Lightning saves to.
+    :param root: accepted for the previous release's signature; unused (the
+        file at each path Lightning names is the checkpoint), with a
+        :class:`~asyncsave.CheckpointWarning`.
     :param options: a :class:`~asyncsave.CheckpointOptions`; keyword
-        ``overrides`` replace single fields (``budget_bytes=2 << 30``,
-        ``allow_pickle=True``, ``layout="verl"``). Both are merged by one rule
-        (:func:`plugin_options`): the plugin's defaults ``save_step_zero=True``
-        and ``distributed=False`` hold unless a field is given. ``retention``
-        keeps more (a step is kept if it or a pointer keeps it).
+        ``overrides`` replace single fields. Both are merged by one rule
+        (:func:`plugin_options`). The plugin uses ``allow_pickle``,
+        ``save_step_zero``, ``budget_bytes`` (cap on its staging buffers),
+        ``save_timeout_s`` (bound of ``wait``), ``filesystem`` and
+        ``storage_options`` (URL paths), and ``layout`` (reading a previous
+        release's root).
     :raises UnsupportedCombinationError: ``distributed=True``.
     """
 
@@ -339,41 +500,34 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         options: CheckpointOptions | None = None,
         **overrides: Any,
     ) -> None:
-        opts = plugin_options(options, **overrides)
-        rule: Retention = _Referenced(self)
-        if opts.retention is not None:
-            rule = opts.retention | rule
-        self.options = dataclasses.replace(opts, retention=rule)
-        self.root: Path | None = None
+        self.options = plugin_options(options, **overrides)
         if root is not None:
-            _, where = _locate(root, self.options)
-            self.root = where if is_url(where) else where.resolve()
-        self._live: dict[str, int] = {}  # pointer path -> step, this run
-        self._pending: set[str] = set()  # pointer paths created pending, not yet final
-        self._dirs: set[str] = set()  # where pointers are written
-        self._on_disk: set[int] = set()  # committed when the checkpointer opened
-        self._loaded: set[int] = set()  # global steps load_checkpoint() returned
-        self._saved: set[int] = set()  # global steps this plugin saved (any checkpointer)
+            _locate(root, self.options)  # a bad one is still refused by name
+            warnings.warn(
+                "AsyncsaveCheckpointIO(root=...) is unused: each .ckpt path Lightning "
+                "names is the checkpoint itself",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+        self.root = root
         self._init_runtime()
 
     def _init_runtime(self) -> None:
-        """The state that lives only while a checkpointer is open (never pickled)."""
-        self._ckpt: SyncCheckpointer | None = None
+        """The state that lives only while the writer runs (never pickled)."""
         self._lock = threading.Lock()
-        self._handles: dict[int, SyncSaveHandle] = {}  # saves of this checkpointer
+        self._arena = _Arena(self.options.budget_bytes)
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None
-        # (step, pointer write) in save order.
-        self._futures: list[tuple[int, concurrent.futures.Future[None]]] = []
+        # (global step, write) in save order.
+        self._futures: list[tuple[int | None, concurrent.futures.Future[None]]] = []
+        self._live: dict[str, int] = {}  # path -> sequence number of its latest save
+        self._pending: set[str] = set()  # paths created pending, not yet written
+        self._seq = 0
         self._error: BaseException | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        """The settings and this run's pointers; the open checkpointer, its
-        threads and the lock stay behind (the copy opens its own when it saves)."""
-        state = dict(self.__dict__)
-        for name in ("_ckpt", "_lock", "_handles", "_writer", "_futures", "_error"):
-            state.pop(name, None)
-        state["_on_disk"] = set()  # read again when the copy opens
-        return state
+        """The settings only: the writer, the buffers and the lock stay behind
+        (the copy starts its own at its first save)."""
+        return {"options": self.options, "root": self.root}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -383,12 +537,14 @@ class AsyncsaveCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
-        """Save ``checkpoint`` as the asyncsave checkpoint of its ``global_step``
-        and point ``path`` at it once committed; returns once staged, with
-        ``path`` existing (a pending pointer when it is new).
+        """Stage ``checkpoint`` and write it to ``path`` in the background (see
+        the module docstring); returns once staged, with ``path`` existing (a
+        pending file when it is new). A dict without ``global_step`` is
+        committed before this returns.
 
         :raises TypeError: ``storage_options`` given (as Lightning's own IO).
         :raises UnsupportedTypeError: an entry is not plain data (named).
+        :raises StagingBudgetError: the staging buffers would exceed ``budget_bytes``.
         :raises SaveFailedError: an earlier save failed.
         """
         if storage_options is not None:
@@ -397,178 +553,126 @@ class AsyncsaveCheckpointIO(CheckpointIO):
                 f"{type(self).__name__}: pass asyncsave options to its constructor"
             )
         fs, target = _locate(path, self.options)
-        if "global_step" not in checkpoint:
-            self._save_whole(checkpoint, target)
-            return
         step = checkpoint.get("global_step")
-        if type(step) is not int:
+        if step is not None and type(step) is not int:
             raise UnsupportedFormatError(
                 f"checkpoint for {target} has global_step={step!r}, not an int", path=target
             )
-        # One step in flight at a time: the pointers of earlier steps are written
-        # (so their steps committed) before a later step is staged. A crash then
-        # leaves every path Lightning saved naming a committed step, except the
-        # step in flight; with saves some steps apart this waits for nothing.
-        while self._futures and self._futures[0][0] < step:
-            self._futures.pop(0)[1].result()
+        if step == 0 and not self.options.save_step_zero:
+            warnings.warn(
+                f"not saving {target}: step 0 and save_step_zero=False",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+            return
+        # One global step in flight: a save of another step waits for the writes
+        # before it (which also frees the staging buffers for reuse).
+        self._drain(keep=step)
         self._raise_error()
-        ckpt = self._open(target.parent)
+        staged = self._stage(checkpoint, step)
+        self._reserve(fs, target, step)
         key = str(target)
         with self._lock:
-            self._live[key] = step
-            self._dirs.add(str(target.parent))
-        try:
-            handle = self._save_step(ckpt, checkpoint, step)
-        except BaseException:
-            with self._lock:
-                self._live.pop(key, None)
-            raise
-        if handle is not None and handle.skipped:
-            with self._lock:  # nothing is saved: no path may name it
-                self._live.pop(key, None)
-            return
-        self._reserve(fs, target, step)
-        assert self._writer is not None
-        self._futures.append((step, self._writer.submit(self._point, handle, fs, target, step)))
-
-    def _save_whole(self, state: dict[str, Any], target: Path) -> None:
-        """A dict that is not a training checkpoint (no ``global_step``: the
-        weights ``ddp_spawn`` hands from rank 0 to the launching process) is
-        saved at once as a root of its own at ``target`` (its step 0, whole and
-        committed on return): ``load_checkpoint(target)`` loads it,
-        ``remove_checkpoint(target)`` removes it."""
-        opts = dataclasses.replace(
-            self.options,
-            layout="asyncsave",
-            retention=None,
-            save_step_zero=True,
-            persistent=None,
-            incremental=False,
-        )
-        with SyncCheckpointer(target, opts) as ckpt:
-            # overwrite: a root left at this path by an earlier run (a crash
-            # before remove_checkpoint) is replaced atomically, never loaded
-            # in place of this save.
-            ckpt.save(0, _storable(state), overwrite=True, training_info={_WHOLE: True}).result()
-
-    def _save_step(
-        self, ckpt: SyncCheckpointer, checkpoint: dict[str, Any], step: int
-    ) -> SyncSaveHandle | None:
-        """The handle of ``step``'s save: started now, or the one of this run
-        (several paths at one step), or ``None`` for the committed step this run
-        resumed from (nothing to wait for)."""
-        # A committed step this run did not load or save (another run's, in the
-        # same directory) is replaced, atomically, so the path names this run's
-        # state. One this plugin saved (before a teardown: a save after fit, a
-        # second fit) is this run's own: never saved over.
-        handle = self._handles.get(step)
-        replace = step in self._on_disk and step not in self._loaded | self._saved
-        if handle is not None or (step in self._on_disk and not replace):
-            return handle
-        if replace:
-            warnings.warn(
-                f"step {step} in {self.root} is a checkpoint of an earlier run that "
-                f"this run did not resume from: replacing it (its older pointers "
-                "now name this run's state); use a fresh dirpath to keep both",
-                CheckpointWarning,
-                stacklevel=3,
+            self._seq += 1
+            self._live[key] = self._seq
+            seq = self._seq
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="asyncsave-lightning"
             )
+        job = self._writer.submit(self._write, staged, fs, target, step, seq)
+        self._futures.append((step, job))
+        if step is None:  # ddp_spawn's weights: the launching process loads them next
+            self.wait()
+
+    def _stage(self, checkpoint: dict[str, Any], step: int | None) -> Any:
+        self._arena.begin(step, busy=bool(self._futures))
         try:
-            handle = ckpt.save(
-                step,
-                _storable(checkpoint),
-                training_info={"epoch": _int(checkpoint, "epoch")},
-                overwrite=replace,
-            )
+            staged = _stage(_storable(checkpoint), "", self._arena, self.options.allow_pickle)
         except UnsupportedTypeError as exc:
-            raise UnsupportedTypeError(
-                f"Lightning checkpoint entry {exc.key!r} is not plain data: "
-                f"{exc.message}. Convert it, or pass "
-                "AsyncsaveCheckpointIO(allow_pickle=True) (and trust the "
-                "checkpoints you load)",
-                key=exc.key,
-                step=step,
-            ) from exc
-        self._handles[step] = handle
-        self._saved.add(step)
-        return handle
+            exc.step = step
+            raise
+        finally:
+            self._arena.end()
+        return staged
 
-    def _doc(self, target: Path, step: int, *, pending: bool = False) -> bytes:
-        assert self.root is not None
-        if is_url(self.root) or is_url(target):
-            same = str(self.root).rstrip("/") == str(target.parent).rstrip("/")
-            rel = "." if same else str(self.root)
-        else:
-            rel = os.path.relpath(self.root, target.parent)
-        doc: dict[str, Any] = {
-            "format": POINTER_FORMAT,
-            "root": rel,
-            "layout": self.options.layout,
-            "step": step,
-        }
-        if pending:
-            doc["pending"] = True
-        return json.dumps(doc).encode()
+    def _drain(self, keep: int | None = -1) -> None:
+        """Wait for the writes in flight, except while they are of step ``keep``
+        (a second path of the step being written), bounded by ``save_timeout_s``."""
+        if self._futures and keep is not None and all(s == keep for s, _ in self._futures):
+            return
+        while self._futures:
+            step, job = self._futures[0]
+            try:
+                job.result(timeout=self.options.save_timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise CheckpointTimeoutError(
+                    f"the save of global step {step} ran past save_timeout_s="
+                    f"{self.options.save_timeout_s}",
+                    step=step,
+                ) from None
+            self._futures.pop(0)
 
-    def _reserve(self, fs: LocalFileSystem, target: Path, step: int) -> None:
-        """Create ``target`` as a pending pointer when it does not exist, so that
+    def _reserve(self, fs: LocalFileSystem, target: Path, step: int | None) -> None:
+        """Create ``target`` as a pending file when it does not exist, so that
         Lightning's ``ModelCheckpoint.file_exists`` sees the name taken at once."""
         key = str(target)
         with self._lock:
             if key in self._pending or fs.exists(target):
                 return
-            _write_atomic(fs, target, self._doc(target, step, pending=True))
+            fs.makedirs(target.parent)
+            strategy_for(fs).replace_file(fs, target, _pending_bytes(step))
             self._pending.add(key)
 
-    def _point(
-        self, handle: SyncSaveHandle | None, fs: LocalFileSystem, target: Path, step: int
+    def _write(
+        self, staged: Any, fs: LocalFileSystem, target: Path, step: int | None, seq: int
     ) -> None:
-        """Writer thread: once ``step`` has committed, make ``target`` name it
-        (atomically), unless it was removed meanwhile. One thread writes in the
-        order of the saves, so a path re-pointed to a newer step names each
-        committed step in turn and never one that has not committed. A failed
-        save removes the pending pointer it created."""
+        """Writer thread: ``torch.save`` the staged tree to ``target`` through the
+        commit protocol, unless a later save of the path or its removal came
+        first; a failure is kept for the caller and its pending file removed."""
         key = str(target)
         try:
-            if handle is not None:
-                handle.result()
             with self._lock:
-                if self._live.get(key) != step:
+                if self._live.get(key) != seq:
                     return
-                _write_atomic(fs, target, self._doc(target, step))
-                self._pending.discard(key)
+            strategy_for(fs).replace_file_streamed(fs, target, lambda f: torch.save(staged, f))  # type: ignore[arg-type]
+            with self._lock:
+                removed = key not in self._live
+                if self._live.get(key) == seq:
+                    del self._live[key]
+                    self._pending.discard(key)
+            if removed:  # remove_checkpoint ran while it was written
+                _unlink(fs, target)
         except BaseException as exc:
-            logger.error("asyncsave.lightning: saving step %d for %s failed: %r", step, target, exc)
-            self._drop_pending(fs, target, step)
+            logger.error(
+                "asyncsave.lightning: saving %s (step %s) failed", target, step, exc_info=True
+            )
+            self._drop_pending(fs, target, seq)
             if self._error is None:
-                self._error = exc
+                error = SaveFailedError(
+                    f"saving {target} (global step {step}) failed: {exc!r}", path=target, step=step
+                )
+                error.__cause__ = exc
+                self._error = error
 
-    def _drop_pending(self, fs: LocalFileSystem, target: Path, step: int) -> None:
+    def _drop_pending(self, fs: LocalFileSystem, target: Path, seq: int) -> None:
         key = str(target)
         with self._lock:
-            if self._live.get(key) != step:
+            if self._live.get(key) != seq:
                 return
             del self._live[key]
             if key in self._pending:
                 self._pending.discard(key)
-                try:
-                    fs.unlink(target)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    logger.warning("could not remove the pending pointer %s: %r", target, exc)
+                _unlink(fs, target)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Drop the pointer ``path`` and run asyncsave's retention pass: the
-        checkpoint it named is deleted once no pointer names it, never while it
-        is the tracked step or in flight (then by the pass after a later commit).
-        After a ``teardown`` the pass runs on a checkpointer opened and closed
-        for this call.
+        """Delete the ``.ckpt`` at ``path`` (a write in flight for it is dropped,
+        or its file deleted once written). A directory is removed only when it
+        is a root the previous release saved whole (``ddp_spawn``'s weights);
+        any other stays, with a warning. A previous release's pointer file goes;
+        the step directory it named stays (``asyncsave prune`` removes those).
 
-        :raises SaveFailedError: a save of this plugin failed (raised by the
-            closing ``teardown`` after a reopen).
-        :raises RootInUseError: after a teardown, another process holds the root.
-        :raises OSError: the pointer could not be removed (other than missing).
+        :raises OSError: the file could not be removed (other than missing).
         """
         fs, target = _locate(path, self.options)
         if fs.is_dir(target):
@@ -577,215 +681,102 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         with self._lock:
             self._live.pop(str(target), None)
             self._pending.discard(str(target))
-            try:
-                fs.unlink(target)
-            except FileNotFoundError:
-                pass
-        ckpt, reopened = self._ckpt, False
-        if ckpt is None and self.root is not None:
-            ckpt, reopened = self._open(self.root), True
-        try:
-            tracked = None if ckpt is None else ckpt.checkpointer.tracked_step
-            if ckpt is not None and tracked is not None:
-                # A retention pass now, under the checkpointer's own rules and locks
-                # (the pointer's step may still be in flight: then after its commit).
-                run_on_loop(ckpt, retain, ckpt.checkpointer, tracked)
-        finally:
-            if reopened:
-                self.teardown()
-
-    def _referenced_steps(self) -> set[int] | None:
-        """The steps a pointer names, or ``None`` when a pointer directory or
-        file could not be read (a missing one holds no pointer)."""
-        with self._lock:
-            steps = set(self._live.values())
-            dirs = set(self._dirs)
-        if self.root is not None:
-            dirs.add(str(self.root))
-        for d in dirs:
-            found = self._steps_named_in(d)
-            if found is None:
-                return None
-            steps |= found
-        return steps
-
-    def _steps_named_in(self, directory: str) -> set[int] | None:
-        fs, d = _locate(directory, self.options)
-        try:
-            names = fs.listdir(d)
-        except FileNotFoundError:
-            return set()
-        except OSError as exc:
-            logger.warning("cannot list %s (%r): this retention pass deletes nothing", d, exc)
-            return None
-        steps: set[int] = set()
-        for name in names:
-            if not name.endswith(".ckpt"):
-                continue
-            try:
-                doc = _pointer_doc(fs, d / name)
-            except (FileNotFoundError, IsADirectoryError, PermissionError, UnsupportedFormatError):
-                # removed meanwhile, or not a pointer of asyncsave's (a torch.save
-                # file, a sharded checkpoint's directory, another user's file:
-                # the plugin's own pointers are readable by the process that wrote
-                # them). Other errors (EIO) below: keep everything this pass.
-                continue
-            except OSError as exc:
-                logger.warning(
-                    "cannot read %s (%r): this retention pass deletes nothing", d / name, exc
-                )
-                return None
-            named = _pointer_root(d / name, doc["root"], self.options.storage_options)
-            if str(named) == str(self.root):
-                steps.add(doc["step"])
-        return steps
+            _unlink(fs, target)
 
     # -- loading ----------------------------------------------------------------
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Load a pointer file, a checkpoint directory or a root's latest.
+        """Load a ``.ckpt`` (verified against its CRC-32s first), or what the
+        previous release wrote: a pointer file, a checkpoint directory, a root's
+        latest.
 
-        Tensors land on ``map_location`` when it is a device (or its name), else
-        on the CPU. Nothing is unpickled unless the plugin has
-        ``allow_pickle=True`` (``weights_only`` is accepted for Lightning's
-        signature and changes nothing: tensors never go through pickle here).
-
+        :param map_location: as ``torch.load``'s (a pointer's or a directory's
+            tensors land on it when it is a device or its name, else on the CPU).
+        :param weights_only: as ``torch.load``'s; ``None``: ``True`` unless the
+            plugin has ``allow_pickle=True``.
         :raises FileNotFoundError: nothing at ``path`` (as Lightning's own IO).
-        :raises CheckpointNotFoundError: a root with no committed checkpoint, a
-            pending pointer whose save has not committed, or a pointer naming one
-            that is gone; and every error of :func:`asyncsave.load`.
+        :raises ChecksumMismatchError: a record does not match its CRC-32.
+        :raises UnsafeLoadError: ``weights_only`` loading refused an object
+            (saved with ``allow_pickle=True``).
+        :raises CheckpointNotFoundError: a pending file (its save never
+            committed), a root with no committed checkpoint, a pointer naming a
+            step that is gone.
+        :raises UnsupportedFormatError: a file that is neither.
         """
         fs, p = _locate(path, self.options)
-        device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
-        where: dict[str, Any] = {
-            "filesystem": fs,
-            "allow_pickle": self.options.allow_pickle,
-            "device": device,
-        }
-        if fs.exists(p) and not fs.is_dir(p):
-            state = self._load_pointer(fs, p, where)
-        elif fs.exists(p / MANIFEST_NAME):
-            state = load(p, **where)
-        elif fs.is_dir(p):
-            info = latest(p, layout=self.options.layout, filesystem=fs)
-            if info is None:
-                raise CheckpointNotFoundError(
-                    f"{p} holds no committed checkpoint (layout {self.options.layout!r})",
-                    path=p,
-                )
-            state = load(info.path, **where)
+        if not fs.is_dir(p) and fs.exists(p) and _head(fs, p) in (_ZIP_MAGIC, b"\x80\x02"):
+            state = self._load_torch(fs, p, map_location, weights_only)
         else:
-            raise FileNotFoundError(f"Checkpoint file not found: {p}")
+            state = _load_legacy(fs, p, map_location, self.options)
         if not isinstance(state, dict):
             raise UnsupportedFormatError(f"{p} does not hold a Lightning checkpoint", path=p)
-        if type(state.get("global_step")) is int:
-            self._loaded.add(state["global_step"])  # saving it again keeps it as is
         return state
 
-    def _load_pointer(self, fs: LocalFileSystem, p: Path, where: dict[str, Any]) -> Any:
-        doc = _pointer_doc(fs, p)
-        root = _pointer_root(p, doc["root"], self.options.storage_options)
-        if not is_url(root):
-            where = {**where, "filesystem": None}
-        elif not is_url(p):  # a local pointer to an object store's root
-            where = {**where, "filesystem": None, "storage_options": self.options.storage_options}
+    def _load_torch(
+        self, fs: LocalFileSystem, p: Path, map_location: Any, weights_only: bool | None
+    ) -> Any:
+        if weights_only is None:
+            weights_only = not self.options.allow_pickle
+        if _head(fs, p) == _ZIP_MAGIC:
+            verify_ckpt(p, self.options.storage_options) if is_url(p) else verify_ckpt(p)
         try:
-            return load_step(root, doc["step"], layout=doc["layout"], **where)
-        except CheckpointNotFoundError as exc:
-            if not doc.get("pending"):
+            if is_url(p):
+                with fs.open_read(p) as f:
+                    state = torch.load(
+                        f,  # type: ignore[arg-type]
+                        map_location=map_location,
+                        weights_only=weights_only,
+                    )
+            else:
+                state = torch.load(p, map_location=map_location, weights_only=weights_only)
+        except pickle.UnpicklingError as exc:
+            if not weights_only:
                 raise
-            raise CheckpointNotFoundError(
-                f"{p} names step {doc['step']}, whose save had not committed when this "
-                "pointer was written (the run may have stopped while saving it): resume "
-                f"from the root ({root}) for its latest committed checkpoint",
+            raise UnsafeLoadError(
+                f"{p} holds objects torch.load(weights_only=True) refuses ({exc}); if you "
+                "trust it, load with AsyncsaveCheckpointIO(allow_pickle=True) or "
+                "weights_only=False",
                 path=p,
-                step=doc["step"],
             ) from exc
+        if isinstance(state, dict) and state.get("format") == PENDING_FORMAT:
+            step = state.get("global_step")
+            raise CheckpointNotFoundError(
+                f"{p} is the placeholder of a save of global step {step} that had not "
+                "committed (the run may have stopped while saving it): resume from "
+                "another checkpoint of its folder",
+                path=p,
+                step=step if type(step) is int else None,
+            )
+        return state
 
     # -- lifecycle --------------------------------------------------------------
-    def _open(self, default_root: Path) -> SyncCheckpointer:
-        if self._ckpt is not None:
-            return self._ckpt
-        if self.root is None:
-            self.root = default_root if is_url(default_root) else default_root.resolve()
-        layout_of(self.options.layout)
-        ckpt = SyncCheckpointer(self.root, self.options)
-        ckpt.__enter__()
-        try:
-            found = checkpoints(
-                self.root,
-                layout=self.options.layout,
-                filesystem=self.options.filesystem,
-                storage_options=self.options.storage_options,
-            )
-        except BaseException as exc:
-            # Not half-open: the next save opens afresh and raises the same way
-            # (found in review: it saved, then failed on a missing writer).
-            ckpt.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-        # Published only once whole.
-        self._on_disk = {c.step for c in found}
-        self._handles = {}
-        self._writer = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="asyncsave-lightning"
-        )
-        self._ckpt = ckpt
-        return ckpt
-
     def wait(self) -> None:
-        """Block until every save so far has committed and every path saved names
-        its step (``trainer.save_checkpoint(p)`` then ``wait()``: ``p`` is
-        loadable); the checkpointer stays open.
+        """Block until every save so far is committed at its path (each bounded by
+        ``save_timeout_s``); the writer stays ready.
 
-        :raises SaveFailedError: a save failed (its commit, or writing its
-            pointer); :class:`CheckpointTimeoutError` when one ran past
+        :raises SaveFailedError: a save failed (the first failure, its cause as
+            ``__cause__``); :class:`CheckpointTimeoutError` when one ran past
             ``save_timeout_s``.
         """
-        ckpt = self._ckpt
-        try:
-            if ckpt is not None:
-                ckpt.wait()
-        finally:
-            while self._futures:
-                self._futures.pop(0)[1].result()
+        self._drain()
         self._raise_error()
 
     def teardown(self) -> None:
-        """Flush pending saves and their pointers, apply the retention pass once
-        more (a checkpoint whose pointer went while a save was in flight), close
-        the checkpointer (a later save opens a new one). Idempotent.
+        """Flush pending saves, stop the writer thread, free the staging buffers
+        (a later save starts afresh). Idempotent.
 
-        :raises SaveFailedError: a save failed (the first failure; the close
-            still ran).
+        :raises SaveFailedError: a save failed (the first failure; the writer
+            was stopped all the same).
         """
-        ckpt, self._ckpt = self._ckpt, None
         writer, self._writer = self._writer, None
-        error: BaseException | None = None
         try:
-            if ckpt is not None:
-                try:
-                    ckpt.wait()
-                finally:
-                    if writer is not None:
-                        writer.shutdown(wait=True)
-                tracked = ckpt.checkpointer.tracked_step
-                if tracked is not None and self._error is None:
-                    run_on_loop(ckpt, retain, ckpt.checkpointer, tracked)
-        except BaseException as exc:
-            error = exc
+            self._drain()
         finally:
             if writer is not None:
                 writer.shutdown(wait=True)
             self._futures.clear()
-            try:
-                if ckpt is not None:
-                    ckpt.__exit__(None, None, None)
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            self._error = None
-            raise error
+            self._arena.clear()
         self._raise_error()
 
     def _raise_error(self) -> None:
@@ -794,9 +785,76 @@ class AsyncsaveCheckpointIO(CheckpointIO):
             raise error
 
 
-def _int(checkpoint: dict[str, Any], key: str) -> int | None:
-    value = checkpoint.get(key)
-    return value if type(value) is int else None
+def _head(fs: LocalFileSystem, p: Path) -> bytes:
+    with fs.open_read(p) as f:
+        return _read_upto(f, 4)
+
+
+def _read_upto(f: Any, n: int) -> bytes:
+    raw = b""
+    while len(raw) < n:
+        chunk = f.read(n - len(raw))
+        if not chunk:
+            break
+        raw += chunk
+    return raw
+
+
+def _unlink(fs: LocalFileSystem, path: Path) -> None:
+    try:
+        fs.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("could not remove %s: %r", path, exc)
+
+
+def _load_legacy(
+    fs: LocalFileSystem, p: Path, map_location: Any, options: CheckpointOptions
+) -> Any:
+    """What the previous release wrote: a pointer file, a checkpoint directory
+    (``runs/exp1/step_40``) or a root (its latest committed checkpoint)."""
+    device = map_location if isinstance(map_location, (str, torch.device)) else "cpu"
+    where: dict[str, Any] = {
+        "filesystem": fs,
+        "allow_pickle": options.allow_pickle,
+        "device": device,
+    }
+    if fs.exists(p) and not fs.is_dir(p):
+        return _load_pointer(fs, p, where, options)
+    if fs.exists(p / MANIFEST_NAME):
+        return load(p, **where)
+    if fs.is_dir(p):
+        info = latest(p, layout=options.layout, filesystem=fs)
+        if info is None:
+            raise CheckpointNotFoundError(
+                f"{p} holds no committed checkpoint (layout {options.layout!r})", path=p
+            )
+        return load(info.path, **where)
+    raise FileNotFoundError(f"Checkpoint file not found: {p}")
+
+
+def _load_pointer(
+    fs: LocalFileSystem, p: Path, where: dict[str, Any], options: CheckpointOptions
+) -> Any:
+    doc = _pointer_doc(fs, p)
+    root = _pointer_root(p, doc["root"], options.storage_options)
+    if not is_url(root):
+        where = {**where, "filesystem": None}
+    elif not is_url(p):  # a local pointer to an object store's root
+        where = {**where, "filesystem": None, "storage_options": options.storage_options}
+    try:
+        return load_step(root, doc["step"], layout=doc["layout"], **where)
+    except CheckpointNotFoundError as exc:
+        if not doc.get("pending"):
+            raise
+        raise CheckpointNotFoundError(
+            f"{p} names step {doc['step']}, whose save had not committed when this "
+            "pointer was written (the run may have stopped while saving it): resume "
+            f"from the root ({root}) for its latest committed checkpoint",
+            path=p,
+            step=doc["step"],
+        ) from exc
 
 
 def _remove_whole(fs: LocalFileSystem, path: Path) -> None:
@@ -827,11 +885,3 @@ def _remove_whole(fs: LocalFileSystem, path: Path) -> None:
         path,
         sorted(names),
     )
-
-
-def _write_atomic(fs: LocalFileSystem, path: Path, data: bytes) -> None:
-    """Replace ``path`` by ``data`` atomically and durably, as the tracker is
-    written: the commit protocol's own file replacement (temp file, fsync,
-    rename, fsync of the directory locally; one PUT on an object store)."""
-    fs.makedirs(path.parent)
-    strategy_for(fs).replace_file(fs, path, data)

@@ -94,9 +94,11 @@ def main() -> None:
         sys.path.insert(0, str(Path(__file__).parent))
         from faults import FaultyFS, kill
 
-        tag = f".asyncsave-tmp-{args.kill_at}-"
+        # The second write into the temporary file of the step's .ckpt: the
+        # file is half written when the process dies.
+        tag = f"step={args.kill_at}.ckpt-"
         options["filesystem"] = FaultyFS(
-            "write", kill(), n=2, where=lambda p: tag in p and p.endswith(".safetensors")
+            "write", kill(), n=2, where=lambda p: ".asyncsave-tmp-" in p and tag in p
         )
     model = fit(
         args.root, args.epochs, plugin=AsyncsaveCheckpointIO(**options), ckpt_path=args.resume

@@ -1,6 +1,7 @@
 """asyncsave.lightning from a user's report: names never shared by two saves, one
 merge rule for ``options=`` and keywords (and nothing written for a save that did
-not happen), URL roots, Hydra-style hyper-parameters, and the plugin's lifecycle
+not happen), URL dirpaths, Hydra-style hyper-parameters, staging (a save returns
+before its write and training may change the tensors), and the plugin's lifecycle
 (pickling, ``wait()``, nothing left open after ``teardown``). A real ``Trainer``
 on CPU; the two-process runs are marked slow."""
 
@@ -26,7 +27,12 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import asyncsave
-from asyncsave.lightning import AsyncsaveCheckpointIO, plugin_options, read_pointer
+from asyncsave.lightning import (
+    PENDING_FORMAT,
+    AsyncsaveCheckpointIO,
+    plugin_options,
+    verify_ckpt,
+)
 from asyncsave.testing import FaultyFileSystem, pause
 
 
@@ -63,16 +69,29 @@ def _named(name: str) -> Any:
     return lambda path: Path(path).name == name
 
 
+def _step(path: Any) -> int:
+    """The global step of the ``.ckpt`` at ``path`` (torch alone, weights only)."""
+    if "://" in str(path):
+        import fsspec
+
+        with fsspec.open(str(path), "rb") as f:
+            return int(torch.load(f, weights_only=True)["global_step"])
+    return int(torch.load(path, weights_only=True)["global_step"])
+
+
 # -- names ---------------------------------------------------------------------
 def test_no_two_saves_share_a_name(tmp_path: Path) -> None:
     """A filename without the step (``"model"``): Lightning versions it
-    (``model-v1.ckpt``) when the name is taken. The pointer of the first save is
-    created before ``save_checkpoint`` returns, so the second save gets its own
-    name and neither checkpoint is lost (before: both saves were named
-    ``model.ckpt``, and step 4 was deleted). Step 4's commit is held for 2 s,
-    so that step 8 is named while step 4's save is still in flight."""
+    (``model-v1.ckpt``) when the name is taken. A new path is created (pending)
+    before ``save_checkpoint`` returns, so the second save gets its own name and
+    neither checkpoint is lost (before the pending mark: both saves were named
+    ``model.ckpt``). Step 4's commit (the 2nd replace onto ``model.ckpt``; the
+    1st is its placeholder) is held for 2 s, so that step 8 is named while step
+    4's write is still in flight."""
     torch.manual_seed(0)
-    held = FaultyFileSystem("rename", pause(threading.Event(), 2.0), where=_named("step_4"))
+    held = FaultyFileSystem(
+        "replace", pause(threading.Event(), 2.0), n=2, where=_named("model.ckpt")
+    )
     trainer = _trainer(
         tmp_path,
         2,
@@ -84,9 +103,8 @@ def test_no_two_saves_share_a_name(tmp_path: Path) -> None:
     )
     trainer.fit(app.Tiny())
     assert held.fired.is_set()
-    assert read_pointer(tmp_path / "model.ckpt")[1] == 4
-    assert read_pointer(tmp_path / "model-v1.ckpt")[1] == 8
-    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [4, 8]
+    assert _step(tmp_path / "model.ckpt") == 4
+    assert _step(tmp_path / "model-v1.ckpt") == 8
 
 
 def test_a_new_path_exists_when_save_returns_and_wait_makes_it_loadable(tmp_path: Path) -> None:
@@ -95,15 +113,22 @@ def test_a_new_path_exists_when_save_returns_and_wait_makes_it_loadable(tmp_path
         io.save_checkpoint({"global_step": 3, "w": torch.ones(4)}, tmp_path / "a.ckpt")
         assert (tmp_path / "a.ckpt").exists()  # ModelCheckpoint.file_exists sees it
         io.wait()
-        assert "pending" not in json.loads((tmp_path / "a.ckpt").read_text())
+        assert torch.equal(torch.load(tmp_path / "a.ckpt", weights_only=True)["w"], torch.ones(4))
         assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.ones(4))
     finally:
         io.teardown()
 
 
-def test_a_pending_pointer_whose_save_never_committed_is_a_typed_error(tmp_path: Path) -> None:
+def test_a_pending_file_whose_save_never_committed_is_a_typed_error(tmp_path: Path) -> None:
     """What a run stopped mid-save leaves at a new path: loading it names the
-    step and the way forward instead of loading something else."""
+    step instead of loading something else."""
+    torch.save({"format": PENDING_FORMAT, "global_step": 7}, tmp_path / "x.ckpt")
+    with pytest.raises(asyncsave.CheckpointNotFoundError, match="had not committed") as info:
+        AsyncsaveCheckpointIO().load_checkpoint(tmp_path / "x.ckpt")
+    assert info.value.step == 7
+
+
+def test_a_pending_pointer_of_the_previous_release_is_a_typed_error(tmp_path: Path) -> None:
     doc = {"format": "asyncsave-lightning-pointer", "root": ".", "layout": "asyncsave"}
     (tmp_path / "x.ckpt").write_text(json.dumps({**doc, "step": 7, "pending": True}))
     with pytest.raises(asyncsave.CheckpointNotFoundError, match="had not committed") as info:
@@ -114,13 +139,122 @@ def test_a_pending_pointer_whose_save_never_committed_is_a_typed_error(tmp_path:
 def test_a_failed_save_removes_the_pending_pointer_it_created(tmp_path: Path) -> None:
     from faults import FaultyFS, raise_errno
 
-    fs = FaultyFS("rename", raise_errno(5), where=lambda p: p.endswith("step_2"))
+    # The 2nd replace onto b.ckpt (its commit; the 1st creates the placeholder).
+    fs = FaultyFS("replace", raise_errno(5), n=2, where=_named("b.ckpt"))
     io = AsyncsaveCheckpointIO(filesystem=fs)
     io.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, tmp_path / "b.ckpt")
     assert (tmp_path / "b.ckpt").exists()
     with pytest.raises(asyncsave.SaveFailedError):
         io.teardown()
-    assert not (tmp_path / "b.ckpt").exists()
+    assert list(tmp_path.iterdir()) == []  # nor its temporary file
+
+
+# -- staging -------------------------------------------------------------------
+def _held(name: str) -> tuple[FaultyFileSystem, threading.Event]:
+    """An I/O layer that holds the write of the checkpoint into ``name``'s
+    temporary file until the returned event is set (the 2nd write there: the
+    1st is the pending placeholder of a new path, written before the save
+    returns)."""
+    go = threading.Event()
+    fs = FaultyFileSystem(
+        "write", pause(go, 30.0), n=2, where=lambda p: f".asyncsave-tmp-{name}-" in Path(p).name
+    )
+    return fs, go
+
+
+def _pending(path: Path) -> bool:
+    try:
+        AsyncsaveCheckpointIO().load_checkpoint(path)
+    except asyncsave.CheckpointNotFoundError:
+        return True
+    return False
+
+
+def test_a_save_returns_once_staged_and_keeps_the_values_of_that_moment(tmp_path: Path) -> None:
+    """``save_checkpoint`` returns while its write is held (the path is still
+    the pending placeholder); the caller then changes the tensor in place, as
+    ``optimizer.step()`` does; the file holds the values of the save."""
+    fs, go = _held("a.ckpt")
+    io = AsyncsaveCheckpointIO(filesystem=fs)
+    w = torch.arange(1000.0)
+    try:
+        io.save_checkpoint({"global_step": 1, "w": w}, tmp_path / "a.ckpt")
+        assert _pending(tmp_path / "a.ckpt")
+        w.mul_(-1)
+        go.set()
+        io.wait()
+    finally:
+        go.set()
+        io.teardown()
+    assert fs.fired.is_set()
+    assert torch.equal(
+        torch.load(tmp_path / "a.ckpt", weights_only=True)["w"], torch.arange(1000.0)
+    )
+
+
+def test_paths_saved_at_one_step_share_unchanged_tensors_and_keep_their_own_entries(
+    tmp_path: Path,
+) -> None:
+    """The top-k file and ``last.ckpt`` at one global step: the second save,
+    made while the first write is held, has its own plain entries; a tensor
+    unchanged since the first save is the same staged copy, one changed in
+    place in between is staged anew (the first file keeps the old values)."""
+    fs, go = _held("a.ckpt")
+    io = AsyncsaveCheckpointIO(filesystem=fs)
+    same, changed = torch.ones(64), torch.zeros(64)
+    try:
+        io.save_checkpoint(
+            {"global_step": 5, "same": same, "changed": changed, "who": "a"}, tmp_path / "a.ckpt"
+        )
+        changed.add_(7)
+        io.save_checkpoint(
+            {"global_step": 5, "same": same, "changed": changed, "who": "b"}, tmp_path / "b.ckpt"
+        )
+        go.set()
+        io.wait()
+    finally:
+        go.set()
+        io.teardown()
+    a = torch.load(tmp_path / "a.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "b.ckpt", weights_only=True)
+    assert (a["who"], b["who"]) == ("a", "b")
+    assert torch.equal(a["same"], same) and torch.equal(b["same"], same)
+    assert torch.equal(a["changed"], torch.zeros(64))
+    assert torch.equal(b["changed"], torch.full((64,), 7.0))
+
+
+def test_a_save_of_a_later_step_waits_for_the_earlier_write(tmp_path: Path) -> None:
+    """One global step in flight: the save of step 2 returns only once step 1's
+    file is whole, so a crash mid-save never leaves two files half-written."""
+    fs, go = _held("a.ckpt")
+    io = AsyncsaveCheckpointIO(filesystem=fs)
+    release = threading.Thread(target=lambda: (fs.fired.wait(30.0), go.set()))
+    try:
+        io.save_checkpoint({"global_step": 1, "w": torch.ones(4)}, tmp_path / "a.ckpt")
+        release.start()  # lets step 1's write go once it is held
+        io.save_checkpoint({"global_step": 2, "w": torch.ones(4)}, tmp_path / "b.ckpt")
+        assert fs.fired.is_set() and not _pending(tmp_path / "a.ckpt")
+    finally:
+        go.set()
+        io.teardown()
+        release.join()
+    assert _step(tmp_path / "b.ckpt") == 2
+
+
+def test_a_path_removed_while_its_write_is_held_is_not_left_behind(tmp_path: Path) -> None:
+    """ModelCheckpoint drops a top-k file whose write is still in flight: the
+    file does not reappear once the write completes."""
+    fs, go = _held("a.ckpt")
+    io = AsyncsaveCheckpointIO(filesystem=fs)
+    try:
+        io.save_checkpoint({"global_step": 1, "w": torch.ones(4)}, tmp_path / "a.ckpt")
+        io.remove_checkpoint(tmp_path / "a.ckpt")
+        go.set()
+        io.wait()
+    finally:
+        go.set()
+        io.teardown()
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- options -------------------------------------------------------------------
@@ -156,8 +290,7 @@ def test_step_zero_is_saved_with_options_as_with_keywords(tmp_path: Path) -> Non
     trainer.strategy.connect(app.Tiny())
     trainer.save_checkpoint(tmp_path / "init.ckpt")
     io.teardown()
-    assert read_pointer(tmp_path / "init.ckpt")[1] == 0
-    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [0]
+    assert _step(tmp_path / "init.ckpt") == 0
 
 
 def test_a_save_that_did_not_happen_writes_no_pointer(tmp_path: Path) -> None:
@@ -171,8 +304,7 @@ def test_a_save_that_did_not_happen_writes_no_pointer(tmp_path: Path) -> None:
         io.wait()
     finally:
         io.teardown()
-    assert not (tmp_path / "init.ckpt").exists()
-    assert asyncsave.checkpoints(tmp_path) == []
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- URL roots -----------------------------------------------------------------
@@ -190,22 +322,25 @@ def memory_url() -> Iterator[str]:
 def test_a_url_dirpath_stays_a_url(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory_url: str
 ) -> None:
-    """``ModelCheckpoint(dirpath="memory://...")``: the checkpoints, the tracker
-    and the pointers are on that file system (before: in a local ``./memory:``
-    folder), and a fit resumes from them."""
+    """``ModelCheckpoint(dirpath="memory://...")``: the ``.ckpt`` files are on
+    that file system (not in a local ``./memory:`` folder), torch reads them
+    there, and a fit resumes from them."""
+    import fsspec
+
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     _trainer(memory_url, 2, AsyncsaveCheckpointIO(), save_last=True).fit(app.Tiny())
     assert list(tmp_path.iterdir()) == []
-    assert [c.step for c in asyncsave.checkpoints(memory_url)] == [8]
-    root, step, _ = read_pointer(f"{memory_url}/last.ckpt")
-    assert (str(root), step) == (memory_url, 8)
+    names = sorted(Path(p).name for p in fsspec.filesystem("memory").ls(memory_url, detail=False))
+    assert names == ["epoch=1-step=8.ckpt", "last.ckpt"]
+    assert _step(f"{memory_url}/last.ckpt") == 8
+    verify_ckpt(f"{memory_url}/last.ckpt")
     loaded = AsyncsaveCheckpointIO().load_checkpoint(f"{memory_url}/last.ckpt")
     assert loaded["global_step"] == 8
     trainer = _trainer(memory_url, 3, AsyncsaveCheckpointIO(), save_last=True)
     trainer.fit(app.Tiny(), ckpt_path=f"{memory_url}/last.ckpt")
     assert trainer.global_step == 12
-    assert [c.step for c in asyncsave.checkpoints(memory_url)] == [12]
+    assert _step(f"{memory_url}/last.ckpt") == 12
     assert list(tmp_path.iterdir()) == []
 
 
@@ -232,8 +367,7 @@ def test_an_s3_dirpath_keeps_everything_on_the_object_store(
     _trainer(url, 2, AsyncsaveCheckpointIO(), filename="model", save_last=True).fit(app.Tiny())
     s3fs.S3FileSystem.clear_instance_cache()
     assert list(tmp_path.iterdir()) == []
-    assert [c.step for c in asyncsave.checkpoints(url)] == [8]
-    assert read_pointer(f"{url}/last.ckpt")[1] == 8
+    assert _step(f"{url}/last.ckpt") == 8
     loaded = AsyncsaveCheckpointIO().load_checkpoint(f"{url}/model.ckpt")
     assert loaded["global_step"] == 8
 
@@ -310,8 +444,7 @@ def test_the_plugin_pickles_open_or_closed(tmp_path: Path) -> None:
     assert copy.options.budget_bytes == 1 << 20 and copy.options.distributed is False
     copy.save_checkpoint({"global_step": 2, "w": torch.ones(2)}, tmp_path / "b.ckpt")
     copy.teardown()
-    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [1, 2]
-    assert read_pointer(tmp_path / "a.ckpt")[1] == 1  # the copy keeps what a.ckpt names
+    assert (_step(tmp_path / "a.ckpt"), _step(tmp_path / "b.ckpt")) == (1, 2)
     pickle.loads(pickle.dumps(copy)).teardown()  # closed
 
 
@@ -324,7 +457,7 @@ def test_torch_save_of_a_trainer_holding_the_plugin(tmp_path: Path) -> None:
     buffer.seek(0)
     copy = torch.load(buffer, weights_only=False)
     assert isinstance(copy.strategy.checkpoint_io, AsyncsaveCheckpointIO)
-    assert copy.strategy.checkpoint_io.root == tmp_path.resolve()
+    assert copy.strategy.checkpoint_io.options == trainer.strategy.checkpoint_io.options
 
 
 def test_saves_and_removals_after_fit_leave_nothing_open(tmp_path: Path) -> None:
@@ -339,9 +472,8 @@ def test_saves_and_removals_after_fit_leave_nothing_open(tmp_path: Path) -> None
     before = _threads()
     trainer.strategy.remove_checkpoint(tmp_path / "epoch=0-step=4.ckpt")
     assert _no_new_threads(before), _threads() - before
-    assert [c.step for c in asyncsave.checkpoints(tmp_path)] == [8]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1-step=8.ckpt"]
     with warnings.catch_warnings():
-        # The step fit saved last is this plugin's own: pointed at, not saved over.
         warnings.simplefilter("error", asyncsave.CheckpointWarning)
         trainer.save_checkpoint(tmp_path / "final.ckpt")
     assert (tmp_path / "final.ckpt").exists()
@@ -367,7 +499,6 @@ def test_a_dict_without_a_global_step_is_saved_whole_at_its_path(tmp_path: Path)
     (tmp_path / "other" / "x.bin").write_bytes(b"x")
     parent.remove_checkpoint(tmp_path / "other")
     assert (tmp_path / "other" / "x.bin").exists()
-
 
 
 def test_a_whole_save_at_a_path_left_by_an_earlier_run_replaces_it(tmp_path: Path) -> None:
@@ -425,7 +556,8 @@ def test_ddp_spawn_on_two_ranks_saves_with_options_as_with_keywords(
         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)],
     )
     trainer.fit(app.Tiny())
-    assert [c.step for c in asyncsave.checkpoints(tmp_path / "ckpts")] == [2]
-    assert read_pointer(tmp_path / "ckpts" / "last.ckpt")[1] == 2
+    names = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+    assert names == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert _step(tmp_path / "ckpts" / "last.ckpt") == 2
     # The weights came back through the plugin and their directory went.
     assert [list(d.iterdir()) for d in (tmp_path / "tmp").iterdir()] == [[]]
