@@ -86,6 +86,8 @@ __all__ = [
     "pause",
     "pause_at",
     "raise_errno",
+    "staging_released",
+    "staging_steps",
     "thresholds",
     "tracker_file_name",
 ]
@@ -379,6 +381,7 @@ _THRESHOLDS: dict[str, tuple[tuple[str, str], ...]] = {
     "min_file_bytes": (("asyncsave._format", "MIN_FILE_BYTES"),),
     "chunk_bytes": (("asyncsave._write", "CHUNK_BYTES"), ("asyncsave._stream", "CHUNK_BYTES")),
     "heartbeat_window_s": (("asyncsave._coord", "HEARTBEAT_WINDOW_MAX_S"),),
+    "hash_apart_bytes": (("asyncsave._write", "HASH_APART_BYTES"),),
 }
 # The least value of a setting (0 where not named): a step or chunk of at least
 # a byte; ten heartbeats per window, a beat every 10 ms at most.
@@ -415,6 +418,7 @@ def thresholds(
     min_file_bytes: int | None = None,
     chunk_bytes: int | None = None,
     heartbeat_window_s: float | None = None,
+    hash_apart_bytes: int | None = None,
 ) -> Iterator[None]:
     """Lower asyncsave's size thresholds while the block runs (``None``: unchanged).
 
@@ -433,6 +437,9 @@ def thresholds(
         in each rank's process before its checkpointer opens: a test of a dead
         rank then waits this long instead of 10 s, with ``dist_timeout_s`` kept
         far beyond it.
+    :param hash_apart_bytes: bytes of a data file written with ``O_DIRECT``
+        (``direct_io``) from which its checksums are computed by a helper thread
+        while it is written, not inline (32 MiB).
     :raises ValueError: a value is negative (or not above 0 for the step and
         chunk sizes).
     """
@@ -443,6 +450,7 @@ def thresholds(
         "min_file_bytes": min_file_bytes,
         "chunk_bytes": chunk_bytes,
         "heartbeat_window_s": heartbeat_window_s,
+        "hash_apart_bytes": hash_apart_bytes,
     }
     patches = _Patches()
     try:
@@ -659,6 +667,65 @@ def listing_reads(
                 after(Path(path))
 
     patches.set(listing, "read_checkpoint", read_checkpoint)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+@contextmanager
+def staging_steps(fn: Callable[[int], None]) -> Iterator[None]:
+    """Call ``fn(file_index)`` after each step of a copy into host buffers that
+    the save's writers follow (a save written while it is staged:
+    ``overlap_writes``, see :func:`thresholds` for the sizes), in the copying
+    thread, while the block runs. ``file_index`` is the data file (0-based, in
+    the save's file order) whose bytes that step staged; the writers may write
+    them from then on. A save that is staged, then written, makes no call. What
+    ``fn`` raises fails the copy, as a source tensor that could not be read
+    would; ``fn`` may block, to slow the copy (the writers must wait for it).
+
+    :raises TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} must be callable")
+    stage = importlib.import_module("asyncsave._stage")
+    real = stage.StagedMark.advance
+    patches = _Patches()
+
+    def advance(self: Any, index: int, upto: int) -> None:
+        real(self, index, upto)
+        fn(index)
+
+    patches.set(stage.StagedMark, "advance", advance)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+@contextmanager
+def staging_released(fn: Callable[[], None]) -> Iterator[None]:
+    """Call ``fn()`` as each save gives its staging memory (the host buffers its
+    snapshot was copied into) back to the pool, once per save, just before the
+    memory may be handed to the next save, while the block runs: a test checks
+    there that nothing still reads it (no write of the save's files in
+    progress). ``fn`` runs in the thread that releases the memory (the event
+    loop's, or a worker's).
+
+    :raises TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} must be callable")
+    stage = importlib.import_module("asyncsave._stage")
+    real = stage.Lease.release
+    patches = _Patches()
+
+    def release(self: Any) -> None:
+        if self._pool is not None:  # the first release of this lease
+            fn()
+        real(self)
+
+    patches.set(stage.Lease, "release", release)
     try:
         yield
     finally:

@@ -1,9 +1,9 @@
 """Writing while staging (``overlap_writes``, issue 11's time to durable).
 
 A whole save of host tensors can have its data files written while its snapshot
-is still copied into the staging memory: each file's writer follows the copy
-(``_stage.StagedMark``), which takes a step of each file in turn
-(``_stage.copy_following``). Lazy saves do it by default, eager ones with
+is still copied into the staging memory: each file's writer follows the copy,
+which takes a step of each file in turn (seen here through
+``asyncsave.testing.staging_steps``). Lazy saves do it by default, eager ones with
 ``overlap_writes=True``. These tests pin what that must keep: the writes really
 start before the snapshot is whole; no byte is written before it is staged (every
 dtype, blobs, pieces of large tensors, on one process and on two ranks); a
@@ -15,8 +15,6 @@ Small steps and chunks (``small_steps``) make a state of a few MiB take many
 steps, so the overlap happens in every test.
 """
 
-# Private imports: counts and orders the following writers' steps (jobs, staged marks),
-# internals of writing while staging.
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +22,7 @@ import errno
 import logging
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,24 +37,33 @@ from test_aliasing import aliasing_layouts, assert_round_trip
 from test_incremental import assert_equal_tree
 
 import asyncsave
-import asyncsave._format
-import asyncsave._jobs
-import asyncsave._stage
-import asyncsave._write
 from asyncsave import LocalFileSystem
-from asyncsave._stage import StagedMark
+from asyncsave.testing import staging_released, staging_steps, thresholds
 
 TRACKER = "latest_checkpointed_iteration.txt"
 WAIT_S = 10.0  # how long a hook waits for what must happen concurrently
 STEP = 64 << 10  # staging step and write chunk in these tests (bytes)
 
 
+def small_sizes() -> contextlib.AbstractContextManager[None]:
+    """Every save of host tensors follows, in steps and chunks of ``STEP``, in
+    two data files (of about 1 MiB each)."""
+    return thresholds(
+        follow_min_bytes=0, follow_piece_bytes=STEP, chunk_bytes=STEP, min_file_bytes=1 << 20
+    )
+
+
 @pytest.fixture
-def small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(asyncsave._jobs, "FOLLOW_MIN_BYTES", 0)
-    monkeypatch.setattr(asyncsave._stage, "FOLLOW_PIECE_BYTES", STEP)
-    monkeypatch.setattr(asyncsave._write, "CHUNK_BYTES", STEP)
-    monkeypatch.setattr(asyncsave._format, "MIN_FILE_BYTES", 1 << 20)  # two files
+def small_steps() -> Iterator[None]:
+    with small_sizes():
+        yield
+
+
+@pytest.fixture
+def hooks() -> Iterator[contextlib.ExitStack]:
+    """Hooks of ``asyncsave.testing`` entered by a test, left at its end."""
+    with contextlib.ExitStack() as stack:
+        yield stack
 
 
 def state_of(seed: int = 0) -> dict[str, Any]:
@@ -119,18 +127,16 @@ class DataWrites(LocalFileSystem):
         super().close(fd)
 
 
-def hook_advance(monkeypatch: pytest.MonkeyPatch, after: Any) -> list[int]:
-    """Call ``after(n)`` after the n-th (1-based) advance of any file's mark, in
-    the copying thread; returns the list of files advanced, in order."""
+def hook_advance(hooks: contextlib.ExitStack, after: Any) -> list[int]:
+    """Call ``after(n)`` after the n-th (1-based) step of any followed copy, in
+    the copying thread; returns the list of files each step staged, in order."""
     advanced: list[int] = []
-    real = StagedMark.advance
 
-    def advance(self: StagedMark, index: int, upto: int) -> None:
-        real(self, index, upto)
+    def step(index: int) -> None:
         advanced.append(index)
         after(len(advanced))
 
-    monkeypatch.setattr(StagedMark, "advance", advance)
+    hooks.enter_context(staging_steps(step))
     return advanced
 
 
@@ -139,7 +145,7 @@ def hook_advance(monkeypatch: pytest.MonkeyPatch, after: Any) -> list[int]:
 @pytest.mark.parametrize("apart", [False, True], ids=["hashed-inline", "hashed-apart"])
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 async def test_a_file_is_written_before_its_snapshot_is_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool, apart: bool
+    tmp_path: Path, hooks: contextlib.ExitStack, lazy: bool, apart: bool
 ) -> None:
     """After the copy's first step, the copy waits (in its thread) until a data
     file's bytes are written: that can only happen if a writer follows the copy.
@@ -147,7 +153,7 @@ async def test_a_file_is_written_before_its_snapshot_is_whole(
     paths of the writer (checksums inline, or by a helper thread for a large
     ``O_DIRECT`` file) follow."""
     if apart:
-        monkeypatch.setattr(asyncsave._write, "HASH_APART_BYTES", 0)
+        hooks.enter_context(thresholds(hash_apart_bytes=0))
     fs = DataWrites()
     seen: list[bool] = []
 
@@ -155,7 +161,7 @@ async def test_a_file_is_written_before_its_snapshot_is_whole(
         if n == 1:
             seen.append(fs.data.wait(WAIT_S))
 
-    advanced = hook_advance(monkeypatch, after)
+    advanced = hook_advance(hooks, after)
     state = state_of()
     async with asyncsave.Checkpointer(
         tmp_path, filesystem=fs, overlap_writes=None if lazy else True
@@ -183,12 +189,12 @@ async def test_a_file_is_written_before_its_snapshot_is_whole(
     ],
 )
 async def test_which_saves_follow(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool | None, lazy: bool, follows: bool
+    tmp_path: Path, hooks: contextlib.ExitStack, overlap: bool | None, lazy: bool, follows: bool
 ) -> None:
     """``overlap_writes``: ``None`` follows lazy saves only, ``True`` every save,
     ``False`` none; a save that does not follow is staged, then written, and the
     bytes are the same either way."""
-    advanced = hook_advance(monkeypatch, lambda n: None)
+    advanced = hook_advance(hooks, lambda n: None)
     state = state_of(1)
     async with asyncsave.Checkpointer(tmp_path, overlap_writes=overlap) as ckpt:
         info = await (await ckpt.save(1, state, lazy=lazy))
@@ -199,16 +205,16 @@ async def test_which_saves_follow(
 
 @pytest.mark.anyio
 async def test_small_states_gpu_states_streamed_and_object_store_saves_do_not_follow(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, hooks: contextlib.ExitStack
 ) -> None:
     """Below ``FOLLOW_MIN_BYTES`` (the copy takes under 2 ms: nothing to
     overlap) and for a state streamed through a smaller budget, the save is
     staged, then written."""
-    advanced = hook_advance(monkeypatch, lambda n: None)
+    advanced = hook_advance(hooks, lambda n: None)
     state = state_of(2)  # 2.3 MiB, under the default 16 MiB
     async with asyncsave.Checkpointer(tmp_path / "a", overlap_writes=True) as ckpt:
         await (await ckpt.save(1, state))
-    monkeypatch.setattr(asyncsave._jobs, "FOLLOW_MIN_BYTES", 0)
+    hooks.enter_context(thresholds(follow_min_bytes=0))
     async with asyncsave.Checkpointer(
         tmp_path / "b", overlap_writes=True, budget_bytes=1 << 20
     ) as ckpt:
@@ -229,18 +235,18 @@ async def test_small_states_gpu_states_streamed_and_object_store_saves_do_not_fo
 )
 @given(layout=aliasing_layouts())
 def test_random_layouts_round_trip_when_written_while_staged(
-    monkeypatch: pytest.MonkeyPatch, layout: tuple[dict[str, Any], dict[str, Any]]
+    layout: tuple[dict[str, Any], dict[str, Any]],
 ) -> None:
     """The aliasing fuzzer's states (slices, strides, dtype reinterpretations,
     shared storages: blobs), written while staged in steps of 16 bytes, every
     step delayed a little so the writers would run ahead if they could: every
     byte comes back, and tensors that shared memory share it again."""
-    monkeypatch.setattr(asyncsave._jobs, "FOLLOW_MIN_BYTES", 0)
-    monkeypatch.setattr(asyncsave._stage, "FOLLOW_PIECE_BYTES", 16)
-    monkeypatch.setattr(asyncsave._write, "CHUNK_BYTES", 4096)
-    hook_advance(monkeypatch, lambda n: threading.Event().wait(0.0005))
     state, how = layout
-    with tempfile.TemporaryDirectory() as tmp:
+    with (
+        thresholds(follow_min_bytes=0, follow_piece_bytes=16, chunk_bytes=4096),
+        staging_steps(lambda index: threading.Event().wait(0.0005)),
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         with asyncsave.SyncCheckpointer(
             Path(tmp), budget_bytes=how["budget_bytes"], overlap_writes=True
         ) as ckpt:
@@ -259,7 +265,7 @@ class CopyFails(RuntimeError):
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 async def test_a_failed_copy_is_the_saves_error_and_stops_the_writers(
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    hooks: contextlib.ExitStack,
     caplog: pytest.LogCaptureFixture,
     lazy: bool,
 ) -> None:
@@ -281,7 +287,7 @@ async def test_a_failed_copy_is_the_saves_error_and_stops_the_writers(
                 fail[0] = False
                 raise CopyFails("a source tensor could not be read")
 
-        hook_advance(monkeypatch, after)
+        hook_advance(hooks, after)
         caplog.set_level(logging.WARNING, logger="asyncsave")
         if lazy:
             handle = await ckpt.save(2, state, lazy=True)
@@ -343,7 +349,7 @@ async def test_a_failed_write_while_staging_is_the_saves_error(tmp_path: Path, o
 @pytest.mark.anyio
 @pytest.mark.usefixtures("small_steps")
 async def test_a_save_cancelled_while_staging_leaves_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, hooks: contextlib.ExitStack
 ) -> None:
     """The caller of an eager save is cancelled during the copy: the copy
     finishes (host copies are never abandoned), the writers stop at their next
@@ -357,7 +363,7 @@ async def test_a_save_cancelled_while_staging_leaves_nothing(
         if n == 2 and token:
             anyio.from_thread.run_sync(scope.cancel, token=token.pop())
 
-    hook_advance(monkeypatch, after)
+    hook_advance(hooks, after)
     fs = SlowDataWrites()
     state = state_of(5)
     async with asyncsave.Checkpointer(tmp_path, filesystem=fs, overlap_writes=True) as ckpt:
@@ -395,14 +401,14 @@ class SlowDataWrites(DataWrites):
 @pytest.mark.anyio
 @pytest.mark.usefixtures("small_steps")
 async def test_a_save_behind_a_pending_one_is_staged_then_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, hooks: contextlib.ExitStack
 ) -> None:
     """While step 1's commit (its rename) hangs, step 2 is saved: it does not
     follow (its writes would compete with step 1's commit for the writer
     threads); both commit once step 1 goes on."""
     gate = threading.Event()
     fs = FaultyFS("rename", pause(gate), where=lambda p: p.endswith("step_1"))
-    advanced = hook_advance(monkeypatch, lambda n: None)
+    advanced = hook_advance(hooks, lambda n: None)
     state = state_of(6)
     async with asyncsave.Checkpointer(tmp_path, filesystem=fs, overlap_writes=True) as ckpt:
         try:
@@ -462,21 +468,14 @@ def test_overlap_writes_must_be_none_or_a_bool() -> None:
 
 
 def _ranks_follow(rank: int, world: int, root: str, fail_rank: int | None) -> dict[str, Any]:
-    asyncsave._jobs.FOLLOW_MIN_BYTES = 0
-    asyncsave._stage.FOLLOW_PIECE_BYTES = STEP
-    asyncsave._write.CHUNK_BYTES = STEP
-    asyncsave._format.MIN_FILE_BYTES = 1 << 20
     advanced: list[int] = []
-    real = StagedMark.advance
-    fail_at: list[int | None] = [None]  # the advance that fails (of step 2)
+    fail_at: list[int | None] = [None]  # the step of the copy that fails (of step 2)
 
-    def advance(self: StagedMark, index: int, upto: int) -> None:
-        real(self, index, upto)
+    def step(index: int) -> None:
         advanced.append(index)
         if len(advanced) == fail_at[0]:
             raise CopyFails(f"rank {rank}: a source tensor could not be read")
 
-    StagedMark.advance = advance  # type: ignore[method-assign]
     state = state_of(10 + rank)
     seen: dict[str, Any] = {}
 
@@ -506,7 +505,8 @@ def _ranks_follow(rank: int, world: int, root: str, fail_rank: int | None) -> di
             assert_equal_tree(restored.state, state)
             seen["resumed"] = restored.info.step
 
-    anyio.run(main)
+    with small_sizes(), staging_steps(step):
+        anyio.run(main)
     return seen
 
 
@@ -539,28 +539,57 @@ def test_two_ranks_write_while_staging(tmp_path: Path, fail_rank: int | None) ->
     assert (root / "step_2").exists() == (fail_rank is None)
 
 
+class OpenDataFiles:
+    """The data files a file system has open (created, not yet closed): a
+    mixin over a ``LocalFileSystem`` class (:meth:`of`)."""
+
+    open_data: set[int]
+
+    @staticmethod
+    def of(base: type) -> Any:
+        class Tracked(base):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.open_data: set[int] = set()
+
+            def create(self, path: Path) -> int:
+                fd = super().create(path)
+                if path.name.startswith("data-"):
+                    self.open_data.add(fd)
+                return fd
+
+            def open_direct(self, path: Path) -> int | None:
+                fd = super().open_direct(path)
+                if fd is not None:
+                    self.open_data.add(fd)
+                return fd
+
+            def close(self, fd: int) -> None:
+                super().close(fd)
+                self.open_data.discard(fd)
+
+        return Tracked
+
+
 def _phase_a_fails(rank: int, world: int, root: str) -> dict[str, Any]:
     """Rank 0 cannot make step 2's shared temporary directory (phase A) while
     rank 1 still writes step 2's files into its own (slowed chunk writes)."""
-    asyncsave._jobs.FOLLOW_MIN_BYTES = 0
-    asyncsave._stage.FOLLOW_PIECE_BYTES = STEP
-    asyncsave._write.CHUNK_BYTES = STEP
-    asyncsave._format.MIN_FILE_BYTES = 1 << 20
     fs: LocalFileSystem
     if rank == 0:  # step 2's mkdirs: its own directory (staging), then the shared one
-        fs = FaultyFS("mkdir", raise_errno(errno.EIO), n=2, where=lambda p: "-tmp-2-" in p)
+        fs = OpenDataFiles.of(FaultyFS)(
+            "mkdir", raise_errno(errno.EIO), n=2, where=lambda p: "-tmp-2-" in p
+        )
     else:
-        fs = SlowDataWrites()
+        fs = OpenDataFiles.of(SlowDataWrites)()
         fs.delay_s = 0.0
     released_while_writing: list[int] = []
-    real_release = asyncsave._jobs.PlainJob.release
+    releases: list[int] = []
 
-    def release(self: asyncsave._jobs.PlainJob) -> None:
-        if self.early is not None and not self.early.done.is_set():
+    def released() -> None:  # the staging memory goes back: no data file still written
+        releases.append(len(fs.open_data))  # type: ignore[attr-defined]
+        if fs.open_data:  # type: ignore[attr-defined]
             released_while_writing.append(rank)
-        real_release(self)
 
-    asyncsave._jobs.PlainJob.release = release  # type: ignore[method-assign]
     state = state_of(20 + rank)
     seen: dict[str, Any] = {}
 
@@ -578,8 +607,10 @@ def _phase_a_fails(rank: int, world: int, root: str) -> dict[str, Any]:
         except asyncsave.SaveFailedError:
             pass  # the same failure, raised again at close
         seen["released_while_writing"] = released_while_writing
+        seen["releases"] = len(releases)
 
-    anyio.run(main)
+    with small_sizes(), staging_released(released):
+        anyio.run(main)
     return seen
 
 
@@ -594,6 +625,7 @@ def test_two_ranks_a_rank_failing_before_the_write_waits_for_the_early_writes(
     seen = values(run_ranks(_phase_a_fails, 2, tmp_path, str(root)))
     assert [s["step2"] for s in seen] == [[0], [0]], seen
     assert [s["released_while_writing"] for s in seen] == [[], []], seen
+    assert all(s["releases"] >= 2 for s in seen), seen  # steps 1 and 2 released
     assert temp_dirs(root) == []
     assert not (root / "step_2").exists()
     asyncsave.verify(root / "step_1")
@@ -602,27 +634,23 @@ def test_two_ranks_a_rank_failing_before_the_write_waits_for_the_early_writes(
 @pytest.mark.anyio
 @pytest.mark.usefixtures("small_steps")
 async def test_a_later_save_does_not_keep_an_earlier_one_from_following(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, hooks: contextlib.ExitStack
 ) -> None:
     """Two lazy saves back to back: step 2 is pending before step 1 stages.
     Step 1 follows (only saves dispatched before it count); step 2, behind an
     unfinished step 1, does not."""
-    decided: dict[int, bool] = {}
-    real = asyncsave._jobs.FollowingJob.follows
-
-    def follows(self: asyncsave._jobs.FollowingJob, saver: Any, step: int) -> bool:
-        decided[step] = real(self, saver, step)
-        return decided[step]
-
-    monkeypatch.setattr(asyncsave._jobs.FollowingJob, "follows", follows)
+    advanced = hook_advance(hooks, lambda n: None)
     state = state_of(9)
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         first = await ckpt.save(1, state, lazy=True)
         second = await ckpt.save(2, state, lazy=True)
         assert 2 in ckpt.pending_steps
+        await first.staged()
+        steps_of_first = len(advanced)
         await first
         await second
-    assert decided[1] is True
+    assert steps_of_first > 0  # step 1 followed
+    assert len(advanced) == steps_of_first  # step 2 did not
     for step in (1, 2):
         assert_equal_tree(asyncsave.load(tmp_path / f"step_{step}"), state)
 

@@ -33,6 +33,8 @@ from asyncsave.testing import (
     pause,
     pause_at,
     raise_errno,
+    staging_released,
+    staging_steps,
     thresholds,
     tracker_file_name,
 )
@@ -424,4 +426,59 @@ def test_gloo_collectives_sees_each_collective_of_a_gloo_save_inside_the_block_o
     assert [info.step for info in asyncsave.checkpoints(tmp_path / "run")] == [1, 2]
     with pytest.raises(TypeError, match="fn="):
         with gloo_collectives("all_gather"):  # type: ignore[arg-type]
+            pass
+
+
+class StepFailed(RuntimeError):
+    pass
+
+
+async def test_staging_steps_sees_each_step_of_a_followed_copy_inside_the_block_only(
+    tmp_path: Path,
+) -> None:
+    """Each step of a copy that the writers follow calls it with the file it
+    staged (both files of a two-file save, file 0 first); a save staged, then
+    written, makes no call; what it raises fails that save."""
+    state = {f"t{i}": torch.randn(1 << 17) for i in range(4)}  # 2 MiB
+    steps: list[int] = []
+    fail = threading.Event()
+
+    def step(index: int) -> None:
+        steps.append(index)
+        if fail.is_set():
+            raise StepFailed("a source tensor could not be read")
+
+    sizes = thresholds(follow_min_bytes=0, follow_piece_bytes=64 << 10, min_file_bytes=1 << 20)
+    with sizes:
+        async with asyncsave.Checkpointer(tmp_path, overlap_writes=True, writer_threads=2) as ckpt:
+            with staging_steps(step):
+                await (await ckpt.save(1, state))
+                assert steps[0] == 0 and set(steps) == {0, 1} and len(steps) >= 32
+                n = len(steps)
+                async with asyncsave.Checkpointer(tmp_path / "b", overlap_writes=False) as other:
+                    await (await other.save(1, state))  # staged, then written
+                assert len(steps) == n
+                fail.set()
+                with pytest.raises(StepFailed):
+                    await ckpt.save(2, state)
+            await (await ckpt.save(3, state))  # outside the block: not called
+    assert len(steps) == n + 1 and committed(tmp_path) == [1, 3]
+    with pytest.raises(TypeError, match="fn="):
+        with staging_steps(None):  # type: ignore[arg-type]
+            pass
+
+
+async def test_staging_released_is_called_once_per_save_inside_the_block_only(
+    tmp_path: Path,
+) -> None:
+    calls: list[int] = []
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        with staging_released(lambda: calls.append(1)):
+            await (await ckpt.save(1, state_of(1)))
+            await (await ckpt.save(2, state_of(2), lazy=True))
+            assert len(calls) == 2
+        await (await ckpt.save(3, state_of(3)))
+    assert len(calls) == 2
+    with pytest.raises(TypeError, match="fn="):
+        with staging_released(None):  # type: ignore[arg-type]
             pass
