@@ -13,8 +13,10 @@ whatever storage objects hold them (a NumPy slice, ``torch.frombuffer``,
 shorter: https://github.com/huggingface/safetensors/pull/264, transformers PR #23871). A region's
 covering byte range is stored once as a "blob" entry and each tensor is recorded as
 a view (offset, shape, stride) into it, so they come back as views of one storage,
-at the same distances from each other. A tensor alone in its region is stored as
-its own contiguous bytes.
+at the same distances from each other. Tied weights (a region whose tensors are
+all one contiguous tensor) are stored as that tensor, dtype and shape kept, under
+the first of their keys, so safetensors reads them by name. A tensor alone in its
+region is stored as its own contiguous bytes.
 """
 
 from __future__ import annotations
