@@ -252,3 +252,22 @@ async def test_tensors_sharing_memory_otherwise_keep_the_blob(tmp_path: Path, vi
     assert len(ptrs) == 1
     for k, v in state.items():
         assert torch.equal(bits(out[k]), bits(v)) and out[k].stride() == v.stride(), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+async def test_cuda_tied_weights_are_read_by_name_and_come_back_tied(
+    tmp_path: Path, lazy: bool
+) -> None:
+    w = torch.randn(64, 32, device="cuda").bfloat16()
+    state = {"model": {"embed.weight": w, "head.weight": w}}
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        handle = await ckpt.save(1, state, lazy=lazy)
+        await handle.staged()
+        info = await handle
+    seen = by_name(info.path)
+    assert seen["model/embed.weight"].dtype == torch.bfloat16
+    assert torch.equal(seen["model/embed.weight"], w.cpu())
+    on_device = asyncsave.load(info.path, device="cuda")["model"]
+    assert on_device["head.weight"].data_ptr() == on_device["embed.weight"].data_ptr()
+    assert torch.equal(on_device["head.weight"], w)
