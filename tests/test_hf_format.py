@@ -10,13 +10,14 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import safetensors.torch
 import torch
 from safetensors import safe_open
 
 import asyncsave
-from asyncsave.testing import encode_manifest
+from asyncsave.testing import FakeGroup, encode_manifest
 
 pytestmark = pytest.mark.anyio
 
@@ -109,6 +110,23 @@ async def test_the_manifest_says_format_3_only_for_the_dtypes_named_later(
     for dtype in (torch.float8_e8m0fnu, torch.float4_e2m1fn_x2):
         path = await save(tmp_path / str(dtype), {"w": random_bits((4, 2), dtype)})
         assert manifest(path)["format_version"] == 3, dtype
+
+
+async def test_a_save_of_two_ranks_says_format_3_when_any_rank_needs_it(tmp_path: Path) -> None:
+    # Only rank 1 holds an F8_E8M0 tensor: the merged manifest must still say 3.
+    group = FakeGroup(2)
+
+    async def rank(r: int) -> None:
+        w = random_bits((4,), torch.float8_e8m0fnu) if r else torch.randn(4)
+        async with asyncsave.Checkpointer(tmp_path, coordinator=group.rank(r)) as ckpt:
+            await (await ckpt.save(1, {"w": w}))
+
+    async with anyio.create_task_group() as tg:
+        for r in range(2):
+            tg.start_soon(rank, r)
+    doc = manifest(tmp_path / "step_1")
+    assert doc["world_size"] == 2 and doc["format_version"] == 3
+    assert asyncsave.load(tmp_path / "step_1")[1]["w"].dtype == torch.float8_e8m0fnu
 
 
 def _rewrite_header(fpath: Path, edit: Any) -> None:
