@@ -129,6 +129,17 @@ async def test_a_save_of_two_ranks_says_format_3_when_any_rank_needs_it(tmp_path
     assert asyncsave.load(tmp_path / "step_1")[1]["w"].dtype == torch.float8_e8m0fnu
 
 
+async def test_update_with_an_f4_item_says_format_3(tmp_path: Path) -> None:
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(1, {"model": {"w": torch.randn(3)}, "scales": torch.ones(2)}))
+        assert manifest(tmp_path / "step_1")["format_version"] == 1
+        fp4 = random_bits((2, 3), torch.float4_e2m1fn_x2)
+        await ckpt.update(1, "scales", fp4)
+    assert manifest(tmp_path / "step_1")["format_version"] == 3
+    out = asyncsave.load(tmp_path / "step_1")
+    assert out["scales"].dtype == fp4.dtype and torch.equal(bits(out["scales"]), bits(fp4))
+
+
 def _rewrite_header(fpath: Path, edit: Any) -> None:
     """Edit a data file's safetensors header in place, its length kept (spaces)."""
     raw = bytearray(fpath.read_bytes())
