@@ -302,14 +302,17 @@ class Admission:
             rank=self.saver.coord.rank,
             max_files=self.options.writer_threads,
         )
-        return await self._plain_job(plan, layouts, nbytes)
+        return await self._plain_job(plan, layouts, nbytes, self.planner.payload_bytes)
 
-    async def _plain_job(self, plan: Plan, layouts: list[FileLayout], nbytes: int) -> Job:
+    async def _plain_job(
+        self, plan: Plan, layouts: list[FileLayout], nbytes: int, payload: int | None = None
+    ) -> Job:
         # The staging mode is decided once, from the table of what combines.
         return await plain_job(
             plan,
             layouts,
             nbytes,
+            payload_bytes=payload,
             options=self.options,
             root=self.saver.root,
             world_size=self.saver.coord.world_size,

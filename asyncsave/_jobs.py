@@ -71,7 +71,7 @@ from ._stage import (
     stage_entries,
 )
 from ._stream import Piece, StreamWriter, piece_entries
-from ._types import gc_paused
+from ._types import gc_paused, release_in_chunks
 from ._write import write_data_file
 
 __all__ = [
@@ -151,6 +151,11 @@ class Job:
     #: (``Tier(local_scope="rank")``): a plain tree can; DTensor state and
     #: Megatron's requests need a root every rank shares.
     per_rank_root: bool = False
+    #: Whether the ``entries`` rows of the job's manifest and parts are lists of
+    #: its own, made for this save (not shared with a writer or template that
+    #: outlives it): the pipeline then frees them a slice at a time after
+    #: writing the manifest (``_types.release_in_chunks``).
+    owns_manifest_rows: bool = False
 
     def eager_copies(self) -> str:
         """Where a lazy save's :meth:`snapshot_eager` runs: ``"loop"`` (on the
@@ -217,6 +222,7 @@ class PlainJob(Job):
 
     mode = "whole"
     per_rank_root = True
+    owns_manifest_rows = True
 
     def __init__(self, plan: Plan, layouts: list[FileLayout], nbytes: int) -> None:
         self.plan = plan
@@ -227,10 +233,11 @@ class PlainJob(Job):
         self.report: Report | None = None  # an incremental save's
         self.early: _EarlyWrites | None = None  # files written while staging
         self.mark: StagedMark | None = None  # what the early writes follow
-        self.nbytes = plan.nbytes
+        self.nbytes = -1  # plan.nbytes, summed only if plain_job() was not told it
         self.num_tensors = len(plan.leaves)
         self._ready: dict[torch.device, Any] | None = None
         self._poll_s = 0.0
+        self._doc: dict[str, Any] | None = None  # this rank's manifest, from write()
         self.deadline = math.inf
 
     # -- staging ------------------------------------------------------------------
@@ -271,6 +278,7 @@ class PlainJob(Job):
             ready=self._ready,
             on_staged=None if progress is None else progress.add_staged,
             views=views,
+            host_only=all(d.type != "cuda" for d in self.plan.devices),
         )
 
     async def settle(self) -> None:
@@ -361,8 +369,9 @@ class PlainJob(Job):
         await self._write_files(saver, tmp)
         self._release_lease()  # written and fsynced: the pool is free for the next save
         # A dict per entry and tensor: CPU work (10 ms per 10,000 tensors), in a
-        # worker thread, not on the event loop.
-        doc = await saver.run(manifest_doc, 0, self.plan, self.layouts)
+        # worker thread, not on the event loop; kept for manifest(), which
+        # completes it instead of building it again.
+        doc = self._doc = await saver.run(manifest_doc, 0, self.plan, self.layouts)
         return {k: doc[k] for k in ("files", "entries", "tensors", "tree")}
 
     async def _write_files(self, saver: Services, tmp: Path) -> None:
@@ -403,7 +412,11 @@ class PlainJob(Job):
             await saver.run(move_files, saver.fs, early.tmp, tmp, names)
 
     def manifest(self, tmp: Path, step: int, parts: list[dict[str, Any]]) -> dict[str, Any]:
-        doc = manifest_doc(step, self.plan, self.layouts)
+        doc, self._doc = self._doc, None
+        if doc is None:
+            doc = manifest_doc(step, self.plan, self.layouts)
+        else:  # write()'s, whose digests are final: the step and time are this call's
+            doc["step"], doc["created_unix_s"] = step, time.time()
         if self.report is not None:
             doc["incremental"] = self.report.as_doc()
         if len(parts) > 1:
@@ -413,8 +426,12 @@ class PlainJob(Job):
         # The save's per-tensor objects (100,000s: entries, leaves, tree nodes) are
         # no longer needed: freed here, in this worker thread, not on the event
         # loop when the pipeline drops the job (~100 ms of deallocation per
-        # 100,000 tensors). The tree lives on in ``doc`` (freed after writing).
+        # 100,000 tensors), a slice at a time (release_in_chunks). The tree
+        # lives on in ``doc`` (freed after writing).
+        entries, leaves = self.plan.entries, self.plan.leaves
         self.plan.entries, self.plan.leaves, self.plan.tree = [], [], {}
+        release_in_chunks(entries)
+        release_in_chunks(leaves)
         return doc
 
     def eager_copies(self) -> str:
@@ -1144,6 +1161,7 @@ async def plain_job(
     reuse: Reuse,
     rounds: Any,
     relayout: Any,
+    payload_bytes: int | None = None,
 ) -> PlainJob:
     """The job of a plain state tree on this rank, its staging mode decided once
     from the table of what combines (``asyncsave._combine``): every option of
@@ -1157,6 +1175,8 @@ async def plain_job(
         (``_replan.Planner.rounds``; a tensor that cannot be cut is refused).
     :param relayout: ``relayout(plan)``: an incremental save's own file layout
         and staging bytes (blocking: runs in a worker thread).
+    :param payload_bytes: ``plan.nbytes`` if known (``_replan.Planner``'s,
+        summed in its thread); ``None``: summed here.
     :raises UnsupportedCombinationError: an option refused in this context.
     :raises StagingBudgetError: a state over ``budget_bytes`` that cannot stream
         here (or cannot be cut into rounds).
@@ -1184,14 +1204,19 @@ async def plain_job(
     incremental = asked.get("incremental=True")
     if incremental is not None and mode != "incremental":
         reuse.written_in_full("several ranks" if incremental.warned else "streamed")
+    job: PlainJob
     if mode == "streamed":
         assert budget is not None
-        return StreamedJob(plan, layouts, nbytes, rounds(plan, layouts, budget))
-    if mode == "incremental":
-        return IncrementalJob(plan, layouts, nbytes, reuse=reuse, renames=renames)
-    if mode == "following" and nbytes >= FOLLOW_MIN_BYTES:
-        return FollowingJob(plan, layouts, nbytes, always=options.overlap_writes is True)
-    return PlainJob(plan, layouts, nbytes)
+        job = StreamedJob(plan, layouts, nbytes, rounds(plan, layouts, budget))
+    elif mode == "incremental":
+        job = IncrementalJob(plan, layouts, nbytes, reuse=reuse, renames=renames)
+    elif mode == "following" and nbytes >= FOLLOW_MIN_BYTES:
+        job = FollowingJob(plan, layouts, nbytes, always=options.overlap_writes is True)
+    else:
+        job = PlainJob(plan, layouts, nbytes)
+    # A pass over every entry: not on the event loop when the planner summed it.
+    job.nbytes = plan.nbytes if payload_bytes is None else payload_bytes
+    return job
 
 
 _OVER_BUDGET = "state over budget_bytes"

@@ -215,9 +215,17 @@ def encode_manifest(doc: dict[str, Any]) -> bytes:
     """The manifest's bytes: compact JSON whose last field is the XXH3-64 of the
     document without that field, so an edited manifest (a changed offset, step or
     dataloader position) is detected, not trusted."""
-    body = _canonical(doc)
-    digest = xxhash.xxh3_64_hexdigest(body)
-    return body[:-1] + f',"{SELF_CHECKSUM}":"{digest}"}}'.encode("ascii")
+    # Piece by piece (the bytes of _canonical(doc), hashed as they are made):
+    # one join at the end, no copy of the whole body for the hash or the tail.
+    with gc_paused():
+        pieces = [p.encode("utf-8") for p in _pieces(doc, 0)]
+    hasher = xxhash.xxh3_64()
+    for piece in pieces:
+        hasher.update(piece)
+    assert pieces[-1].endswith(b"}")
+    pieces[-1] = pieces[-1][:-1]
+    pieces.append(f',"{SELF_CHECKSUM}":"{hasher.hexdigest()}"}}'.encode("ascii"))
+    return b"".join(pieces)
 
 
 def parse_manifest(raw: bytes, path: Path) -> Manifest:

@@ -45,7 +45,7 @@ from ._handle import SaveHandle
 from ._jobs import Job, Services
 from ._manifest import encode_manifest
 from ._paths import MANIFEST_NAME
-from ._types import CheckpointInfo
+from ._types import CheckpointInfo, release_nested
 from ._write import write_bytes
 
 __all__ = ["Host", "Pipeline", "Save", "as_save_error"]
@@ -337,8 +337,10 @@ class Pipeline:
         saver, step, info = self.saver, self.step, self.save.training_info
         costs = {"blocked_s": self.blocked_s, "staged_s": self.staged_s}
         costs["written_s"] = self.written_s
-        own = [self.parts[self.coord.rank]] if saver.per_rank else self.parts
+        parts, self.parts = self.parts, []  # last read: freed by the worker below
+        own = [parts[self.coord.rank]] if saver.per_rank else parts
         doc = await saver.run(job.manifest, tmp, step, own)
+        del own
         doc["costs"] = {k: v for k, v in costs.items() if math.isfinite(v)}
         doc["training_info"] = info
         if saver.layout.info_name is not None:
@@ -351,7 +353,8 @@ class Pipeline:
             )
         # Encoding is CPU work (about 60 ms for 10,000 tensors): in
         # the worker thread with the write, never on the event loop.
-        await saver.run(_write_manifest, saver.fs, tmp / MANIFEST_NAME, doc)
+        rows = parts if job.owns_manifest_rows else []
+        await saver.run(_write_manifest, saver.fs, tmp / MANIFEST_NAME, doc, rows)
 
     async def _hear_commit(self, outcome: Outcome) -> Outcome:
         """Every rank hears the leader's outcome."""
@@ -528,8 +531,20 @@ def as_save_error(exc: Exception, step: int, tmp: Path | None, timeout_s: float)
     return error
 
 
-def _write_manifest(fs: Any, path: Path, manifest: dict[str, Any]) -> None:
+def _write_manifest(
+    fs: Any, path: Path, manifest: dict[str, Any], parts: list[dict[str, Any]]
+) -> None:
     write_bytes(fs, path, encode_manifest(manifest))
-    # Emptied here, in the worker (the pipeline does not read it again): its
-    # 100,000s of dicts are freed off the event loop.
+    # Emptied here, in the worker (the pipeline does not read them again): their
+    # 100,000s of dicts are freed off the event loop. ``parts`` is given only
+    # where the job owns its manifest's rows (Job.owns_manifest_rows): its
+    # entries and tree are then freed a slice at a time (the tensors' records
+    # are the plan template's, and are only let go).
+    owned: list[Any] = []
+    if parts:
+        owned = [manifest.get("entries"), manifest.get("tree")]
+        owned += [part.get("entries") for part in parts]
     manifest.clear()
+    parts.clear()
+    for rows in owned:
+        release_nested(rows)

@@ -286,6 +286,10 @@ _PLAIN_DTYPES = frozenset(
 _GATHER_DTYPES = _PLAIN_DTYPES | {torch.bool}
 
 
+#: Tensors per ``torch._foreach_copy_`` call of the host staging copy.
+FOREACH_CHUNK = 4096
+
+
 def _views(
     buffer: torch.Tensor,
     entries: list[Entry],
@@ -329,8 +333,11 @@ def _copy_batched(
             srcs.append(src)
         else:
             as_bits(dst).copy_(as_bits(src), non_blocking=non_blocking)
-    if dsts:
-        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+    # Slices of the lists per call: the call converts its lists with the GIL
+    # held before it releases it to copy (100,000 tensors: a 50 ms hold).
+    step = FOREACH_CHUNK
+    for i in range(0, len(dsts), step):
+        torch._foreach_copy_(dsts[i : i + step], srcs[i : i + step], non_blocking=non_blocking)
 
 
 def copy_cpu(
@@ -346,6 +353,14 @@ def copy_cpu(
         _copy_batched(buffer, entries, cache, non_blocking=False)
     if on_staged is not None:  # progress: one count for the batch
         on_staged(sum(e.nbytes for e in entries))
+
+
+def _copy_host(
+    buffer: torch.Tensor, entries: list[Entry], views: ViewCache | None, on_staged: Any
+) -> None:
+    """:func:`copy_cpu` of the host entries among ``entries`` (worker thread)."""
+    cpu = [e for e in entries if e.source is not None and not e.source.is_cuda]
+    copy_cpu(buffer, cpu, views if len(cpu) == len(entries) else None, on_staged)
 
 
 class StagedMark:
@@ -784,6 +799,7 @@ async def stage_entries(
     ready: dict[torch.device, Any] | None = None,
     on_staged: Any = None,
     views: ViewCache | None = None,
+    host_only: bool = False,
 ) -> None:
     """Copy every entry's source into the lease's buffer at its staging offset.
 
@@ -799,6 +815,9 @@ async def stage_entries(
         copies have landed (progress).
     :param views: the plan's ``staging_views`` when ``entries`` are all of a
         plan's entries (CPU sources: their destinations are made once per plan).
+    :param host_only: no source is a CUDA tensor (the plan's devices say so):
+        the entries are then sorted in the worker thread that copies them, with
+        no pass over them on the event loop.
     :raises CheckpointTimeoutError: the copies did not finish within ``timeout_s``
         (one deadline for enqueuing, copying and waiting). If the caller is
         cancelled, or the deadline passes, copies already queued are waited for
@@ -807,8 +826,9 @@ async def stage_entries(
     """
     deadline = anyio.current_time() + timeout_s
     buffer = lease.buffer
-    cuda = [e for e in entries if e.source is not None and e.source.is_cuda]
-    cpu = [e for e in entries if e.source is not None and not e.source.is_cuda]
+    cuda: list[Entry] = []
+    if not host_only:
+        cuda = [e for e in entries if e.source is not None and e.source.is_cuda]
     events: list[Any] = []
     try:
         if cuda:
@@ -824,12 +844,10 @@ async def stage_entries(
                 raise CheckpointTimeoutError(
                     f"queueing device-to-host copies took over {timeout_s} s"
                 )
-        if cpu:
+        if len(cuda) < len(entries):  # host entries (or released ones) left
             if views is not None and lease._pool is not None:
                 lease._pool.views.add(views)
-            await anyio.to_thread.run_sync(
-                copy_cpu, buffer, cpu, views if len(cpu) == len(entries) else None, on_staged
-            )
+            await anyio.to_thread.run_sync(_copy_host, buffer, entries, views, on_staged)
         if not await _wait_events(events, poll_interval_s, deadline):
             raise CheckpointTimeoutError(
                 f"device-to-host copies did not finish within {timeout_s} s (a kernel "
