@@ -1,19 +1,24 @@
 """O_DIRECT writes of data files: same bytes as buffered writes, used where the file
 system allows it, buffered where it does not."""
 
-# Private imports: the writer's hashing threads and plan reuse are internals of the
-# write path under test.
 from __future__ import annotations
 
+import errno
+import json
 import os
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import xxhash
 
 import asyncsave
 from asyncsave import LocalFileSystem
+from asyncsave.testing import thresholds
 
 pytestmark = pytest.mark.anyio
 
@@ -85,59 +90,37 @@ def test_data_starts_on_a_4096_byte_boundary_and_safetensors_reads_it(tmp_path: 
         assert torch.equal(st.get_tensor("big"), state_of()["big"])
 
 
-# -- large files: hashed by a helper thread while written (_write._write_hashing_apart) --
+# -- large files: hashed by a helper thread while written -------------------------
 
-
-def planned(sizes: list[int]) -> tuple[Any, Any, torch.Tensor]:
-    """A one-file plan of uint8 tensors of ``sizes`` bytes, staged into a
-    page-aligned buffer: (layout, entries, buffer)."""
-    import anyio
-
-    from asyncsave._replan import Planner, plan_off_loop
-
-    g = torch.Generator().manual_seed(len(sizes))
-    state = {
-        f"t{i}": torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
-        for i, n in enumerate(sizes)
-    }
-
-    async def plan() -> Any:
-        return await plan_off_loop(Planner(), state, allow_pickle=False, rank=0, max_files=1)
-
-    p, layouts, nbytes = anyio.run(plan)
-    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    buf = raw[(-raw.data_ptr()) % 4096 :][:nbytes]
-    for e in p.entries:
-        buf[e.staging_offset : e.staging_offset + e.nbytes] = e.source.reshape(-1).view(torch.uint8)
-    assert len(layouts) == 1
-    return layouts[0], p.entries, buf
+HASHER = "asyncsave-hash"  # the name of the thread that hashes a file written apart
 
 
 def hash_threads() -> list[str]:
-    import threading
-
-    return [t.name for t in threading.enumerate() if t.name == "asyncsave-hash"]
+    return [t.name for t in threading.enumerate() if t.name == HASHER]
 
 
 @pytest.fixture
 def helpers_started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the threads ``asyncsave._write`` starts (its hashing helpers)."""
-    import threading
-
-    from asyncsave import _write
-
+    """The names of the hashing helpers started while the test runs."""
     started: list[str] = []
+    real = threading.Thread.start
 
-    class Spy(threading.Thread):
-        def start(self) -> None:
+    def start(self: threading.Thread) -> None:
+        if self.name == HASHER:
             started.append(self.name)
-            super().start()
+        real(self)
 
-    class Module:
-        Thread = Spy
-
-    monkeypatch.setattr(_write, "threading", Module)
+    monkeypatch.setattr(threading.Thread, "start", start)
     return started
+
+
+def in_hasher(fn: Callable[..., Any], real: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` in the hashing helper's thread, ``real`` in every other."""
+
+    def call(*args: Any) -> Any:
+        return (fn if threading.current_thread().name == HASHER else real)(*args)
+
+    return call
 
 
 MiB = 1 << 20
@@ -148,41 +131,60 @@ SIZES = [
 ]
 
 
+def bytes_state(sizes: list[int]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(len(sizes))
+    return {
+        f"t{i}": torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+        for i, n in enumerate(sizes)
+    }
+
+
+def checksums(step_dir: Path) -> dict[str, str]:
+    """Each entry's checksum (of its bytes in its data file), as the manifest
+    records it."""
+    doc = json.loads((step_dir / "manifest.json").read_bytes())
+    return {e["name"]: e["xxh3_64"] for e in doc["entries"]}
+
+
+@pytest.fixture
+def one_file() -> Iterator[None]:
+    with thresholds(min_file_bytes=1 << 40):  # one data file, whatever the threads
+        yield
+
+
+@pytest.mark.usefixtures("one_file")
 @pytest.mark.parametrize("sizes", SIZES, ids=["across-chunks", "one-entry", "empty-at-end"])
-@pytest.mark.parametrize("known", [False, True], ids=["all-hashed", "some-known"])
+@pytest.mark.parametrize("incremental", [False, True], ids=["all-hashed", "some-known"])
 def test_hashing_apart_gives_the_inline_checksums_and_bytes(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    sizes: list[int],
-    known: bool,
-    helpers_started: list[str],
+    tmp_path: Path, sizes: list[int], incremental: bool, helpers_started: list[str]
 ) -> None:
-    """Every file hashed apart (threshold lowered) against the same file written
-    buffered (hashed inline): the same bytes, the same checksums; digests given
-    as known (an incremental save's) are taken as they are."""
-    import xxhash
-
-    from asyncsave import _write
-
-    layout, entries, buf = planned(sizes)
-    given = {layout.entries[0]: "0123456789abcdef"} if known else None
+    """A file hashed apart (threshold lowered, ``O_DIRECT``) against the same
+    state written buffered (hashed inline): the same bytes, the same manifest
+    checksums; an incremental save's second step (whose checksums of unchanged
+    tensors are known from staging) too."""
+    state = bytes_state(sizes)
     spy = SpyFS()
-    monkeypatch.setattr(_write, "HASH_APART_BYTES", 0)
-    (tmp_path / "d").mkdir()
-    (tmp_path / "b").mkdir()
-    apart = _write.write_data_file(spy, tmp_path / "d", layout, entries, buf, direct=True, known=given)
-    inline = _write.write_data_file(
-        LocalFileSystem(), tmp_path / "b", layout, entries, buf, direct=False, known=given
-    )
+    with thresholds(hash_apart_bytes=0):
+        with asyncsave.SyncCheckpointer(
+            tmp_path / "d", filesystem=spy, incremental=incremental
+        ) as ckpt:
+            ckpt.save(1, state).result()
+            if incremental:
+                state["t0"][:1] += 1
+                ckpt.save(2, state).result()
+    started_direct = len(helpers_started)
+    with asyncsave.SyncCheckpointer(tmp_path / "b", direct_io=False) as ckpt:
+        ckpt.save(1, state).result()
     if not spy.direct_opens:
         pytest.fail(f"O_DIRECT was not used on {tmp_path} (file system refuses it?)")
-    assert helpers_started == ["asyncsave-hash"]  # the direct write only
-    assert apart == inline
-    assert (tmp_path / "d" / layout.name).read_bytes() == (tmp_path / "b" / layout.name).read_bytes()
-    for i in layout.entries:
-        e = entries[i]
-        want = xxhash.xxh3_64_hexdigest(memoryview(buf.numpy())[e.staging_offset :][: e.nbytes])
-        assert apart[i] == (given[i] if given and i in given else want)
+    assert started_direct >= 1 and len(helpers_started) == started_direct  # direct only
+    final = tmp_path / "d" / f"step_{2 if incremental else 1}"
+    if not incremental:
+        assert data_bytes(final) == data_bytes(tmp_path / "b" / "step_1")
+    assert checksums(final) == checksums(tmp_path / "b" / "step_1")
+    asyncsave.verify(final)
+    loaded = asyncsave.load(final)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
     assert not hash_threads()
 
 
@@ -204,73 +206,65 @@ class FailingDirectWrite(SpyFS):
         if fd in self.direct_fds:
             self.writes += 1
             if self.writes > 1:
-                import errno
-                import os
-
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
         return super().write(fd, data)
 
 
+def save_fails(root: Path, fs: LocalFileSystem, state: dict[str, Any]) -> BaseException:
+    """The cause of the failure of a save of ``state`` into ``root``, hashed apart."""
+    with thresholds(hash_apart_bytes=0), pytest.raises(asyncsave.SaveFailedError) as caught:
+        with asyncsave.SyncCheckpointer(root, filesystem=fs) as ckpt:
+            ckpt.save(1, state).result()
+    cause = caught.value.__cause__
+    assert cause is not None, caught.value
+    return cause
+
+
+@pytest.mark.usefixtures("one_file")
 def test_a_failed_write_joins_the_hashing_thread_and_raises_the_write_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helpers_started: list[str]
 ) -> None:
-    import errno
-    import time
-
-    import xxhash
-
-    from asyncsave import _write
+    real = xxhash.xxh3_64
 
     class SlowHasher:  # the helper is still hashing when the write fails
-        def __init__(self) -> None:
-            self.h = xxhash.xxh3_64()
+        def __init__(self, *args: Any) -> None:
+            self.h = real(*args)
 
         def update(self, data: Any) -> None:
             time.sleep(0.05)
             self.h.update(data)
 
         def hexdigest(self) -> str:
-            return self.h.hexdigest()
+            return str(self.h.hexdigest())
 
-    class Slow:
-        xxh3_64 = SlowHasher
-        xxh3_64_hexdigest = staticmethod(xxhash.xxh3_64_hexdigest)
-
-    monkeypatch.setattr(_write, "xxhash", Slow)
-    layout, entries, buf = planned([40 * MiB])
+    monkeypatch.setattr(xxhash, "xxh3_64", in_hasher(SlowHasher, real))
     fs = FailingDirectWrite()
-    with pytest.raises(OSError) as caught:
-        _write.write_data_file(fs, tmp_path, layout, entries, buf, direct=True)
+    cause = save_fails(tmp_path, fs, bytes_state([40 * MiB]))
     if not fs.direct_fds:
         pytest.fail(f"O_DIRECT was not used on {tmp_path} (file system refuses it?)")
-    assert caught.value.errno == errno.EIO
-    assert helpers_started == ["asyncsave-hash"]
+    assert isinstance(cause, OSError) and cause.errno == errno.EIO, cause
+    assert helpers_started == [HASHER]
     assert not hash_threads()
 
 
+@pytest.mark.usefixtures("one_file")
 def test_a_failed_hash_is_raised_by_the_writer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helpers_started: list[str]
 ) -> None:
     """The helper's error (here a MemoryError from the hasher) is the write's:
     raised in the writer's thread after the join, the file's descriptors closed."""
-    from asyncsave import _write
 
-    layout, entries, buf = planned([40 * MiB])
+    def broken(*args: Any) -> Any:
+        raise MemoryError("hasher")
 
-    class Broken:
-        @staticmethod
-        def xxh3_64(*args: Any) -> Any:
-            raise MemoryError("hasher")
-
-        xxh3_64_hexdigest = xxh3_64
-
-    monkeypatch.setattr(_write, "xxhash", Broken)
+    monkeypatch.setattr(xxhash, "xxh3_64", in_hasher(broken, xxhash.xxh3_64))
+    monkeypatch.setattr(xxhash, "xxh3_64_hexdigest", in_hasher(broken, xxhash.xxh3_64_hexdigest))
     spy = SpyFS()
-    with pytest.raises(MemoryError, match="hasher"):
-        _write.write_data_file(spy, tmp_path, layout, entries, buf, direct=True)
+    cause = save_fails(tmp_path, spy, bytes_state([40 * MiB]))
     if not spy.direct_opens:
         pytest.fail(f"O_DIRECT was not used on {tmp_path} (file system refuses it?)")
-    assert helpers_started == ["asyncsave-hash"]
+    assert isinstance(cause, MemoryError) and "hasher" in str(cause), cause
+    assert helpers_started == [HASHER]
     assert not hash_threads()
     fds = os.listdir("/proc/self/fd")
     assert not [f for f in fds if os.path.realpath(f"/proc/self/fd/{f}").startswith(str(tmp_path))]

@@ -482,3 +482,25 @@ async def test_staging_released_is_called_once_per_save_inside_the_block_only(
     with pytest.raises(TypeError, match="fn="):
         with staging_released(None):  # type: ignore[arg-type]
             pass
+
+
+def test_hash_apart_bytes_applies_inside_the_block_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A small file written with ``O_DIRECT`` is hashed by a helper thread only
+    while the threshold is lowered."""
+    started: list[str] = []
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        started.append(self.name)
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    state = {"w": torch.randn(1 << 18)}  # 1 MiB
+    with asyncsave.SyncCheckpointer(tmp_path, direct_io=True) as ckpt:
+        with thresholds(hash_apart_bytes=0):
+            ckpt.save(1, state).result()
+        inside = started.count("asyncsave-hash")
+        ckpt.save(2, state).result()
+    assert inside == 1 and started.count("asyncsave-hash") == 1
