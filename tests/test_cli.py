@@ -179,7 +179,14 @@ def test_ls_of_one_checkpoint_of_another_layout_names_its_layout(
 
 
 # What each subcommand does, in the words of the top-level description.
-VERBS = {"ls": "list", "verify": "verify", "inspect": "inspect", "adopt": "adopt", "prune": "prune"}
+VERBS = {
+    "ls": "list",
+    "verify": "verify",
+    "inspect": "inspect",
+    "adopt": "adopt",
+    "export": "export",
+    "prune": "prune",
+}
 
 
 def test_the_top_level_help_names_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -198,6 +205,8 @@ def test_every_subcommand_is_one_line_and_status_1_on_a_missing_path(
     tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rule = ["--keep-last", "1"] if command == "prune" else []
+    if command == "export":
+        rule = [str(tmp_path / "out")]  # its second positional: where to write
     rc, text = run(command, str(tmp_path / "nothing"), *rule)
     err = capsys.readouterr().err
     assert rc == 1 and text == ""
