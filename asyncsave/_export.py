@@ -114,8 +114,9 @@ def export_hf(
 
     :param path: a committed checkpoint directory (``runs/exp1/step_40``) or URL;
         ``filesystem`` and ``storage_options`` as for :func:`asyncsave.load`.
-    :param out_dir: the directory to write (created if absent); it must hold no
-        ``model*.safetensors`` or index yet.
+    :param out_dir: the local directory to write (created if absent); it must
+        hold no ``model*.safetensors`` or index yet. Each file is written under a
+        temporary name, fsynced and renamed into place (the directory fsynced).
     :param key: the key path (``/``-separated) of the model's state dict in the
         saved tree. Default: the top-level item ``model`` if the state has one,
         else the whole state when every leaf of it is a tensor.
@@ -133,6 +134,8 @@ def export_hf(
         (complex128, sub-byte types), naming its key.
     :raises UnsupportedFormatError: a checkpoint another library wrote (Megatron).
     :raises FileExistsError: ``out_dir`` holds model weights already.
+    :raises ValueError: ``max_shard_bytes`` is not a size.
+    :raises TypeError: ``config`` is not a config, dict or path.
     :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) the bytes
         read are damaged.
     :raises ImportError: ``safetensors`` is not installed (``pip install
@@ -427,6 +430,11 @@ def _write_atomic(target: Path, write: Any) -> Path:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+    fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return target
 
 
