@@ -60,9 +60,11 @@ from ._errors import RankFailedError
 from ._fs import LocalFileSystem
 from ._manifest import READ_VERSION
 from ._paths import LAYOUTS, is_retired_name, is_temp_name
+from ._replan import INLINE_PLAN_MAX_NODES as _INLINE_PLAN_MAX_NODES
 
 __all__ = [
     "FILE_OPS",
+    "INLINE_PLAN_MAX_NODES",
     "LAYOUT_NAMES",
     "NEWEST_FORMAT_VERSION",
     "PHASES",
@@ -75,6 +77,7 @@ __all__ = [
     "checkpoint_dir_name",
     "checkpoint_step",
     "cli",
+    "early_copy_made",
     "encode_manifest",
     "fail_staging",
     "gloo_collectives",
@@ -85,6 +88,7 @@ __all__ = [
     "on_early_copy",
     "pause",
     "pause_at",
+    "planning",
     "raise_errno",
     "staging_released",
     "staging_steps",
@@ -667,6 +671,75 @@ def listing_reads(
                 after(Path(path))
 
     patches.set(listing, "read_checkpoint", read_checkpoint)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+#: The most nodes (containers, tensors and plain leaves) a state tree may have for
+#: a save of the last save's structure to be bound to that save's plan on the
+#: event loop (a microseconds-long walk) instead of planned in a worker thread.
+INLINE_PLAN_MAX_NODES: int = _INLINE_PLAN_MAX_NODES
+
+
+@contextmanager
+def planning(fn: Callable[[str], None]) -> Iterator[None]:
+    """Call ``fn(what)`` in the thread that does it, as each save plans its state,
+    while the block runs: ``what`` is ``"flatten"`` (a walk of the state tree into
+    its leaves, made at every save: in a worker thread, or on the event loop for a
+    small plain tree of the last save's structure, see
+    :data:`INLINE_PLAN_MAX_NODES`) or ``"group"`` (the grouping of the tensors
+    into entries and files, the costly part of a plan, skipped when the last
+    save's plan is reused), called before the step runs. What ``fn`` raises
+    fails that ``save()``.
+
+    :raises TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} must be callable")
+    replan = importlib.import_module("asyncsave._replan")
+    plan = importlib.import_module("asyncsave._plan")
+    real_flatten, real_group = replan.flatten, plan._group
+    patches = _Patches()
+
+    def flatten(*args: Any, **kwargs: Any) -> Any:
+        fn("flatten")
+        return real_flatten(*args, **kwargs)
+
+    def group(*args: Any, **kwargs: Any) -> Any:
+        fn("group")
+        return real_group(*args, **kwargs)
+
+    patches.set(replan, "flatten", flatten)
+    patches.set(plan, "_group", group)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+@contextmanager
+def early_copy_made(fn: Callable[[], None]) -> Iterator[None]:
+    """Call ``fn()`` in the thread that made it, right after each lazy save's
+    early copy (see :func:`on_early_copy`: what forward may change, copied
+    inside ``save()``), while the block runs: a worker thread for host state,
+    the event loop's for CUDA state (the copy is only enqueued there).
+
+    :raises TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} must be callable")
+    jobs = importlib.import_module("asyncsave._jobs")
+    real = jobs.snapshot_eager_entries
+    patches = _Patches()
+
+    def snapshot(*args: Any, **kwargs: Any) -> Any:
+        copied = real(*args, **kwargs)
+        fn()
+        return copied
+
+    patches.set(jobs, "snapshot_eager_entries", snapshot)
     try:
         yield
     finally:

@@ -23,7 +23,13 @@ import asyncsave
 from asyncsave._bits import clone_bits, flat_bytes
 from asyncsave._format import layout_files
 from asyncsave._plan import make_plan
-from asyncsave._stage import StagingPool, gather_batches, gather_into
+from asyncsave._stage import (
+    GATHER_BYTES,
+    GATHER_MAX_ENTRY,
+    StagingPool,
+    gather_batches,
+    gather_into,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -247,3 +253,34 @@ async def test_a_poisoned_pool_wakes_waiters_with_an_error() -> None:
             lease.poison()  # device copies into it never finished
     assert len(errors) == 2
     await pool.aclose()
+
+
+def test_small_device_tensors_are_gathered_in_bounded_back_to_back_batches() -> None:
+    """The CUDA coalescing plan (computed on any device): small contiguous entries
+    of plain dtypes that lie back to back in the arena form batches of at most
+    ``GATHER_BYTES``; blobs, large, empty, exotic or non-contiguous entries are
+    copied one by one; every entry is in exactly one of the two."""
+    g = torch.Generator().manual_seed(3)
+    state: dict[str, Any] = {
+        f"experts.{i}.w": torch.randn(16 * (1 + i % 300), generator=g) for i in range(400)
+    }
+    state["big"] = torch.randn(GATHER_MAX_ENTRY // 4 + 1, generator=g)
+    state["empty"] = torch.empty(0)
+    state["f8"] = torch.zeros(8, dtype=torch.float8_e4m3fn)
+    state["t"] = torch.randn(8, 8, generator=g).t()
+    shared = torch.randn(64, generator=g)
+    state["tied.a"], state["tied.b"] = shared[:40], shared[20:]
+    plan = make_plan(state, allow_pickle=False)
+    layout_files(plan.entries, rank=0, max_files=2)
+    batches, rest = gather_batches(plan.entries)
+    ids = [id(e) for b in batches for e in b] + [id(e) for e in rest]
+    assert sorted(ids) == sorted(id(e) for e in plan.entries)
+    assert len(batches) >= 2 and len(rest) < len(plan.entries) // 4
+    for batch in batches:
+        assert len(batch) > 1 and sum(e.nbytes for e in batch) <= GATHER_BYTES
+        for a, b in itertools.pairwise(batch):
+            assert b.staging_offset == a.staging_offset + a.nbytes
+        assert all(not e.is_blob and e.source.is_contiguous() for e in batch)
+    names = {e.name for e in rest}
+    assert {"big", "empty", "f8", "t"} <= names
+    assert any(e.is_blob for e in rest)

@@ -2,16 +2,15 @@
 structure holds; anything that changes what the plan depends on makes a new one;
 planning runs off the event loop's thread.
 
-What the plan depends on (``asyncsave._replan``): the tensor leaves' keys,
+What the plan depends on: the tensor leaves' keys,
 kinds, ``requires_grad``, dtypes, shapes, strides, devices, and where their bytes
 and storages are (a storage re-allocated by offloading, S5, or a view that now
 aliases another tensor changes how tensors share memory). Every trigger below
 must replan and round-trip exactly; same structure with new values must reuse
-the plan and still save the new values (no stale bytes).
+the plan and still save the new values (no stale bytes). Plans and the threads
+they run on are seen through ``asyncsave.testing.planning``.
 """
 
-# Private imports: counts plan and replan calls and inline plan sizes, internals of the
-# many-tensor path.
 from __future__ import annotations
 
 import copy
@@ -28,36 +27,50 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_aliasing import assert_round_trip
 
 import asyncsave
-import asyncsave._plan as plan_module
+from asyncsave.testing import (
+    INLINE_PLAN_MAX_NODES,
+    early_copy_made,
+    encode_manifest,
+    planning,
+)
 
 pytestmark = pytest.mark.anyio
 
 
 class _Counter:
-    """Counts the groupings of tensors into entries (``_plan._group``: the costly
-    part of a plan, skipped when a plan is reused) and the threads they ran on."""
+    """Counts the groupings of tensors into entries (the costly part of a plan,
+    skipped when a plan is reused) and the threads they ran on; records the
+    thread of every walk of a state tree (``flatten``), in order."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self) -> None:
         self.calls = 0
         self.threads: set[int] = set()
-        real = plan_module._group
+        self.flattens: list[int] = []
 
-        def counted(leaves: Any) -> Any:
+    def __call__(self, what: str) -> None:
+        if what == "group":
             self.calls += 1
             self.threads.add(threading.get_ident())
-            return real(leaves)
-
-        monkeypatch.setattr(plan_module, "_group", counted)
+        else:
+            self.flattens.append(threading.get_ident())
 
 
 @pytest.fixture
-def groupings(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Counter]:
-    yield _Counter(monkeypatch)
+def counter() -> Iterator[_Counter]:
+    seen = _Counter()
+    with planning(seen):
+        yield seen
+
+
+@pytest.fixture
+def groupings(counter: _Counter) -> _Counter:
+    return counter
 
 
 def _base() -> dict[str, Any]:
@@ -370,16 +383,14 @@ def _apply(state: dict[str, Any], op: str, key: str, n: int) -> None:
         max_size=6,
     )
 )
-def test_random_mutations_between_saves_round_trip(
-    ops: list[tuple[str, int, int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_random_mutations_between_saves_round_trip(ops: list[tuple[str, int, int]]) -> None:
     """Random sequences of value changes and structure changes between saves of
     one checkpointer: every checkpoint is exact (values and sharing), and a save
     after a change of values only reuses the plan."""
-    counter = _Counter(monkeypatch)
+    counter = _Counter()
     state: dict[str, Any] = {f"k{i}": torch.randn(3 + i) for i in range(4)}
     expected = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with planning(counter), tempfile.TemporaryDirectory() as tmp:
         with asyncsave.SyncCheckpointer(Path(tmp)) as ckpt:
             ckpt.save(1, state).result()
             expected.append(_snapshot(state))
@@ -433,45 +444,11 @@ _json = st.recursive(
 @given(doc=st.dictionaries(st.text(max_size=3), _json, max_size=4))
 def test_manifest_encoding_in_pieces_is_byte_identical(doc: dict[str, Any]) -> None:
     """The manifest is encoded in pieces (so a worker thread never holds the GIL
-    for the whole document): the bytes are exactly one ``json.dumps``'s."""
-    from asyncsave._manifest import _canonical
-
-    assert _canonical(doc) == json.dumps(doc, separators=(",", ":")).encode()
-
-
-def test_small_device_tensors_are_gathered_in_bounded_back_to_back_batches() -> None:
-    """The CUDA coalescing plan (computed on any device): small contiguous entries
-    of plain dtypes that lie back to back in the arena form batches of at most
-    ``GATHER_BYTES``; blobs, large, empty, exotic or non-contiguous entries are
-    copied one by one; every entry is in exactly one of the two."""
-    from asyncsave._format import layout_files
-    from asyncsave._plan import make_plan
-    from asyncsave._stage import GATHER_BYTES, GATHER_MAX_ENTRY, gather_batches
-
-    g = torch.Generator().manual_seed(3)
-    state: dict[str, Any] = {
-        f"experts.{i}.w": torch.randn(16 * (1 + i % 300), generator=g) for i in range(400)
-    }
-    state["big"] = torch.randn(GATHER_MAX_ENTRY // 4 + 1, generator=g)
-    state["empty"] = torch.empty(0)
-    state["f8"] = torch.zeros(8, dtype=torch.float8_e4m3fn)
-    state["t"] = torch.randn(8, 8, generator=g).t()
-    shared = torch.randn(64, generator=g)
-    state["tied.a"], state["tied.b"] = shared[:40], shared[20:]
-    plan = make_plan(state, allow_pickle=False)
-    layout_files(plan.entries, rank=0, max_files=2)
-    batches, rest = gather_batches(plan.entries)
-    ids = [id(e) for b in batches for e in b] + [id(e) for e in rest]
-    assert sorted(ids) == sorted(id(e) for e in plan.entries)
-    assert len(batches) >= 2 and len(rest) < len(plan.entries) // 4
-    for batch in batches:
-        assert len(batch) > 1 and sum(e.nbytes for e in batch) <= GATHER_BYTES
-        for a, b in itertools.pairwise(batch):
-            assert b.staging_offset == a.staging_offset + a.nbytes
-        assert all(not e.is_blob and e.source.is_contiguous() for e in batch)
-    names = {e.name for e in rest}
-    assert {"big", "empty", "f8", "t"} <= names
-    assert any(e.is_blob for e in rest)
+    for the whole document): the bytes are exactly one ``json.dumps``'s, its
+    own checksum field appended."""
+    whole = json.dumps(doc, separators=(",", ":")).encode()
+    digest = xxhash.xxh3_64_hexdigest(whole)
+    assert encode_manifest(doc) == whole[:-1] + f',"manifest_xxh3_64":"{digest}"}}'.encode()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -508,32 +485,26 @@ async def test_many_small_cuda_tensors_gathered_round_trip_within_s12(tmp_path: 
         ), k
 
 
-async def test_lazy_host_snapshot_runs_off_the_event_loop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_lazy_host_snapshot_runs_off_the_event_loop(tmp_path: Path) -> None:
     """A lazy save's copies taken before ``save()`` returns (small entries, module
     buffers: 1,000s of clones for a many-tensor state) run in a worker thread for
     host state, and the checkpoint holds the values at ``save()``."""
-    import asyncsave._jobs as jobs
-
     loop_thread = threading.get_ident()
     threads: list[int] = []
-    real = jobs.snapshot_eager_entries
-
-    def recorded(plan: Any, ready: Any) -> int:
-        threads.append(threading.get_ident())
-        return real(plan, ready)
-
-    monkeypatch.setattr(jobs, "snapshot_eager_entries", recorded)
     state = _base()
     exp = _snapshot(state)
+    with early_copy_made(lambda: threads.append(threading.get_ident())):
+        await _lazy_save_then_change(tmp_path, state)
+    assert threads and loop_thread not in threads
+    _assert_loads(tmp_path / "step_1", exp)
+
+
+async def _lazy_save_then_change(tmp_path: Path, state: dict[str, Any]) -> None:
     async with asyncsave.Checkpointer(tmp_path) as ckpt:
         handle = await ckpt.save(1, state, lazy=True)
         for v in state.values():
             v.add_(1)  # small entries were copied before save() returned
         await handle
-    assert threads and loop_thread not in threads
-    _assert_loads(tmp_path / "step_1", exp)
 
 
 async def test_the_collector_comes_back_when_a_many_tensor_save_fails(tmp_path: Path) -> None:
@@ -557,23 +528,10 @@ async def test_the_collector_comes_back_when_a_many_tensor_save_fails(tmp_path: 
 # -- small plain trees: bound to the template on the event loop (issue 11) -------
 
 
-def _record_flatten_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The thread of every ``flatten`` of a state from now on, in call order."""
-    import asyncsave._replan as replan_module
-
-    seen: list[int] = []
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        seen.append(threading.get_ident())
-        return plan_module.flatten(*args, **kwargs)
-
-    monkeypatch.setattr(replan_module, "flatten", recorded)
-    return seen
-
-
 @pytest.fixture
-def flatten_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    return _record_flatten_threads(monkeypatch)
+def flatten_threads(counter: _Counter) -> list[int]:
+    """The thread of every walk of a state tree in the test, in call order."""
+    return counter.flattens
 
 
 async def test_a_small_plain_tree_of_the_last_structure_is_bound_on_the_event_loop(
@@ -614,14 +572,10 @@ class _Stat:
 
 
 def _many_nodes(s: dict[str, Any]) -> None:
-    from asyncsave._replan import INLINE_PLAN_MAX_NODES
-
     s["many"] = [torch.full((2,), float(i)) for i in range(INLINE_PLAN_MAX_NODES)]
 
 
 def _many_scalars(s: dict[str, Any]) -> None:
-    from asyncsave._replan import INLINE_PLAN_MAX_NODES
-
     s["counters"] = {f"c{i}": i for i in range(INLINE_PLAN_MAX_NODES)}
 
 
@@ -744,23 +698,33 @@ def _self_list(n: int) -> list[Any]:
     ],
     ids=["list", "dict", "nested", "list holding itself", "OrderedDict"],
 )
-def test_the_loops_walk_of_a_tree_stays_within_the_node_limit(make: Any) -> None:
+def test_the_loops_walk_of_a_tree_stays_within_the_node_limit(tmp_path: Path, make: Any) -> None:
     """The walk that decides whether a tree is planned on the loop looks at no
     more than the node limit, however large one container is: it allocates
     nothing in proportion to the tree (from a review: it pushed each container
-    whole, 237 ms on the loop for a list holding itself 200,000 times)."""
+    whole, 237 ms on the loop for a list holding itself 200,000 times). Measured
+    from ``save()`` to the start of the worker's walk (the loop's walk and what
+    a save does before it), after a save of a small plain tree."""
     import tracemalloc
 
-    from asyncsave._replan import _small_plain_tree
+    peaks: list[int] = []
+
+    def at(what: str) -> None:
+        if what == "flatten" and tracemalloc.is_tracing() and not peaks:
+            peaks.append(tracemalloc.get_traced_memory()[1])
 
     tree = make()
-    tracemalloc.start()
-    try:
-        assert not _small_plain_tree(tree)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < 64 << 10, peak
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"w": torch.zeros(2)}).result()
+        with planning(at):
+            tracemalloc.start()
+            try:
+                ckpt.save(2, {"w": torch.zeros(2), "big": tree}).result()
+            except asyncsave.CheckpointError:
+                pass  # the list holding itself: refused by the worker's plan
+            finally:
+                tracemalloc.stop()
+    assert peaks and peaks[0] < 64 << 10, peaks
 
 
 _plain_leaf = st.one_of(
@@ -806,20 +770,17 @@ def _nodes_and_plain(tree: Any) -> tuple[int, bool]:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(tree=_tree(_any_leaf))
-def test_random_trees_are_bound_on_the_loop_only_when_small_and_plain(
-    tree: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_random_trees_are_bound_on_the_loop_only_when_small_and_plain(tree: Any) -> None:
     """Random trees of containers, tensors, scalars, ``Stateful`` objects and
     arrays, saved twice (values changed in between): the second save is bound
     on the loop exactly when the tree is plain and within the node limit, every
     ``state_dict()`` runs once per save, and both checkpoints load back equal."""
-    from asyncsave._replan import INLINE_PLAN_MAX_NODES
-
-    threads = _record_flatten_threads(monkeypatch)
+    counter = _Counter()
+    threads = counter.flattens
     state = {"tree": tree, "x": torch.zeros(3)}
     nodes, plain = _nodes_and_plain(state)
     stats = [leaf for leaf in _leaves(tree) if isinstance(leaf, _Stat)]
-    with tempfile.TemporaryDirectory() as tmp:
+    with planning(counter), tempfile.TemporaryDirectory() as tmp:
         with asyncsave.SyncCheckpointer(Path(tmp), allow_pickle=False) as ckpt:
             ckpt.save(1, state).result()
             first = copy.deepcopy(asyncsave.load(Path(tmp) / "step_1"))
@@ -910,20 +871,30 @@ def test_a_reused_save_runs_no_per_tensor_python_on_the_event_loop(tmp_path: Pat
     assert large - small < (4096 - 512) // 16, (small, large)
 
 
-def test_signatures_are_compared_in_slices_and_any_difference_counts() -> None:
-    """``same_signature`` compares slices of the signature lists (the loop gets
-    the GIL between them); a difference in any slice, the first, one across a
-    slice's edge or the last, or in length, makes them differ."""
-    from asyncsave._replan import _COMPARE_CHUNK, same_signature
-
-    n = 3 * _COMPARE_CHUNK + 5
-    base = [("k", i) for i in range(n)]
-    assert same_signature(base, list(base))
-    assert same_signature([], [])
-    for i in (0, _COMPARE_CHUNK - 1, _COMPARE_CHUNK, 2 * _COMPARE_CHUNK + 1, n - 1):
-        other = list(base)
-        other[i] = ("k", -1)
-        assert not same_signature(base, other), i
-    assert not same_signature(base, base[:-1])
-    assert not same_signature(base[:-1], base)
-
+def test_any_difference_in_a_long_signature_replans() -> None:
+    """The signatures of two saves are compared in slices of 4,096 tensors (the
+    loop gets the GIL between them): a change of one tensor (its dtype) in the
+    first slice, at either edge of a slice, or the last, or one tensor fewer,
+    replans; the same structure again does not."""
+    chunk = 4096
+    n = 3 * chunk + 5
+    counter = _Counter()
+    with tempfile.TemporaryDirectory() as tmp, planning(counter):
+        with asyncsave.SyncCheckpointer(Path(tmp), writer_threads=1) as ckpt:
+            step = itertools.count(1)
+            base = {f"t{i:05d}": torch.zeros(1) for i in range(n)}
+            ckpt.save(next(step), base).result()
+            ckpt.save(next(step), base).result()
+            assert counter.calls == 1  # the same structure: reused
+            for i in (0, chunk - 1, chunk, 2 * chunk + 1, n - 1):
+                other = dict(base)
+                other[f"t{i:05d}"] = torch.zeros(1, dtype=torch.float64)
+                before = counter.calls
+                ckpt.save(next(step), other).result()
+                ckpt.save(next(step), base).result()
+                assert counter.calls == before + 2, i
+            fewer = dict(base)
+            fewer.pop(f"t{n - 1:05d}")
+            before = counter.calls
+            ckpt.save(next(step), fewer).result()
+            assert counter.calls == before + 1

@@ -16,6 +16,7 @@ import torch
 
 import asyncsave
 from asyncsave.testing import (
+    INLINE_PLAN_MAX_NODES,
     LAYOUT_NAMES,
     NEWEST_FORMAT_VERSION,
     PHASES,
@@ -24,6 +25,7 @@ from asyncsave.testing import (
     checkpoint_dir_name,
     checkpoint_step,
     cli,
+    early_copy_made,
     encode_manifest,
     fail_staging,
     gloo_collectives,
@@ -32,6 +34,7 @@ from asyncsave.testing import (
     on_early_copy,
     pause,
     pause_at,
+    planning,
     raise_errno,
     staging_released,
     staging_steps,
@@ -504,3 +507,46 @@ def test_hash_apart_bytes_applies_inside_the_block_only(
         inside = started.count("asyncsave-hash")
         ckpt.save(2, state).result()
     assert inside == 1 and started.count("asyncsave-hash") == 1
+
+
+async def test_planning_sees_each_walk_and_each_grouping_inside_the_block_only(
+    tmp_path: Path,
+) -> None:
+    """A first save walks its tree and groups its tensors in a worker thread; a
+    second of the same small plain structure only walks it, on the loop; a
+    tree past the node limit is walked in a worker at every save."""
+    loop = threading.get_ident()
+    seen: list[tuple[str, bool]] = []
+    small = {"w": torch.zeros(4), "n": 1}
+    large = {f"t{i}": torch.zeros(1) for i in range(INLINE_PLAN_MAX_NODES + 1)}
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        with planning(lambda what: seen.append((what, threading.get_ident() == loop))):
+            await (await ckpt.save(1, small))
+            await (await ckpt.save(2, small))
+            assert seen == [("flatten", False), ("group", False), ("flatten", True)]
+            seen.clear()
+            await (await ckpt.save(3, large))
+            await (await ckpt.save(4, large))
+            assert seen == [("flatten", False), ("group", False), ("flatten", False)]
+        await (await ckpt.save(5, small))
+    assert len(seen) == 3
+    with pytest.raises(TypeError, match="fn="):
+        with planning(None):  # type: ignore[arg-type]
+            pass
+
+
+async def test_early_copy_made_is_called_in_the_copying_thread_inside_the_block_only(
+    tmp_path: Path,
+) -> None:
+    loop = threading.get_ident()
+    threads: list[int] = []
+    small = {"w": torch.randn(1 << 16), "b": torch.zeros(8)}
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        with early_copy_made(lambda: threads.append(threading.get_ident())):
+            await (await ckpt.save(1, small, lazy=True))
+            await (await ckpt.save(2, small))  # eager: no early copy
+        await (await ckpt.save(3, small, lazy=True))
+    assert len(threads) == 1 and threads[0] != loop
+    with pytest.raises(TypeError, match="fn="):
+        with early_copy_made(None):  # type: ignore[arg-type]
+            pass
