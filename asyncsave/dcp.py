@@ -56,9 +56,6 @@ thread, so one writer object serves saves one after another or overlapping.
    :class:`~asyncsave.Checkpointer` open removes; nothing half-written ever carries
    a final name.
 
-``FileSystemWriter``'s keywords
---------------------------------
-
 :class:`StorageWriter` takes every keyword of torch 2.13's ``FileSystemWriter``,
 by keyword only (the argument after ``root`` is ``step``; a ``bool`` there, as in
 ``FileSystemWriter(path, False)``, is an ``InvalidStepError`` that says so):
@@ -456,8 +453,8 @@ class StorageWriter(_DcpStorageWriter):
         written, or from :meth:`finish`) ``step_<step>`` exists already and not
         ``overwrite``: the message says DCP's words ("Checkpoint already exists
         and self.overwrite=False"). Nothing is left in ``root`` then.
-    :raises TypeError, ValueError: (on construction) a ``FileSystemWriter``
-        keyword of the wrong type or range (named).
+    :raises TypeError: (on construction) a ``FileSystemWriter`` keyword of
+        the wrong type (named); ``ValueError`` for one out of range.
     :raises RootInUseError: (from :meth:`finish`) the root's lock stayed held for
         ``lock_timeout_s``; nothing was committed, nothing is left in ``root``.
     :raises CheckpointError: (on construction) ``filesystem`` cannot move files
