@@ -767,14 +767,19 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         (a later save starts afresh). Idempotent.
 
         :raises SaveFailedError: a save failed (the first failure; the writer
-            was stopped all the same).
+            was stopped all the same); :class:`CheckpointTimeoutError` when one
+            ran past ``save_timeout_s`` (its thread is not waited for).
         """
         writer, self._writer = self._writer, None
+        drained = False
         try:
             self._drain()
+            drained = True
         finally:
             if writer is not None:
-                writer.shutdown(wait=True)
+                # After a timeout the stuck write is left to finish on its own
+                # (its thread exits then): teardown never waits without a bound.
+                writer.shutdown(wait=drained, cancel_futures=True)
             self._futures.clear()
             self._arena.clear()
         self._raise_error()

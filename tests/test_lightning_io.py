@@ -33,7 +33,7 @@ from asyncsave.lightning import (
     plugin_options,
     verify_ckpt,
 )
-from asyncsave.testing import FaultyFileSystem, pause
+from asyncsave.testing import FaultyFileSystem, block, pause
 
 
 def _trainer(dirpath: Any, epochs: int, plugin: AsyncsaveCheckpointIO, **kw: Any) -> Trainer:
@@ -255,6 +255,28 @@ def test_a_path_removed_while_its_write_is_held_is_not_left_behind(tmp_path: Pat
         go.set()
         io.teardown()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stuck_write_is_a_timeout_and_teardown_does_not_wait_for_it(tmp_path: Path) -> None:
+    """A write that hangs (a stuck NFS server): ``wait()`` raises
+    ``CheckpointTimeoutError`` after ``save_timeout_s``, and so does
+    ``teardown()``, which returns instead of joining the stuck thread."""
+    go = threading.Event()
+    fs = FaultyFileSystem(
+        "write", block(go), n=2, where=lambda p: ".asyncsave-tmp-a.ckpt-" in Path(p).name
+    )
+    io = AsyncsaveCheckpointIO(filesystem=fs, save_timeout_s=0.5)
+    before = _threads()
+    try:
+        io.save_checkpoint({"global_step": 1, "w": torch.ones(4)}, tmp_path / "a.ckpt")
+        with pytest.raises(asyncsave.CheckpointTimeoutError, match="save_timeout_s") as info:
+            io.wait()
+        assert info.value.step == 1
+        with pytest.raises(asyncsave.CheckpointTimeoutError):
+            io.teardown()
+    finally:
+        go.set()  # the stuck write fails now and its thread ends
+    assert _no_new_threads(before), _threads() - before
 
 
 # -- options -------------------------------------------------------------------
