@@ -11,16 +11,23 @@ the library moves them with it and leaves the tests alone (the idea of httpx's
   of the ``n``-th call of one operation; pass it as ``Checkpointer(root,
   filesystem=fs)`` (or ``Tier(..., filesystem=fs)``).
 - :func:`pause_at` stops one save at a named phase (:data:`PHASES`) until the test
-  releases it; :func:`fail_staging` makes the copy into host buffers fail;
-  :func:`on_early_copy` runs a callback as a lazy save copies what forward may
-  change; :func:`listing_reads` runs a callback around each manifest read of a
-  listing.
+  releases it; :func:`fail_staging` makes the copy into host buffers fail.
+- Callbacks at one named point of a save, for the duration of a ``with`` block
+  (nothing is called, and nothing costs, outside it): :func:`on_early_copy` and
+  :func:`early_copy_made` around a lazy save's copy of what forward may change;
+  :func:`staging_steps` after each step of a copy that the writers follow;
+  :func:`staging_released` as a save gives its staging memory back;
+  :func:`planning` at each walk of a state tree and each grouping of its
+  tensors; :func:`gloo_collectives` before each collective of a gloo group;
+  :func:`listing_reads` around each manifest read of a listing.
 - :func:`thresholds` lowers the sizes above which a save changes its strategy
   (written while staged, a file per tensor, several files), so that a few KiB of
   test state exercise the same code as GiBs.
 - :func:`leftover_temp_names` lists the temporary entries a save left in a root;
   :func:`cli` runs the ``asyncsave`` command in this process;
-  :func:`encode_manifest` writes a manifest a test edited.
+  :func:`encode_manifest` writes a manifest a test edited;
+  :func:`checkpoint_dir_name`, :func:`checkpoint_step` and
+  :func:`tracker_file_name` name a layout preset's directories and tracker.
 
 Everything here is for tests: the patching helpers change module-level settings
 of the process while their ``with`` block runs, so they are not thread-safe
