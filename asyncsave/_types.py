@@ -49,30 +49,9 @@ def gc_paused() -> Iterator[None]:
             yield
         finally:
             if was_enabled:
-                _promote_young()
                 gc.enable()
     finally:
         _gc_owner.release()
-
-
-def _promote_young() -> None:
-    """Move every object the collector tracks into its oldest generation, in
-    O(1) (``gc.freeze()`` then ``gc.unfreeze()``: two list splices, no pass).
-
-    Called as a pause of ours ends: the 100,000s of objects a large call made
-    while the collector was paused (a plan's leaves, entries and tree items, a
-    manifest's documents) are otherwise all young when it comes back, and the
-    first young pass scans every one of them while holding the GIL (330 ms to
-    0.8 s of event-loop stall at 100,000 tensors, measured). Promoted, they are
-    freed by reference counting when the save drops them, never scanned. The
-    trainer's objects that are young at that instant are promoted too (at most
-    a young generation's worth, ~700 objects plus the middle generation's);
-    its cyclic garbage among them waits for the next full pass instead of the
-    next young one. Skipped when the process has frozen objects of its own
-    (``gc.get_freeze_count()``): ``unfreeze`` would release them."""
-    if gc.get_freeze_count() == 0:
-        gc.freeze()
-        gc.unfreeze()
 
 
 # Items dropped per step by release_in_chunks: freeing 4,096 small objects

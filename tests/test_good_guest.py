@@ -284,40 +284,6 @@ def test_a_collector_pause_never_outlives_the_call_that_took_it(
         gc.enable()
 
 
-def test_what_a_pause_made_is_promoted_to_the_oldest_generation() -> None:
-    """Objects made inside a pause of ours and alive after it are moved to the
-    collector's oldest generation when the pause ends (no young pass scans the
-    100,000s of objects of a large plan when the collector comes back), and the
-    collector is on again."""
-    from asyncsave._types import gc_paused
-
-    gc.collect()  # counts at zero: no middle pass runs before the check
-    with gc_paused():
-        made = [[] for _ in range(5000)]
-    young = {id(o) for g in (0, 1) for o in gc.get_objects(generation=g)}
-    assert gc.isenabled()
-    assert not any(id(o) in young for o in made)
-
-
-def test_a_pause_leaves_objects_the_trainer_froze_frozen() -> None:
-    """A process that froze objects of its own (``gc.freeze()``, as forking
-    servers do) keeps them frozen through our pauses: the promotion, which
-    would unfreeze them, is skipped."""
-    from asyncsave._types import gc_paused
-
-    kept = [[] for _ in range(100)]
-    gc.freeze()
-    try:
-        frozen = gc.get_freeze_count()
-        with gc_paused():
-            made = [[] for _ in range(100)]
-        assert gc.get_freeze_count() == frozen
-        assert gc.isenabled()
-    finally:
-        gc.unfreeze()
-    del kept, made
-
-
 def test_long_lists_inside_a_tree_are_emptied_and_shared_objects_kept() -> None:
     """``release_nested`` empties every list longer than one slice inside a tree
     of dicts and lists (a manifest's), however deep, leaves shorter lists as
