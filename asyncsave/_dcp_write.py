@@ -30,9 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 import xxhash
-from torch.distributed.checkpoint._extension import StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -45,6 +45,7 @@ from ._paths import MANIFEST_NAME
 __all__ = [
     "StoredFile",
     "check_writer_options",
+    "distcp_reader",
     "distcp_global_plan",
     "file_buckets",
     "hash_file",
@@ -55,6 +56,18 @@ __all__ = [
 ]
 
 _HASH_CHUNK = 8 << 20
+
+# DCP's stream transforms and serialization formats are newer than the oldest
+# torch asyncsave supports (2.6): where they are missing, the keywords are
+# accepted at their defaults only (checked in ``check_writer_options``).
+try:
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+except ImportError:  # pragma: no cover - older torch
+    StreamTransformExtension = None  # type: ignore[assignment,misc]
+try:
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+except ImportError:  # pragma: no cover - older torch
+    SerializationFormat = None  # type: ignore[assignment,misc]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,16 +91,18 @@ def check_writer_options(
     overwrite: Any,
     extensions: Any,
     serialization_format: Any,
-) -> tuple[StreamTransformExtension, ...]:
+) -> tuple[Any, ...]:
     """Check ``FileSystemWriter``'s keywords as :class:`asyncsave.dcp.StorageWriter`
     takes them.
 
     :returns: the stream transforms as a tuple (``()`` for ``None``).
     :raises TypeError: a keyword of the wrong type (names it): a flag that is not a
         ``bool``, a count that is not an ``int``, a transform that is not one of
-        DCP's ``StreamTransformExtension``, a format that is not a
-        ``SerializationFormat``.
-    :raises ValueError: ``thread_count < 1`` or ``per_thread_copy_ahead < 0``.
+        DCP's ``StreamTransformExtension``, a format that is not ``None`` (DCP's
+        default) or a ``SerializationFormat``.
+    :raises ValueError: ``thread_count < 1`` or ``per_thread_copy_ahead < 0``; a
+        stream transform or format where this torch has none; ``SAFETENSORS``
+        with stream transforms (DCP's reader cannot read what DCP then writes).
     """
     flags = {
         "single_file_per_rank": single_file_per_rank,
@@ -106,13 +121,25 @@ def check_writer_options(
             raise TypeError(f"StorageWriter {name}={value!r} must be an int")
         if value < low:
             raise ValueError(f"StorageWriter {name}={value!r} must be >= {low}")
-    if not isinstance(serialization_format, SerializationFormat):
+    if serialization_format is not None and SerializationFormat is None:
+        raise ValueError(
+            f"StorageWriter serialization_format: torch {torch.__version__} has no "
+            "DCP serialization formats; leave it None"
+        )
+    if serialization_format is not None and not isinstance(
+        serialization_format, SerializationFormat
+    ):
         raise TypeError(
             f"StorageWriter serialization_format={serialization_format!r} must be a "
             "torch.distributed.checkpoint.filesystem.SerializationFormat"
         )
-    if extensions is None:
+    if not extensions:
         return ()
+    if StreamTransformExtension is None:
+        raise ValueError(
+            f"StorageWriter _extensions: torch {torch.__version__} has no DCP stream "
+            "transforms (torch.distributed.checkpoint._extension)"
+        )
     if isinstance(extensions, (str, bytes)) or not isinstance(extensions, Sequence):
         raise TypeError(f"StorageWriter _extensions={extensions!r} must be a sequence")
     for ex in extensions:
@@ -121,6 +148,14 @@ def check_writer_options(
                 f"StorageWriter _extensions: {ex!r} is not a DCP StreamTransformExtension "
                 "(torch.distributed.checkpoint._extension: ZStandard, or a subclass)"
             )
+    if serialization_format is not None and serialization_format.name == "SAFETENSORS":
+        # FileSystemWriter writes them, but FileSystemReader reads each item with
+        # torch.load (torch 2.13: "Unsupported operand", or a zstd frame error).
+        raise ValueError(
+            "StorageWriter serialization_format=SAFETENSORS with _extensions: DCP's "
+            "FileSystemReader cannot read the files DCP then writes; leave it None "
+            "(asyncsave's files without _extensions are safetensors already)"
+        )
     return tuple(extensions)
 
 
@@ -175,6 +210,9 @@ def hash_file(path: Path) -> StoredFile:
 
 
 def _distcp_writer(path: Path | str, options: dict[str, Any]) -> FileSystemWriter:
+    extra: dict[str, Any] = {}
+    if options["serialization_format"] is not None:
+        extra["serialization_format"] = options["serialization_format"]
     return FileSystemWriter(
         path,
         single_file_per_rank=options["single_file_per_rank"],
@@ -183,8 +221,16 @@ def _distcp_writer(path: Path | str, options: dict[str, Any]) -> FileSystemWrite
         per_thread_copy_ahead=options["per_thread_copy_ahead"],
         overwrite=True,  # a fresh temporary directory: nothing to overwrite
         _extensions=list(options["extensions"]),
-        serialization_format=options["serialization_format"],
+        **extra,
     )
+
+
+def distcp_reader(path: Path, registry: Any) -> FileSystemReader:
+    """torch's reader of a checkpoint in DCP's own format at ``path``, with the
+    stream transforms of ``registry`` (``None``: DCP's default)."""
+    if registry is None:
+        return FileSystemReader(path)
+    return FileSystemReader(path, _extension_registry=registry)
 
 
 def distcp_global_plan(plans: list[SavePlan]) -> list[SavePlan]:

@@ -75,8 +75,9 @@ by keyword only (the argument after ``root`` is ``step``; a ``bool`` there, as i
   into the temporary directory (each stored, compressed, file checksummed
   with XXH3-64), then committed and tracked as any other; it is no longer
   safetensors. :class:`StorageReader` and ``FileSystemReader`` read it.
-- ``serialization_format``: used with ``_extensions`` (DCP's files); the
-  default files are safetensors whatever its value.
+- ``serialization_format``: ``None`` (default: DCP's, ``TORCH_SAVE``) or a
+  ``SerializationFormat``, used with ``_extensions`` (DCP's files); the default
+  files are safetensors whatever its value.
 - ``sync_files``: accepted; every file is fsynced whatever its value (the
   commit's guarantees rest on it).
 - ``per_thread_copy_ahead``: used with ``_extensions`` (DCP's GPU copy-ahead);
@@ -135,12 +136,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import xxhash
-from torch.distributed.checkpoint._extension import StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import (
-    FileSystemReader,
-    SerializationFormat,
-    _StorageInfo,
-)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -171,6 +167,7 @@ from ._dcp_write import (
     StoredFile,
     check_writer_options,
     distcp_global_plan,
+    distcp_reader,
     lay_out,
     verify_stored,
     write_distcp_part,
@@ -476,12 +473,8 @@ class StorageWriter(_DcpStorageWriter):
     per_thread_copy_ahead: int = dataclasses.field(default=10_000_000, kw_only=True)
     cache_staged_state_dict: bool = dataclasses.field(default=False, kw_only=True)
     overwrite: bool = dataclasses.field(default=False, kw_only=True)
-    _extensions: Sequence[StreamTransformExtension] | None = dataclasses.field(
-        default=None, kw_only=True
-    )
-    serialization_format: SerializationFormat = dataclasses.field(
-        default=SerializationFormat.TORCH_SAVE, kw_only=True
-    )
+    _extensions: Sequence[Any] | None = dataclasses.field(default=None, kw_only=True)
+    serialization_format: Any = dataclasses.field(default=None, kw_only=True)
     # Set by asyncsave's own collective commit (Checkpointer.save of DTensor state):
     # write into this existing temporary directory and do not commit in finish().
     _tmp: str | None = None
@@ -1093,7 +1086,7 @@ class StorageReader(_DcpStorageReader):
         self._inner = None
         path = self.checkpoint_dir()
         if self._foreign(path):
-            self._inner = FileSystemReader(path, _extension_registry=self._extension_registry)
+            self._inner = distcp_reader(path, self._extension_registry)
             self._inner.load_id = self.load_id
             foreign: Metadata = self._inner.read_metadata(*args, **kwargs)
             return foreign
@@ -1108,9 +1101,7 @@ class StorageReader(_DcpStorageReader):
         if self._inner is None and any(
             isinstance(v, _StorageInfo) for v in (metadata.storage_data or {}).values()
         ):  # written with _extensions: DCP's own files
-            self._inner = FileSystemReader(
-                self.checkpoint_dir(), _extension_registry=self._extension_registry
-            )
+            self._inner = distcp_reader(self.checkpoint_dir(), self._extension_registry)
         if self._inner is not None:
             self._inner.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 

@@ -266,6 +266,18 @@ def test_zstandard_compresses_commits_and_loads_with_both_readers(tmp_path: Path
         assert torch.equal(out["z"], zeros["z"]) and out["meta"] == {"k": 1}
 
 
+def test_safetensors_serialization_with_a_stream_transform_is_refused(tmp_path: Path) -> None:
+    # DCP's FileSystemWriter writes such files, and its reader cannot read them.
+    with pytest.raises(ValueError, match="serialization_format=SAFETENSORS with _extensions"):
+        StorageWriter(
+            tmp_path,
+            1,
+            _extensions=[ZStandard()],
+            serialization_format=SerializationFormat.SAFETENSORS,
+        )
+    StorageWriter(tmp_path, 1, serialization_format=SerializationFormat.SAFETENSORS)
+
+
 def test_a_changed_byte_of_a_compressed_file_is_a_checksum_error(tmp_path: Path) -> None:
     dcp.save(
         state(1.0),
@@ -326,6 +338,15 @@ def test_a_stream_transform_of_ones_own_applies_and_its_registry_reads_it(
         out, storage_reader=StorageReader(tmp_path, _extension_registry=registry), no_dist=True
     )
     assert torch.equal(out["w"], saved["w"]) and out["blob"] == {"x": [1, 2]}
+
+
+def test_zstandard_without_collectives_on_one_process_commits(tmp_path: Path) -> None:
+    # Each rank plans alone then (DCP still asks the writer for the global plan
+    # of this rank's one plan, which carries DCP's file prefix).
+    saved = state(6.0)
+    writer = StorageWriter(tmp_path, 6, _extensions=[ZStandard()])
+    dcp.save(saved, storage_writer=writer, use_collectives=False, no_dist=True)
+    assert_same(load_with(StorageReader(tmp_path)), saved)
 
 
 def _zstd_on_two_ranks(rank: int, world: int, root: str) -> bool:
