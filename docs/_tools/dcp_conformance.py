@@ -21,8 +21,10 @@ asyncsave would write it:
   commits ``<path>/step_<N>`` and moves the root's tracker), and each writer made
   for a root commits the step after the highest one there, so that a test saving
   twice to one path makes two checkpoints and a reader of the root reads the
-  newest (asyncsave's idiom: a new save is a new step; ``overwrite=True`` is
-  honoured where a test passes it). DCP's positional options are bound to their
+  newest (asyncsave's idiom: a new save is a new step). A writer given
+  ``overwrite`` explicitly commits the highest step there instead (the test means
+  that checkpoint): ``overwrite=True`` replaces it, ``overwrite=False`` is refused
+  as DCP refuses. DCP's positional options are bound to their
   names first, by ``FileSystemWriter``'s own signature, so they arrive as keywords.
 - ``FileSystemReader(path, _extension_registry=...)`` becomes
   ``StorageReader(path, _extension_registry=...)`` (a root resolves to its latest
@@ -57,11 +59,18 @@ _FSW = inspect.signature(fsmod.FileSystemWriter.__init__)
 _STEP = re.compile(r"step_(\\d+)")
 
 
-def _next_step(root):
+def _latest_step(root):
     if not os.path.isdir(root):
-        return 1
+        return 0
     steps = [int(m.group(1)) for n in os.listdir(root) if (m := _STEP.fullmatch(n))]
-    return max(steps, default=0) + 1
+    return max(steps, default=0)
+
+
+def _step_for(root, overwrite_given):
+    # overwrite passed: the test means this path's checkpoint (replace or refuse
+    # it); otherwise a new save is a new step.
+    latest = _latest_step(root)
+    return latest if overwrite_given and latest else latest + 1
 
 
 class AsyncsaveWriter(StorageWriter):
@@ -69,7 +78,7 @@ class AsyncsaveWriter(StorageWriter):
         bound = _FSW.bind(None, path, *args, **kwargs).arguments
         bound.pop("self")
         root = os.fspath(bound.pop("path"))
-        super().__init__(root, _next_step(root), **bound)
+        super().__init__(root, _step_for(root, "overwrite" in bound), **bound)
         log = os.environ.get("ASYNCSAVE_DCP_CONFORMANCE_LOG")
         if log:
             with open(log, "a") as f:
@@ -77,7 +86,7 @@ class AsyncsaveWriter(StorageWriter):
 
     def reset(self, checkpoint_id=None):
         if checkpoint_id is not None and not _STEP.fullmatch(os.path.basename(checkpoint_id)):
-            self.step = _next_step(os.fspath(checkpoint_id))
+            self.step = _step_for(os.fspath(checkpoint_id), False)
         super().reset(checkpoint_id)
 
     @classmethod
