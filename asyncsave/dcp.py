@@ -74,7 +74,8 @@ by keyword only (the argument after ``root`` is ``step``; a ``bool`` there, as i
   written in DCP's own ``.distcp`` format by torch's ``FileSystemWriter``
   into the temporary directory (each stored, compressed, file checksummed
   with XXH3-64), then committed and tracked as any other; it is no longer
-  safetensors. :class:`StorageReader` and ``FileSystemReader`` read it.
+  safetensors. :class:`StorageReader` and ``FileSystemReader`` read it. Its data
+  files go through torch's file layer, not ``filesystem`` (which sees the commit).
 - ``serialization_format``: ``None`` (default: DCP's, ``TORCH_SAVE``) or a
   ``SerializationFormat``, used with ``_extensions`` (DCP's files); the default
   files are safetensors whatever its value.

@@ -349,6 +349,33 @@ def test_zstandard_without_collectives_on_one_process_commits(tmp_path: Path) ->
     assert_same(load_with(StorageReader(tmp_path)), saved)
 
 
+class _DiskFullOnWrite(_Xor):
+    """A transform whose output stream fails as a full disk does."""
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        class Writer(io.RawIOBase):
+            def writable(self) -> bool:
+                return True
+
+            def write(self, b: Any) -> int:
+                raise OSError(28, "No space left on device (injected)")
+
+        return Writer()  # type: ignore[return-value]
+
+
+def test_a_failed_compressed_write_leaves_no_directory_and_keeps_the_last_step(
+    tmp_path: Path,
+) -> None:
+    dcp.save(state(1.0), storage_writer=StorageWriter(tmp_path, 1), no_dist=True)
+    writer = StorageWriter(tmp_path, 2, _extensions=[_DiskFullOnWrite()])
+    with pytest.raises(CheckpointException, match="No space left on device"):
+        dcp.save(state(2.0), storage_writer=writer, no_dist=True)
+    assert not (tmp_path / "step_2").exists()
+    assert leftovers(tmp_path) == []
+    assert (tmp_path / TRACKER).read_text().strip() == "1"
+    assert_same(load_with(StorageReader(tmp_path)), state(1.0))
+
+
 def _zstd_on_two_ranks(rank: int, world: int, root: str) -> bool:
     dcp.save(
         {f"w{rank}": torch.full((1000,), float(rank + 1)), "shared": torch.ones(4)},
