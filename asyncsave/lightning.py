@@ -47,8 +47,8 @@ calls map onto asyncsave:
    ``weights_only=False``).
 
    A path that does not exist yet is created before the call returns, as a tiny
-   *pending* file (a torch file ``{"format": "asyncsave-lightning-pending",
-   "global_step": N}``) that the commit replaces: Lightning's
+   *pending* file (JSON ``{"format": "asyncsave-lightning-pending",
+   "global_step": N}``, which ``torch.load`` refuses) that the commit replaces: Lightning's
    ``ModelCheckpoint`` sees the name taken and gives the next save another
    (``model-v1.ckpt``). A path that exists (``last.ckpt``) keeps its previous
    checkpoint until the new one is whole. A failed save removes the pending file
@@ -67,8 +67,9 @@ calls map onto asyncsave:
    wrote: a JSON pointer file, an asyncsave checkpoint directory
    (``runs/exp1/step_40``) or root (its latest committed step).
 4. ``wait()`` blocks until every save so far is committed; ``teardown()``
-   (called by the trainer at the end of ``fit``) does that, stops the writer
-   thread and frees the staging buffers. Both raise a save's failure.
+   (called by the trainer at the end of ``fit``) does that and frees the
+   staging buffers. Both raise a save's failure. The writer thread runs only
+   while writes are queued (it is gone once ``wait`` returns).
 
 Lightning calls the IO on global rank 0 only: the plugin writes from one process
 (``distributed=True`` is refused), pickles (``strategy="ddp_spawn"``: the copy
@@ -91,7 +92,8 @@ import threading
 import warnings
 import zipfile
 from argparse import Namespace
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -224,6 +226,15 @@ def _pointer_doc(fs: LocalFileSystem, p: Path) -> dict[str, Any]:
         doc = json.loads(raw) if len(raw) <= _MAX_POINTER_BYTES else None
     except (UnicodeDecodeError, ValueError):
         doc = None
+    if isinstance(doc, dict) and doc.get("format") == PENDING_FORMAT:
+        step = doc.get("global_step")
+        raise CheckpointNotFoundError(
+            f"{p} is the placeholder of a save of global step {step} that had not "
+            "committed (the run may have stopped while saving it): resume from "
+            "another checkpoint of its folder",
+            path=p,
+            step=step if type(step) is int else None,
+        )
     if (
         not isinstance(doc, dict)
         or doc.get("format") != POINTER_FORMAT
@@ -256,8 +267,9 @@ def read_pointer(
     may be a local path or an fsspec URL (``storage_options`` for its file
     system); a URL pointer's root is a URL.
 
-    :raises UnsupportedFormatError: ``path`` is not a pointer this plugin wrote
-        (a ``torch.save`` ``.ckpt`` of Lightning's own ``TorchCheckpointIO``).
+    :raises UnsupportedFormatError: ``path`` is not a pointer the previous
+        release wrote (a ``torch.save`` ``.ckpt``).
+    :raises CheckpointNotFoundError: ``path`` is a pending placeholder.
     :raises FileNotFoundError: no file at ``path``.
     """
     fs, p = _locate(path, CheckpointOptions(storage_options=storage_options))
@@ -470,11 +482,59 @@ def verify_ckpt(path: str | os.PathLike[str], storage_options: Any = None) -> No
 
 
 def _pending_bytes(step: int | None) -> bytes:
-    import io
+    # JSON, not torch.save: a placeholder is no checkpoint (torch.load refuses
+    # it), and a save costs one torch.save call, as with Lightning's own IO.
+    return json.dumps({"format": PENDING_FORMAT, "global_step": step}).encode()
 
-    buf = io.BytesIO()
-    torch.save({"format": PENDING_FORMAT, "global_step": step}, buf)
-    return buf.getvalue()
+
+class _Writer:
+    """Runs the plugin's writes one after the other on one thread, started by
+    the first write and gone once none is queued: between saves no thread of
+    the plugin runs (Lightning's tests check that a test leaves none)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: deque[tuple[concurrent.futures.Future[None], Callable[[], None]]] = deque()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> concurrent.futures.Future[None]:
+        """Queue ``job``; its future resolves once it has run."""
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            self._jobs.append((future, job))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="asyncsave-lightning")
+                self._thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    self._thread = None
+                    return
+                future, job = self._jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    job()
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(None)
+
+    def join(self, timeout_s: float | None) -> None:
+        """Wait (at most ``timeout_s``) for the thread to leave, its queue empty."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+
+    def cancel(self) -> None:
+        """Drop the writes not started yet (a timed-out teardown)."""
+        with self._lock:
+            jobs, self._jobs = list(self._jobs), deque()
+        for future, _ in jobs:
+            future.cancel()
 
 
 class AsyncsaveCheckpointIO(CheckpointIO):
@@ -516,7 +576,7 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         """The state that lives only while the writer runs (never pickled)."""
         self._lock = threading.Lock()
         self._arena = _Arena(self.options.budget_bytes)
-        self._writer: concurrent.futures.ThreadPoolExecutor | None = None
+        self._writer = _Writer()
         # (global step, write) in save order.
         self._futures: list[tuple[int | None, concurrent.futures.Future[None]]] = []
         self._live: dict[str, int] = {}  # path -> sequence number of its latest save
@@ -576,11 +636,7 @@ class AsyncsaveCheckpointIO(CheckpointIO):
             self._seq += 1
             self._live[key] = self._seq
             seq = self._seq
-        if self._writer is None:
-            self._writer = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="asyncsave-lightning"
-            )
-        job = self._writer.submit(self._write, staged, fs, target, step, seq)
+        job = self._writer.submit(lambda: self._write(staged, fs, target, step, seq))
         self._futures.append((step, job))
         if step is None:  # ddp_spawn's weights: the launching process loads them next
             self.wait()
@@ -612,6 +668,7 @@ class AsyncsaveCheckpointIO(CheckpointIO):
                     step=step,
                 ) from None
             self._futures.pop(0)
+        self._writer.join(self.options.save_timeout_s)
 
     def _reserve(self, fs: LocalFileSystem, target: Path, step: int | None) -> None:
         """Create ``target`` as a pending file when it does not exist, so that
@@ -739,21 +796,12 @@ class AsyncsaveCheckpointIO(CheckpointIO):
                 "weights_only=False",
                 path=p,
             ) from exc
-        if isinstance(state, dict) and state.get("format") == PENDING_FORMAT:
-            step = state.get("global_step")
-            raise CheckpointNotFoundError(
-                f"{p} is the placeholder of a save of global step {step} that had not "
-                "committed (the run may have stopped while saving it): resume from "
-                "another checkpoint of its folder",
-                path=p,
-                step=step if type(step) is int else None,
-            )
         return state
 
     # -- lifecycle --------------------------------------------------------------
     def wait(self) -> None:
-        """Block until every save so far is committed at its path (each bounded by
-        ``save_timeout_s``); the writer stays ready.
+        """Block until every save so far is committed at its path and the writer
+        thread has left (each bounded by ``save_timeout_s``).
 
         :raises SaveFailedError: a save failed (the first failure, its cause as
             ``__cause__``); :class:`CheckpointTimeoutError` when one ran past
@@ -763,23 +811,21 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         self._raise_error()
 
     def teardown(self) -> None:
-        """Flush pending saves, stop the writer thread, free the staging buffers
-        (a later save starts afresh). Idempotent.
+        """Flush pending saves (the writer thread leaves once they are written)
+        and free the staging buffers (a later save starts afresh). Idempotent.
 
         :raises SaveFailedError: a save failed (the first failure; the writer
             was stopped all the same); :class:`CheckpointTimeoutError` when one
             ran past ``save_timeout_s`` (its thread is not waited for).
         """
-        writer, self._writer = self._writer, None
-        drained = False
         try:
             self._drain()
-            drained = True
+        except BaseException:
+            # After a timeout the stuck write is left to finish on its own (its
+            # thread exits then): teardown never waits without a bound.
+            self._writer.cancel()
+            raise
         finally:
-            if writer is not None:
-                # After a timeout the stuck write is left to finish on its own
-                # (its thread exits then): teardown never waits without a bound.
-                writer.shutdown(wait=drained, cancel_futures=True)
             self._futures.clear()
             self._arena.clear()
         self._raise_error()

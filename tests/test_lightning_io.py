@@ -122,7 +122,7 @@ def test_a_new_path_exists_when_save_returns_and_wait_makes_it_loadable(tmp_path
 def test_a_pending_file_whose_save_never_committed_is_a_typed_error(tmp_path: Path) -> None:
     """What a run stopped mid-save leaves at a new path: loading it names the
     step instead of loading something else."""
-    torch.save({"format": PENDING_FORMAT, "global_step": 7}, tmp_path / "x.ckpt")
+    (tmp_path / "x.ckpt").write_text(json.dumps({"format": PENDING_FORMAT, "global_step": 7}))
     with pytest.raises(asyncsave.CheckpointNotFoundError, match="had not committed") as info:
         AsyncsaveCheckpointIO().load_checkpoint(tmp_path / "x.ckpt")
     assert info.value.step == 7
@@ -255,6 +255,18 @@ def test_a_path_removed_while_its_write_is_held_is_not_left_behind(tmp_path: Pat
         go.set()
         io.teardown()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_no_thread_of_the_plugin_runs_between_saves(tmp_path: Path) -> None:
+    """The writer thread starts with a write and leaves once none is queued:
+    after ``wait()`` nothing of the plugin runs, before any ``teardown``
+    (Lightning's own tests fail a test that leaves a thread behind)."""
+    io = AsyncsaveCheckpointIO()
+    for step in (1, 2):
+        io.save_checkpoint({"global_step": step, "w": torch.ones(4)}, tmp_path / f"{step}.ckpt")
+        io.wait()
+        assert not [t for t in threading.enumerate() if t.name == "asyncsave-lightning"]
+    io.teardown()
 
 
 def test_a_stuck_write_is_a_timeout_and_teardown_does_not_wait_for_it(tmp_path: Path) -> None:
