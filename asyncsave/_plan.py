@@ -776,8 +776,9 @@ def _shared_entry(
         covered = span.end
     if _tied(ts, members):
         keys = sorted(leaves[i].key for i in members)
+        name = _unique(keys[0], names)
         entry = Entry(
-            name=_unique(keys[0], names),
+            name=name,
             source=parts[0][1],
             nbytes=hi - origin,  # numel * element size: contiguous, origin = lo
             align=first.element_size(),
@@ -785,7 +786,9 @@ def _shared_entry(
             dtype=first.dtype,
             shape=tuple(first.shape),
             parts=tuple(parts),
-            aliases=tuple(keys[1:]),
+            # Each other key once, never the kept name itself (two leaves may
+            # share a key path: ``{"a/b": w, "a": {"b": w}}``).
+            aliases=tuple(k for k in dict.fromkeys(keys[1:]) if k != name),
         )
         return entry, origin
     nbytes = -(-(hi - origin) // _BLOB_ALIGN) * _BLOB_ALIGN

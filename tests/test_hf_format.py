@@ -232,6 +232,17 @@ async def test_tied_weights_are_read_by_name_and_come_back_tied(
     assert manifest(path)["format_version"] == 1  # older readers load it as a view
 
 
+async def test_the_alias_metadata_never_maps_a_name_to_itself(tmp_path: Path) -> None:
+    # Two leaves with one key path ("a/b" as a key, and "b" under "a"): a reader
+    # that follows the metadata's aliases must not meet "a/b" -> "a/b" (a loop).
+    w = torch.randn(3)
+    path = await save(tmp_path, {"a/b": w, "a": {"b": w}, "c": w})
+    meta = header_metadata(path)
+    assert {k: v for k, v in meta.items() if k not in ("format", "writer")} == {"c": "a/b"}
+    out = asyncsave.load(path)
+    assert out["a"]["b"].data_ptr() == out["a/b"].data_ptr() == out["c"].data_ptr()
+
+
 async def test_parameters_tied_in_a_module_stay_tied_across_reused_plans(tmp_path: Path) -> None:
     emb = torch.nn.Embedding(6, 3)
     head = torch.nn.Linear(3, 6, bias=False)
