@@ -783,7 +783,10 @@ def _export_options(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("float32", "float16", "bfloat16"),
         default=None,
-        help="cast floating-point weights to this dtype (default: as saved)",
+        help=(
+            "cast float16/bfloat16/float32/float64 weights to this dtype, and say it in "
+            "config.json (8- and 4-bit floats and integers: as saved; default: all as saved)"
+        ),
     )
 
 

@@ -178,7 +178,9 @@ class UnsupportedTensorError(InvalidStateError):
 
 class InvalidKeyError(InvalidStateError):
     """A dict key that is not ``str`` or ``int`` (``bool`` keys are refused too,
-    since JSON cannot tell ``True`` from ``1`` apart once stored)."""
+    since JSON cannot tell ``True`` from ``1`` apart once stored); or, for
+    :func:`asyncsave.export_hf`, two key paths that would be written under one
+    name (``a/b`` and ``a.b``)."""
 
 
 class TemplateMismatchError(InvalidStateError):

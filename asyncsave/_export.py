@@ -33,6 +33,7 @@ from ._catalog import read_checkpoint, step_of_name
 from ._decode import _build_tensors, _read
 from ._errors import (
     CorruptCheckpointError,
+    InvalidKeyError,
     MissingItemError,
     UnsupportedFormatError,
     UnsupportedTensorError,
@@ -44,7 +45,7 @@ from ._manifest import Manifest, record_entries, torch_dtype
 from ._paths import MANIFEST_NAME
 from ._plan import key_str
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "export_hf", "parse_size"]
+__all__ = ["CASTABLE_DTYPES", "DEFAULT_MAX_SHARD_BYTES", "export_hf", "parse_size"]
 
 #: ``save_pretrained``'s default ``max_shard_size`` ("5GB": decimal units).
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -53,6 +54,12 @@ INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+#: What ``dtype=`` casts, from and to: the floating-point types weights are trained
+#: in. The 8- and 4-bit floats hold quantized values whose meaning needs their
+#: scales (an FP8 weight, an MX scale): a cast would change what they mean, or
+#: overflow (an ``float8_e8m0fnu`` scale of 2**127 in float16), so they are
+#: written as saved.
+CASTABLE_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,17 +132,26 @@ def export_hf(
     :param max_shard_bytes: bytes per shard file, or a size such as ``"5GB"``
         (the default, as ``save_pretrained``); a tensor larger than it is a shard
         of its own.
-    :param dtype: cast floating-point tensors to this dtype (e.g.
-        ``torch.bfloat16``); others are written as saved.
+    :param dtype: cast the ``float16``, ``bfloat16``, ``float32`` and ``float64``
+        tensors to this dtype, one of those four (e.g. ``torch.bfloat16``); others
+        (integers, the 8- and 4-bit floats of quantized weights and their
+        scales) are written as saved. With ``config``, the ``config.json``
+        written says this dtype (``"dtype"``, and ``"torch_dtype"`` where the
+        config has it), as ``save_pretrained`` does, so ``from_pretrained``
+        loads the model in it.
     :param verify: check the XXH3-64 checksum of every byte read.
     :returns: the files written, weights first, then the index and config if any.
     :raises MissingItemError: ``key`` names no tensor, or no default applies.
+    :raises InvalidKeyError: two key paths give one name (``a/b`` and ``a.b``
+        are both ``a.b``), naming both.
     :raises UnsupportedTensorError: a tensor whose dtype safetensors cannot name
         (complex128, sub-byte types), naming its key.
     :raises UnsupportedFormatError: a checkpoint another library wrote (Megatron).
     :raises FileExistsError: ``out_dir`` holds model weights already.
-    :raises ValueError: ``max_shard_bytes`` is not a size.
-    :raises TypeError: ``config`` is not a config, dict or path.
+    :raises ValueError: ``max_shard_bytes`` is not a size; ``dtype`` is not one
+        of the four it casts to.
+    :raises TypeError: ``config`` is not a config, dict or path; ``dtype`` is
+        not a ``torch.dtype``.
     :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) the bytes
         read are damaged.
     :raises ImportError: ``safetensors`` is not installed (``pip install
@@ -148,13 +164,14 @@ def export_hf(
             "export_hf writes its files with safetensors: pip install 'asyncsave[hf]'"
         ) from exc
     limit = parse_size(max_shard_bytes)
+    _check_dtype(dtype)
     fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
     manifest = read_checkpoint(fs, p, expect_step=step_of_name(p))
     source = _source(fs, p, manifest, verify=verify)
     items = _selected(source.items, key, source.all_tensors, p)
     for item in items:
         _check_nameable(item, dtype, p)
-    doc = None if config is None else _config_dict(config)
+    doc = None if config is None else _config_dict(config, dtype)
     out = Path(out_dir)
     _check_out(out)
     written: list[Path] = []
@@ -334,11 +351,47 @@ def _selected(items: list[_Item], key: str | None, all_tensors: bool, path: Path
     ]
     if not out:
         raise MissingItemError(f"{path} has no tensor under {key!r}", path=path, key=key)
+    first: dict[str, str] = {}
+    for it in out:
+        other = first.setdefault(it.name, it.key)
+        if other != it.key:
+            raise InvalidKeyError(
+                f"{path}: the tensors at {other!r} and {it.key!r} would both be written as "
+                f"{it.name!r} (levels below the item are joined with '.'): one would be "
+                "lost; rename one of them before saving, or export one item at a time (key=)",
+                path=path,
+                key=it.key,
+            )
     return out
 
 
+def _check_dtype(dtype: Any) -> None:
+    """``dtype=`` of :func:`export_hf`: ``None`` or one of :data:`CASTABLE_DTYPES`.
+
+    :raises TypeError: not a ``torch.dtype``.
+    :raises ValueError: a dtype it does not cast to.
+    """
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype={dtype!r} is not a torch.dtype: pass e.g. torch.bfloat16")
+    if dtype not in CASTABLE_DTYPES:
+        names = ", ".join(sorted(_dtype_name(d) for d in CASTABLE_DTYPES))
+        raise ValueError(f"dtype={dtype} is not one the export casts to: {names}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cast_to(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor saved as ``saved`` is written in (see
+    :data:`CASTABLE_DTYPES`)."""
+    return dtype if dtype is not None and saved in CASTABLE_DTYPES else saved
+
+
 def _target(item: _Item, dtype: torch.dtype | None) -> torch.dtype:
-    return dtype if dtype is not None and item.dtype.is_floating_point else item.dtype
+    return _cast_to(item.dtype, dtype)
 
 
 def _check_nameable(item: _Item, dtype: torch.dtype | None, path: Path) -> None:
@@ -379,9 +432,7 @@ def _prepared(
     (tied weights: each name its own copy), as ``save_file`` needs them."""
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        out[name] = t.contiguous()
+        out[name] = t.to(_cast_to(t.dtype, dtype)).contiguous()
     spans = sorted(
         (
             t.untyped_storage().data_ptr(),
@@ -447,11 +498,24 @@ def _write_json(target: Path, doc: Any) -> Path:
     return _write_atomic(target, write)
 
 
-def _config_dict(config: Any) -> dict[str, Any]:
-    """The ``config.json`` document of ``config`` (see :func:`export_hf`).
+def _config_dict(config: Any, dtype: torch.dtype | None) -> dict[str, Any]:
+    """The ``config.json`` document of ``config`` (see :func:`export_hf`), saying
+    ``dtype`` when the weights are cast to it: ``from_pretrained`` loads a model
+    in the dtype its config names (transformers 5: ``"dtype"``; 4: ``"torch_dtype"``,
+    set too where the config has it), which ``save_pretrained`` sets to the
+    weights' dtype.
 
     :raises TypeError: not a config, dict or path.
     """
+    doc = _config_doc(config)
+    if dtype is not None:
+        doc["dtype"] = _dtype_name(dtype)
+        if "torch_dtype" in doc:
+            doc["torch_dtype"] = _dtype_name(dtype)
+    return doc
+
+
+def _config_doc(config: Any) -> dict[str, Any]:
     if callable(getattr(config, "to_dict", None)):
         return dict(config.to_dict())
     if isinstance(config, Mapping):

@@ -92,6 +92,79 @@ async def test_dtype_casts_floating_weights_only(tmp_path: Path) -> None:
     assert weights["ids"].dtype == torch.int64 and torch.equal(weights["ids"], torch.arange(3))
 
 
+async def test_dtype_leaves_quantized_floats_as_saved(tmp_path: Path) -> None:
+    # An FP8 weight with its float32 scale and an MX (e8m0) scale: a cast would
+    # drop what the scales mean, or overflow (2**127 is inf in float16); a float4
+    # tensor cannot be cast at all. Only the wide floats are cast.
+    fp8 = torch.randn(4, 4).to(torch.float8_e4m3fn)
+    e8m0 = torch.tensor([2.0**-100, 1.0, 2.0**127]).to(torch.float8_e8m0fnu)
+    fp4 = torch.randint(0, 256, (2, 3), dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    model = {"w": fp8, "w_scale": torch.rand(4), "mx": e8m0, "fp4": fp4, "ln": torch.randn(4)}
+    async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
+        info = await (await ckpt.save(1, {"model": model}))
+    asyncsave.export_hf(info.path, tmp_path / "hf", dtype=torch.float16)
+    weights = safetensors.torch.load_file(tmp_path / "hf" / "model.safetensors")
+    for key in ("w", "mx", "fp4"):
+        got, want = weights[key], model[key]
+        assert got.dtype == want.dtype, key
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), key
+    assert weights["w_scale"].dtype == weights["ln"].dtype == torch.float16
+    assert torch.equal(weights["ln"], model["ln"].half())
+
+
+async def test_a_dtype_that_is_not_a_wide_float_is_refused_before_anything_is_written(
+    tmp_path: Path,
+) -> None:
+    async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
+        info = await (await ckpt.save(1, {"model": {"w": torch.randn(2)}}))
+    with pytest.raises(TypeError, match=r"torch\.dtype"):
+        asyncsave.export_hf(info.path, tmp_path / "a", dtype="bfloat16")  # type: ignore[arg-type]
+    for bad in (torch.int8, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match="bfloat16"):
+            asyncsave.export_hf(info.path, tmp_path / "a", dtype=bad)
+    assert not (tmp_path / "a").exists()
+
+
+async def test_the_config_written_says_the_dtype_the_weights_were_cast_to(tmp_path: Path) -> None:
+    # A float32 config (as AutoConfig gives for a float32 base): from_pretrained
+    # loads the model in the dtype the config names, as save_pretrained writes it.
+    model = tiny_gpt2()
+    model.config.dtype = "float32"
+    path = await save_trained(tmp_path / "run", model)
+    out = tmp_path / "hf"
+    asyncsave.export_hf(path, out, config=model.config, dtype=torch.bfloat16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded = GPT2LMHeadModel.from_pretrained(out)
+    assert loaded.dtype == torch.bfloat16
+    # A transformers 4 config.json names it torch_dtype: both say it.
+    v4 = {**model.config.to_dict(), "torch_dtype": "float32"}
+    v4.pop("dtype")
+    asyncsave.export_hf(path, tmp_path / "v4", config=v4, dtype=torch.float16)
+    doc = json.loads((tmp_path / "v4" / "config.json").read_text())
+    assert doc["torch_dtype"] == doc["dtype"] == "float16"
+    # Without dtype=, the config is written as given.
+    asyncsave.export_hf(path, tmp_path / "as-is", config=v4)
+    written = json.loads((tmp_path / "as-is" / "config.json").read_text())
+    assert written == json.loads(json.dumps(v4))  # JSON: keys as strings
+
+
+async def test_two_keys_that_export_under_one_name_are_refused_naming_both(
+    tmp_path: Path,
+) -> None:
+    # "a/b" (nested dicts) and "a.b" (a dotted key) are both "a.b" in the export:
+    # written as they came, one of them would be lost without a word.
+    state = {"model": {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}, "c": torch.ones(1)}}
+    async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
+        info = await (await ckpt.save(1, state))
+    with pytest.raises(asyncsave.InvalidKeyError, match=r"'a\.b'") as err:
+        asyncsave.export_hf(info.path, tmp_path / "hf")
+    assert "model/a.b" in str(err.value) and "model/a/b" in str(err.value)
+    assert err.value.key in ("model/a.b", "model/a/b")
+    assert not (tmp_path / "hf").exists()
+    asyncsave.export_hf(info.path, tmp_path / "sub", key="model/a")  # one item at a time
+    assert set(safetensors.torch.load_file(tmp_path / "sub" / "model.safetensors")) == {"b"}
+
+
 async def test_the_key_picks_a_sub_tree_and_nested_levels_join_with_dots(tmp_path: Path) -> None:
     w, b = torch.randn(3, 2), torch.randn(3)
     state = {"policy": {"net": {"0": {"weight": w, "bias": b}}}, "value": {"w": torch.ones(1)}}
