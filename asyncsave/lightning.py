@@ -487,6 +487,21 @@ def _pending_bytes(step: int | None) -> bytes:
     return json.dumps({"format": PENDING_FORMAT, "global_step": step}).encode()
 
 
+# The writes queued or running in this process, by path: loading a path that
+# is being written (by any plugin of this process) waits for that write.
+_IN_FLIGHT: dict[str, concurrent.futures.Future[None]] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _await_write(path: Path, timeout_s: float | None) -> None:
+    """Wait (at most ``timeout_s``) for this process's write of ``path``, if one
+    is queued or running; its failure is its own plugin's to raise."""
+    with _IN_FLIGHT_LOCK:
+        future = _IN_FLIGHT.get(str(path))
+    if future is not None:
+        concurrent.futures.wait([future], timeout=timeout_s)
+
+
 class _Writer:
     """Runs the plugin's writes one after the other on one thread, started by
     the first write and gone once none is queued: between saves no thread of
@@ -637,6 +652,9 @@ class AsyncsaveCheckpointIO(CheckpointIO):
             self._live[key] = self._seq
             seq = self._seq
         job = self._writer.submit(lambda: self._write(staged, fs, target, step, seq))
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT[key] = job
+        job.add_done_callback(lambda done: _forget(key, done))
         self._futures.append((step, job))
         if step is None:  # ddp_spawn's weights: the launching process loads them next
             self.wait()
@@ -746,7 +764,9 @@ class AsyncsaveCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """Load a ``.ckpt`` (verified against its CRC-32s first), or what the
         previous release wrote: a pointer file, a checkpoint directory, a root's
-        latest.
+        latest. A path this process is still writing (a ``trainer.save_checkpoint``
+        just before) is loaded once that write is done (at most
+        ``save_timeout_s``).
 
         :param map_location: as ``torch.load``'s (a pointer's or a directory's
             tensors land on it when it is a device or its name, else on the CPU).
@@ -762,7 +782,10 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         :raises UnsupportedFormatError: a file that is neither.
         """
         fs, p = _locate(path, self.options)
-        if not fs.is_dir(p) and fs.exists(p) and _head(fs, p) in (_ZIP_MAGIC, b"\x80\x02"):
+        _await_write(p, self.options.save_timeout_s)
+        if not fs.exists(p):  # Lightning's own message, with the path as given
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        if not fs.is_dir(p) and _head(fs, p) in (_ZIP_MAGIC, b"\x80\x02"):
             state = self._load_torch(fs, p, map_location, weights_only)
         else:
             state = _load_legacy(fs, p, map_location, self.options)
@@ -834,6 +857,12 @@ class AsyncsaveCheckpointIO(CheckpointIO):
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+def _forget(key: str, done: concurrent.futures.Future[None]) -> None:
+    with _IN_FLIGHT_LOCK:
+        if _IN_FLIGHT.get(key) is done:
+            del _IN_FLIGHT[key]
 
 
 def _head(fs: LocalFileSystem, p: Path) -> bytes:

@@ -163,11 +163,12 @@ def _held(name: str) -> tuple[FaultyFileSystem, threading.Event]:
 
 
 def _pending(path: Path) -> bool:
+    """Whether ``path`` holds the placeholder of a save not yet written (read
+    directly: ``load_checkpoint`` would wait for the write)."""
     try:
-        AsyncsaveCheckpointIO().load_checkpoint(path)
-    except asyncsave.CheckpointNotFoundError:
-        return True
-    return False
+        return bool(json.loads(path.read_bytes()).get("format") == PENDING_FORMAT)
+    except (ValueError, UnicodeDecodeError):
+        return False
 
 
 def test_a_save_returns_once_staged_and_keeps_the_values_of_that_moment(tmp_path: Path) -> None:
@@ -255,6 +256,25 @@ def test_a_path_removed_while_its_write_is_held_is_not_left_behind(tmp_path: Pat
         go.set()
         io.teardown()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_loading_a_path_this_process_is_writing_waits_for_the_write(tmp_path: Path) -> None:
+    """``trainer.save_checkpoint(p)`` then ``fit(ckpt_path=p)`` on another
+    trainer (another plugin): the load waits for the write instead of reading
+    the placeholder (found running Lightning's own resume tests)."""
+    fs, go = _held("a.ckpt")
+    io = AsyncsaveCheckpointIO(filesystem=fs)
+    release = threading.Thread(target=lambda: (fs.fired.wait(30.0), go.set()))
+    try:
+        io.save_checkpoint({"global_step": 4, "w": torch.ones(4)}, tmp_path / "a.ckpt")
+        assert _pending(tmp_path / "a.ckpt")
+        release.start()
+        loaded = AsyncsaveCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
+    finally:
+        go.set()
+        io.teardown()
+        release.join()
+    assert loaded["global_step"] == 4 and torch.equal(loaded["w"], torch.ones(4))
 
 
 def test_no_thread_of_the_plugin_runs_between_saves(tmp_path: Path) -> None:
