@@ -41,7 +41,7 @@ from ._errors import (
 from ._format import header_dtype
 from ._fs import LocalFileSystem
 from ._fsspec import open_root
-from ._manifest import Manifest, record_entries, torch_dtype
+from ._manifest import FORMAT, Manifest, record_entries, torch_dtype
 from ._paths import MANIFEST_NAME
 from ._plan import key_str
 
@@ -54,6 +54,8 @@ INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+# The start of an asyncsave manifest (its first field; see _manifest.FORMAT).
+_ASYNCSAVE_MANIFEST = re.compile(rb'^\s*\{\s*"format"\s*:\s*"' + FORMAT.encode() + rb'"')
 #: What ``dtype=`` casts, from and to: the floating-point types weights are trained
 #: in. The 8- and 4-bit floats hold quantized values whose meaning needs their
 #: scales (an FP8 weight, an MX scale): a cast would change what they mean, or
@@ -122,8 +124,9 @@ def export_hf(
     :param path: a committed checkpoint directory (``runs/exp1/step_40``) or URL;
         ``filesystem`` and ``storage_options`` as for :func:`asyncsave.load`.
     :param out_dir: the local directory to write (created if absent); it must
-        hold no ``model*.safetensors`` or index yet. Each file is written under a
-        temporary name, fsynced and renamed into place (the directory fsynced).
+        hold no ``model*.safetensors`` or index yet, and lie in no checkpoint
+        directory. Each file is written under a temporary name, fsynced and
+        renamed into place (the directory fsynced).
     :param key: the key path (``/``-separated) of the model's state dict in the
         saved tree. Default: the top-level item ``model`` if the state has one,
         else the whole state when every leaf of it is a tensor.
@@ -149,7 +152,8 @@ def export_hf(
     :raises UnsupportedFormatError: a checkpoint another library wrote (Megatron).
     :raises FileExistsError: ``out_dir`` holds model weights already.
     :raises ValueError: ``max_shard_bytes`` is not a size; ``dtype`` is not one
-        of the four it casts to.
+        of the four it casts to; ``out_dir`` is a checkpoint directory or inside
+        one (retention would delete the export with it).
     :raises TypeError: ``config`` is not a config, dict or path; ``dtype`` is
         not a ``torch.dtype``.
     :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) the bytes
@@ -455,6 +459,19 @@ def _prepared(
 
 
 def _check_out(out: Path) -> None:
+    """Refuse an ``out_dir`` that holds model weights or lies in a checkpoint,
+    then create it.
+
+    :raises ValueError: ``out_dir`` is a checkpoint directory or inside one.
+    :raises FileExistsError: it is a file, or holds model weights already.
+    """
+    inside = _checkpoint_of(out)
+    if inside is not None:
+        raise ValueError(
+            f"{out} is in the checkpoint {inside}: a committed checkpoint is never "
+            "written to, and retention would delete the export with it; export into "
+            "a directory of its own"
+        )
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -468,6 +485,20 @@ def _check_out(out: Path) -> None:
             f"{out} holds model weights already ({', '.join(held)}): export into an empty "
             "directory, or remove them first"
         )
+
+
+def _checkpoint_of(out: Path) -> Path | None:
+    """The asyncsave checkpoint directory that ``out`` is or lies in (a directory
+    whose ``manifest.json`` says ``"format": "asyncsave"``), or ``None``."""
+    for d in (out.resolve(), *out.resolve().parents):
+        try:
+            with open(d / MANIFEST_NAME, "rb") as f:
+                head = f.read(4096)
+        except OSError:  # none there (or unreadable: not one of ours to protect)
+            continue
+        if _ASYNCSAVE_MANIFEST.search(head):
+            return d
+    return None
 
 
 def _write_atomic(target: Path, write: Any) -> Path:

@@ -206,6 +206,22 @@ async def test_bad_requests_are_typed_errors_naming_the_key(tmp_path: Path) -> N
     assert not [p for p in (tmp_path / "e").iterdir() if p.name.startswith(".")]
 
 
+async def test_an_export_into_a_checkpoint_directory_is_refused(tmp_path: Path) -> None:
+    # The checkpoint would be written to after its commit, and retention would
+    # delete the export with it: into the step directory or below it, refused
+    # before anything is created; into the root (no checkpoint), written.
+    async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
+        info = await (await ckpt.save(1, {"model": {"w": torch.randn(2)}}))
+    before = sorted(p.name for p in info.path.iterdir())
+    for out in (info.path, info.path / "hf", info.path / "a" / "b"):
+        with pytest.raises(ValueError, match=r"in the checkpoint .*step_1"):
+            asyncsave.export_hf(info.path, out)
+    assert sorted(p.name for p in info.path.iterdir()) == before
+    asyncsave.verify(info.path)
+    asyncsave.export_hf(info.path, tmp_path / "run" / "hf")
+    assert (tmp_path / "run" / "hf" / "model.safetensors").is_file()
+
+
 def _flip_a_byte_of(path: Path, key: str) -> None:
     """Damage one byte of the tensor ``key`` in its data file (under its checksum)."""
     doc = json.loads((path / "manifest.json").read_bytes())
