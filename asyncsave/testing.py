@@ -16,9 +16,11 @@ the library moves them with it and leaves the tests alone (the idea of httpx's
   (nothing is called, and nothing costs, outside it): :func:`on_early_copy` and
   :func:`early_copy_made` around a lazy save's copy of what forward may change;
   :func:`staging_steps` after each step of a copy that the writers follow;
-  :func:`staging_released` as a save gives its staging memory back;
-  :func:`planning` at each walk of a state tree and each grouping of its
-  tensors; :func:`gloo_collectives` before each collective of a gloo group;
+  :func:`snapshot_taken` as a snapshot is whole; :func:`staging_released` as a
+  save gives its staging memory back; :func:`background_tasks` as its early
+  writes start; :func:`planning` at each walk of a state tree and each grouping
+  of its tensors; :func:`incremental_steps` around an incremental save's base
+  lookup, hashing in place and writes; :func:`gloo_collectives` before each collective of a gloo group;
   :func:`listing_reads` around each manifest read of a listing.
 - :func:`thresholds` lowers the sizes above which a save changes its strategy
   (written while staged, a file per tensor, several files), so that a few KiB of
@@ -71,6 +73,7 @@ from ._replan import INLINE_PLAN_MAX_NODES as _INLINE_PLAN_MAX_NODES
 
 __all__ = [
     "FILE_OPS",
+    "INCREMENTAL_STEPS",
     "INLINE_PLAN_MAX_NODES",
     "LAYOUT_NAMES",
     "NEWEST_FORMAT_VERSION",
@@ -80,6 +83,7 @@ __all__ = [
     "FakeRank",
     "FaultyFileSystem",
     "Pause",
+    "background_tasks",
     "block",
     "checkpoint_dir_name",
     "checkpoint_step",
@@ -88,6 +92,7 @@ __all__ = [
     "encode_manifest",
     "fail_staging",
     "gloo_collectives",
+    "incremental_steps",
     "is_temp_name",
     "kill",
     "leftover_temp_names",
@@ -97,6 +102,7 @@ __all__ = [
     "pause_at",
     "planning",
     "raise_errno",
+    "snapshot_taken",
     "staging_released",
     "staging_steps",
     "thresholds",
@@ -747,6 +753,121 @@ def early_copy_made(fn: Callable[[], None]) -> Iterator[None]:
         return copied
 
     patches.set(jobs, "snapshot_eager_entries", snapshot)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+#: The steps of an incremental save :func:`incremental_steps` reports.
+INCREMENTAL_STEPS = ("base", "hash", "write")
+
+
+@contextmanager
+def incremental_steps(
+    *,
+    before: Callable[[str, str, int], None] | None = None,
+    after: Callable[[str, str, int], None] | None = None,
+) -> Iterator[None]:
+    """Run ``before(what, name, nbytes)`` just before, and ``after(what, name,
+    nbytes)`` just after, each step of an incremental save (``incremental=True``)
+    that reads or writes its files, in the thread that does it, while the block
+    runs (``after`` also when the step raised, before the save sees the error):
+
+    - ``"base"``: the base checkpoint (the newest committed one) is looked up and
+      its manifest read (``name`` ``""``, ``nbytes`` 0);
+    - ``"hash"``: a data file that did not change at the last save is hashed in
+      place and linked into the new checkpoint while the save stages (``name``
+      the data file, ``nbytes`` its bytes);
+    - ``"write"``: a data file is written (or shared from the base, if found
+      unchanged): after the staging, or, for a file that changed at its last
+      save, while the others are hashed.
+
+    What ``before`` raises is raised by that step, as its own failure would be
+    (a ``BaseException`` that is not an ``Exception`` ends the worker thread);
+    either may block, to hold the step.
+
+    :raises TypeError: ``before`` or ``after`` is given and not callable.
+    """
+    for arg, fn in (("before", before), ("after", after)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{arg}={fn!r} must be callable")
+    reuse = importlib.import_module("asyncsave._incremental").Reuse
+    patches = _Patches()
+
+    def around(what: str, real: Callable[..., Any], name_of: Callable[..., tuple[str, int]]) -> Any:
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            name, nbytes = name_of(*args)
+            if before is not None:
+                before(what, name, nbytes)
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                if after is not None:
+                    after(what, name, nbytes)
+
+        return step
+
+    def layout_at(i: int) -> Callable[..., tuple[str, int]]:
+        return lambda *args: (args[i].name, int(args[i].nbytes))
+
+    patches.set(reuse, "find_base", around("base", reuse.find_base, lambda *a: ("", 0)))
+    patches.set(reuse, "prelink", around("hash", reuse.prelink, layout_at(2)))
+    patches.set(reuse, "write_file", around("write", reuse.write_file, layout_at(4)))
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+@contextmanager
+def snapshot_taken(fn: Callable[[], None]) -> Iterator[None]:
+    """Call ``fn()`` as each save's snapshot is whole (every file staged into
+    host buffers) and the save lets go of the caller's tensors, in the worker
+    thread that does it, while the block runs. What ``fn`` raises fails the save
+    as a failure of that last step of its staging would (after every file was
+    staged: files already being written while it staged are waited for).
+
+    :raises TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} must be callable")
+    plan = importlib.import_module("asyncsave._plan").Plan
+    real = plan.release_sources
+    patches = _Patches()
+
+    def release_sources(self: Any) -> None:
+        fn()
+        real(self)
+
+    patches.set(plan, "release_sources", release_sources)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+@contextmanager
+def background_tasks(fn: Callable[[], None]) -> Iterator[None]:
+    """Call ``fn()`` on the event loop just before the background part of a save
+    (its early writes: the files written while it stages or hashes) is started
+    as a task of the checkpointer's task group, while the block runs. What
+    ``fn`` raises is raised as the task group's refusal would be (a group that
+    is closing): that save fails at once, with nothing to wait for.
+
+    :raises TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} must be callable")
+    saver = importlib.import_module("asyncsave._pipeline").Saver
+    real = saver.start_soon
+    patches = _Patches()
+
+    def start_soon(self: Any, func: Any, *args: Any) -> None:
+        fn()
+        real(self, func, *args)
+
+    patches.set(saver, "start_soon", start_soon)
     try:
         yield
     finally:

@@ -3,7 +3,8 @@ unchanged ones are hashed, and a base file is checked where it was linked.
 
 From the third save of a LoRA-shaped state on, the file of the adapters (it
 changed at its last save) is staged first and written in the background while
-the frozen base files are hashed in place (``_jobs._IncrementalStaging``).
+the frozen base files are hashed in place. The steps (base lookup, hashing,
+writes) are seen, held or failed through ``asyncsave.testing.incremental_steps``.
 These tests pin what that overlap must keep: it really overlaps, a failure of
 the early write is the save's failure, a failure while hashing waits for the
 early write before the temporary directory goes, and a deadline bounds it.
@@ -14,8 +15,6 @@ inode): a file put in its place between a check and the link (an
 that share (linked while staging, and from the base while writing).
 """
 
-# Private imports: counts the incremental writer's links and writes (Reuse) during
-# overlapping saves.
 from __future__ import annotations
 
 import contextlib
@@ -23,20 +22,38 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import pytest
 from faults import FaultyFS, block, raise_errno
 from test_incremental import assert_equal_tree, lora_state, manifest
 
 import asyncsave
 from asyncsave import LocalFileSystem
-from asyncsave._incremental import OWN_FILE_BYTES, Reuse
+from asyncsave.testing import (
+    background_tasks,
+    fail_staging,
+    incremental_steps,
+    pause_at,
+    snapshot_taken,
+)
+
+OWN_FILE_BYTES = 1 << 20  # an incremental save gives a tensor this large a file of its own
 
 TRACKER = "latest_checkpointed_iteration.txt"
 WAIT_S = 10.0  # how long a hook waits for what must happen concurrently
+
+
+def data_file_of(path: Path, key: str) -> str:
+    """The name of the data file holding the tensor ``key`` in a checkpoint."""
+    m = manifest(path)
+    rec = next(t for t in m["tensors"] if t["key"] == key)
+    return str(m["files"][m["entries"][rec["entry"]]["file"]]["name"])
 
 
 def tmp_dirs(root: Path) -> list[str]:
@@ -56,7 +73,7 @@ async def two_saves(ckpt: asyncsave.Checkpointer, state: dict[str, Any]) -> None
 @pytest.mark.anyio
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 async def test_the_changed_file_is_written_while_the_unchanged_ones_are_hashed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool
+    tmp_path: Path, lazy: bool
 ) -> None:
     """Each hashing of a base file waits (in its worker thread) until the
     adapters' file is written and fsynced: that can only happen if the write runs
@@ -64,31 +81,26 @@ async def test_the_changed_file_is_written_while_the_unchanged_ones_are_hashed(
     wait runs out."""
     armed, written = threading.Event(), threading.Event()
     waited: list[bool] = []
-    real_prelink, real_write = Reuse.prelink, Reuse.write_file
 
-    def write_file(self: Reuse, *args: Any, **kwargs: Any) -> Any:
-        out = real_write(self, *args, **kwargs)
-        if armed.is_set():
-            written.set()
-        return out
-
-    def prelink(self: Reuse, *args: Any) -> bool:
-        if armed.is_set():
+    def before(what: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and what == "hash":
             waited.append(written.wait(WAIT_S))
-        return real_prelink(self, *args)
 
-    monkeypatch.setattr(Reuse, "write_file", write_file)
-    monkeypatch.setattr(Reuse, "prelink", prelink)
+    def after(what: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and what == "write":
+            written.set()
+
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
         state["model"]["lora_A"].add_(1.0)
         armed.set()
-        handle = await ckpt.save(3, state, lazy=lazy)
-        await handle.staged()
-        expected = {k: v.clone() for k, v in state["model"].items()}
-        state["model"]["lora_A"].add_(1.0)  # after the snapshot: not in step 3
-        await handle
+        with incremental_steps(before=before, after=after):
+            handle = await ckpt.save(3, state, lazy=lazy)
+            await handle.staged()
+            expected = {k: v.clone() for k, v in state["model"].items()}
+            state["model"]["lora_A"].add_(1.0)  # after the snapshot: not in step 3
+            await handle
     assert waited == [True, True, True]
     report = manifest(tmp_path / "step_3")["incremental"]
     assert report["files_shared_at_staging"] == 3 and report["files_written"] == 1, report
@@ -166,48 +178,35 @@ class SlowWrites(LocalFileSystem):
 @pytest.mark.parametrize("error", [RuntimeError("hash failed"), MemoryError()], ids=repr)
 @pytest.mark.parametrize("where", ["hashing", "after-staging"])
 async def test_a_failure_while_hashing_waits_for_the_early_write_before_cleaning_up(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException, where: str
+    tmp_path: Path, error: BaseException, where: str
 ) -> None:
     """The hashing of a base file fails, or the last step of staging does (after
     every file is staged), while the adapters' file is still being written (a
     slow write): save() raises that failure, and only after the early write
     ended is the temporary directory removed (never under a writer)."""
     fs = SlowWrites(delay_s=0.3)
-    armed = threading.Event()
-    if where == "hashing":
-        real_prelink, real_write = Reuse.prelink, Reuse.write_file
-        writing = threading.Event()
+    armed, writing = threading.Event(), threading.Event()
 
-        def write_file(self: Reuse, *args: Any, **kwargs: Any) -> Any:
-            if armed.is_set():
-                writing.set()
-            return real_write(self, *args, **kwargs)
+    def before(what: str, name: str, nbytes: int) -> None:
+        if not armed.is_set():
+            return
+        if what == "write":
+            writing.set()
+        elif what == "hash":
+            writing.wait(WAIT_S)  # fails once the early write is under way
+            raise error
 
-        def prelink(self: Reuse, *args: Any) -> bool:
-            if armed.is_set():
-                writing.wait(WAIT_S)  # fails once the early write is under way
-                raise error
-            return real_prelink(self, *args)
+    def staged() -> None:
+        if armed.is_set():
+            raise error
 
-        monkeypatch.setattr(Reuse, "write_file", write_file)
-        monkeypatch.setattr(Reuse, "prelink", prelink)
-    else:
-        from asyncsave._plan import Plan
-
-        real_release = Plan.release_sources
-
-        def release_sources(self: Plan) -> None:
-            if armed.is_set():
-                raise error
-            real_release(self)
-
-        monkeypatch.setattr(Plan, "release_sources", release_sources)
+    hook = incremental_steps(before=before) if where == "hashing" else snapshot_taken(staged)
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True, filesystem=fs) as ckpt:
         await two_saves(ckpt, state)
         state["model"]["lora_A"].add_(1.0)
         armed.set()
-        with pytest.raises(type(error)):
+        with hook, pytest.raises(type(error)):
             await ckpt.save(3, state)
         armed.clear()
         kinds = [k for k, _ in fs.events]
@@ -224,7 +223,7 @@ async def test_a_failure_while_hashing_waits_for_the_early_write_before_cleaning
 )  # broken, it hangs in a shielded wait: fail sooner than 300 s
 @pytest.mark.anyio
 async def test_a_stuck_early_write_ends_at_its_own_deadline_when_staging_failed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The adapters' file hangs in write and then the hashing fails: save()
     waits for the early write (it reads the staging memory) only until its own
@@ -237,18 +236,15 @@ async def test_a_stuck_early_write_ends_at_its_own_deadline_when_staging_failed(
         block(release),
         where=lambda p: armed.is_set() and "-tmp-3-" in p and p.endswith(".safetensors"),
     )
-    real_prelink = Reuse.prelink
 
-    def prelink(self: Reuse, *args: Any) -> bool:
-        if armed.is_set():
+    def before(what: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and what == "hash":
             assert fs.fired.wait(WAIT_S)  # the early write is stuck by now
             raise RuntimeError("hash failed")
-        return real_prelink(self, *args)
 
-    monkeypatch.setattr(Reuse, "prelink", prelink)
     state = lora_state()
     try:
-        with pytest.raises(asyncsave.SaveFailedError):  # raised again at close
+        with incremental_steps(before=before), pytest.raises(asyncsave.SaveFailedError):
             async with asyncsave.Checkpointer(
                 tmp_path, incremental=True, filesystem=fs, save_timeout_s=1.0
             ) as ckpt:
@@ -373,28 +369,27 @@ async def test_a_base_file_replaced_before_its_link_is_never_shared(
 @pytest.mark.timeout(60, method="thread")  # broken, it hangs waiting for writes that never started
 @pytest.mark.anyio
 async def test_early_writes_that_cannot_start_fail_the_save_without_hanging(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """The checkpointer's task group refuses the early writes' task: save()
     raises that error at once (nothing waits for writes that never started), no
     temporary directory is left, and the next save of the step commits whole."""
-    from asyncsave._pipeline import Saver
-
     armed = threading.Event()
-    real_start_soon = Saver.start_soon
 
-    def start_soon(self: Saver, func: Any, *args: Any) -> None:
+    def refuse() -> None:
         if armed.is_set():
             raise RuntimeError("task group closed")
-        real_start_soon(self, func, *args)
 
-    monkeypatch.setattr(Saver, "start_soon", start_soon)
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
         state["model"]["lora_A"].add_(1.0)
         armed.set()
-        with anyio.fail_after(WAIT_S), pytest.raises(RuntimeError, match="task group closed"):
+        with (
+            background_tasks(refuse),
+            anyio.fail_after(WAIT_S),
+            pytest.raises(RuntimeError, match="task group closed"),
+        ):
             await ckpt.save(3, state)
         armed.clear()
         assert not tmp_dirs(tmp_path)
@@ -403,65 +398,55 @@ async def test_early_writes_that_cannot_start_fail_the_save_without_hanging(
     assert (tmp_path / TRACKER).read_text() == "3"
 
 
-def is_base(entry: Any) -> bool:
-    """Whether a plan entry is one of the frozen base tensors (``model/base.N``)."""
-    return entry.name.rsplit("/", 1)[-1].startswith("base.")
-
-
-def hashed_files(entries: list[Any]) -> bool:
-    """Whether a staging call is the one of the files that change (no base file)."""
-    return not any(is_base(e) for e in entries)
-
-
 def staging_waits_for(
-    monkeypatch: pytest.MonkeyPatch, armed: threading.Event, event: threading.Event
-) -> list[bool]:
-    """While ``armed``, the staging of the changed files (no base file) first
-    waits in the event loop until ``event`` is set (at most ``WAIT_S``). Returns
-    the list of whether it was, one item per such staging."""
-    import asyncsave._jobs as jobs
-
+    stack: contextlib.ExitStack, event: threading.Event
+) -> tuple[threading.Event, list[bool]]:
+    """The first staging of a save once the returned ``armed`` is set (an
+    incremental save stages only its changed files: the others are hashed in
+    place) first waits, in a worker thread, until ``event`` is set (at most
+    ``WAIT_S``). Returns ``armed`` and the list of whether it was."""
+    stop = stack.enter_context(pause_at("staging", armed=False))
     waited: list[bool] = []
-    real_stage = jobs.stage_entries
 
-    async def stage_entries(lease: Any, entries: list[Any], **kwargs: Any) -> None:
-        if armed.is_set() and entries and hashed_files(entries):
-            with anyio.move_on_after(WAIT_S):
-                while not event.is_set():
-                    await anyio.sleep(0.005)
-            waited.append(event.is_set())
-        await real_stage(lease, entries, **kwargs)
+    def release() -> None:
+        if stop.reached.wait(3 * WAIT_S):
+            waited.append(event.wait(WAIT_S))
+            stop.release()
 
-    monkeypatch.setattr(jobs, "stage_entries", stage_entries)
-    return waited
+    threading.Thread(target=release, daemon=True).start()
+    return stop.armed, waited
 
 
 def sets_when_called(
-    monkeypatch: pytest.MonkeyPatch, name: str, armed: threading.Event, event: threading.Event
+    stack: contextlib.ExitStack, what: str, armed: threading.Event, event: threading.Event
 ) -> None:
-    """While ``armed``, ``Reuse.<name>`` sets ``event`` when it is called."""
-    real = getattr(Reuse, name)
+    """While ``armed``, each incremental step ``what`` sets ``event`` as it starts."""
 
-    def hooked(self: Reuse, *args: Any) -> Any:
-        if armed.is_set():
+    def before(step: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and step == what:
             event.set()
-        return real(self, *args)
 
-    monkeypatch.setattr(Reuse, name, hooked)
+    stack.enter_context(incremental_steps(before=before))
+
+
+@pytest.fixture
+def stack() -> Iterator[contextlib.ExitStack]:
+    with contextlib.ExitStack() as hooks:
+        yield hooks
 
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 async def test_the_unchanged_files_are_hashed_while_the_changed_ones_are_staged(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool
+    tmp_path: Path, stack: contextlib.ExitStack, lazy: bool
 ) -> None:
     """The staging copy of the adapters' file waits (in the event loop's task)
     until a base file's hashing has started: it can only start if the hashing
     workers run while the changed files are staged. Staging first and hashing
     after, the wait runs out."""
-    armed, hashing = threading.Event(), threading.Event()
-    sets_when_called(monkeypatch, "prelink", armed, hashing)
-    waited = staging_waits_for(monkeypatch, armed, hashing)
+    hashing = threading.Event()
+    armed, waited = staging_waits_for(stack, hashing)
+    sets_when_called(stack, "hash", armed, hashing)
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
@@ -477,43 +462,48 @@ async def test_the_unchanged_files_are_hashed_while_the_changed_ones_are_staged(
 @pytest.mark.anyio
 @pytest.mark.parametrize("where", ["hashing", "staging"])
 async def test_the_first_failure_stops_the_hashing_of_the_other_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+    tmp_path: Path, stack: contextlib.ExitStack, where: str
 ) -> None:
     """One hashing worker (``writer_threads=1``), three base files: the first
     file's hashing fails, or the staging of the changed files fails while the
     first base file is hashed. save() raises that failure as itself (not a
     group) and no further base file is hashed: the worker stops after its file."""
-    import asyncsave._jobs as jobs
-
-    armed, staging_failed = threading.Event(), threading.Event()
+    armed, hashing, staging_failed = threading.Event(), threading.Event(), threading.Event()
     calls: list[str] = []
-    real_prelink, real_stage = Reuse.prelink, jobs.stage_entries
 
-    def prelink(self: Reuse, fs: Any, tmp: Path, layout: Any, *args: Any) -> bool:
-        if armed.is_set():
-            calls.append(layout.name)
+    def before(what: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and what == "hash":
+            calls.append(name)
             if where == "hashing":
                 raise RuntimeError("hashing failed")
+            hashing.set()
             staging_failed.wait(WAIT_S)
-        return real_prelink(self, fs, tmp, layout, *args)
 
-    async def stage_entries(lease: Any, entries: list[Any], **kwargs: Any) -> None:
-        if armed.is_set() and where == "staging" and entries and hashed_files(entries):
-            while not calls:  # the first base file is being hashed
-                await anyio.sleep(0.005)
-            staging_failed.set()
-            raise RuntimeError("staging failed")
-        await real_stage(lease, entries, **kwargs)
-
-    monkeypatch.setattr(Reuse, "prelink", prelink)
-    monkeypatch.setattr(jobs, "stage_entries", stage_entries)
+    stack.enter_context(incremental_steps(before=before))
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True, writer_threads=1) as ckpt:
         await two_saves(ckpt, state)
         state["model"]["lora_A"].add_(1.0)
+        if where == "staging":
+            # The staging of the changed files (the save's only one: the base files
+            # are hashed in place) waits until the first base file is being
+            # hashed, then fails.
+            stack.enter_context(fail_staging(RuntimeError("staging failed")))
+            stop = stack.enter_context(pause_at("staging"))
+            token = anyio.lowlevel.current_token()
+
+            def fail_once_hashing() -> None:
+                if stop.reached.wait(WAIT_S) and hashing.wait(WAIT_S):
+                    stop.release()
+                    for _ in range(5):  # the loop runs the staging on: it raises
+                        anyio.from_thread.run_sync(lambda: None, token=token)
+                    staging_failed.set()
+
+            threading.Thread(target=fail_once_hashing, daemon=True).start()
         armed.set()
         with anyio.fail_after(WAIT_S), pytest.raises(RuntimeError, match=f"{where} failed"):
             await ckpt.save(3, state)
+        stack.close()  # the hooks end here: the next save stages and hashes
         armed.clear()
         assert len(calls) == 1, calls
         assert not tmp_dirs(tmp_path)
@@ -524,14 +514,14 @@ async def test_the_first_failure_stops_the_hashing_of_the_other_files(
 
 @pytest.mark.anyio
 async def test_the_base_is_read_while_the_changed_files_are_staged(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, stack: contextlib.ExitStack
 ) -> None:
     """The staging copy of the adapters' file waits until the base checkpoint is
     being looked up: the early writes then start on a base already read, not
     after reading it."""
-    armed, looking = threading.Event(), threading.Event()
-    sets_when_called(monkeypatch, "find_base", armed, looking)
-    waited = staging_waits_for(monkeypatch, armed, looking)
+    looking = threading.Event()
+    armed, waited = staging_waits_for(stack, looking)
+    sets_when_called(stack, "base", armed, looking)
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
@@ -547,21 +537,19 @@ async def test_the_base_is_read_while_the_changed_files_are_staged(
 @pytest.mark.anyio
 @pytest.mark.parametrize("error", [RuntimeError("no base"), MemoryError()], ids=repr)
 async def test_a_failure_to_read_the_base_fails_the_save_and_loses_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception
+    tmp_path: Path, stack: contextlib.ExitStack, error: Exception
 ) -> None:
     """Looking up the base fails with an error that is not a missing or damaged
     checkpoint (those mean a full write): the save fails with it (read while
     staging: save() raises it; never a wait on a lookup that ended), nothing is
     left behind, and the next save of the step commits whole."""
     armed = threading.Event()
-    real_find = Reuse.find_base
 
-    def find_base(self: Reuse, *args: Any) -> Any:
-        if armed.is_set():
+    def before(what: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and what == "base":
             raise error
-        return real_find(self, *args)
 
-    monkeypatch.setattr(Reuse, "find_base", find_base)
+    stack.enter_context(incremental_steps(before=before))
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
@@ -580,7 +568,7 @@ async def test_a_failure_to_read_the_base_fails_the_save_and_loses_nothing(
 @pytest.mark.anyio
 @pytest.mark.parametrize("when", ["first save", "files found changed"])
 async def test_the_files_of_an_incremental_save_are_written_by_more_threads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
+    tmp_path: Path, stack: contextlib.ExitStack, when: str
 ) -> None:
     """``writer_threads=1``: the files ``write()`` writes after the staging (every
     file of a first save; the base files found changed while hashing) are still
@@ -589,23 +577,12 @@ async def test_the_files_of_an_incremental_save_are_written_by_more_threads(
     barrier = threading.Barrier(3, timeout=WAIT_S)
     armed = threading.Event()
     met: list[int] = []
-    real_write = Reuse.write_file
 
-    def write_file(
-        self: Reuse,
-        base: Any,
-        report: Any,
-        fs: Any,
-        d: Path,
-        layout: Any,
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        if armed.is_set() and layout.nbytes >= OWN_FILE_BYTES and len(met) < 3:
+    def before(what: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and what == "write" and nbytes >= OWN_FILE_BYTES and len(met) < 3:
             met.append(barrier.wait())
-        return real_write(self, base, report, fs, d, layout, *args, **kwargs)
 
-    monkeypatch.setattr(Reuse, "write_file", write_file)
+    stack.enter_context(incremental_steps(before=before))
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True, writer_threads=1) as ckpt:
         if when == "files found changed":
@@ -623,29 +600,26 @@ async def test_the_files_of_an_incremental_save_are_written_by_more_threads(
 
 @pytest.mark.anyio
 async def test_a_hashing_worker_that_dies_fails_the_save_with_its_own_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, stack: contextlib.ExitStack
 ) -> None:
     """A hashing worker thread ends with a BaseException (``SystemExit`` from a
-    library): the save fails with ``WorkerDiedError`` itself, not a group, and
-    the checkpointer goes on."""
-    from asyncsave._pipeline import WorkerDiedError
-
+    library): the save fails with ``WorkerDiedError`` itself (a ``RuntimeError``),
+    not a group, and the checkpointer goes on."""
     armed = threading.Event()
-    real_prelink = Reuse.prelink
 
-    def prelink(self: Reuse, *args: Any) -> bool:
-        if armed.is_set():
+    def before(what: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and what == "hash":
             raise SystemExit(3)
-        return real_prelink(self, *args)
 
-    monkeypatch.setattr(Reuse, "prelink", prelink)
+    stack.enter_context(incremental_steps(before=before))
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
         state["model"]["lora_A"].add_(1.0)
         armed.set()
-        with anyio.fail_after(WAIT_S), pytest.raises(WorkerDiedError) as info:
+        with anyio.fail_after(WAIT_S), pytest.raises(RuntimeError) as info:
             await (await ckpt.save(3, state))
+        assert type(info.value).__name__ == "WorkerDiedError", repr(info.value)
         assert isinstance(info.value.__cause__, SystemExit)
         armed.clear()
         assert not tmp_dirs(tmp_path)
@@ -655,28 +629,22 @@ async def test_a_hashing_worker_that_dies_fails_the_save_with_its_own_error(
 
 @pytest.mark.anyio
 async def test_no_early_write_starts_for_a_save_whose_hashing_failed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, stack: contextlib.ExitStack
 ) -> None:
     """The hashing fails while the changed files are still being staged: their
     write never starts (the save has failed; nothing to wait for)."""
-    armed, failed = threading.Event(), threading.Event()
+    failed = threading.Event()
     writes: list[str] = []
-    real_prelink, real_write = Reuse.prelink, Reuse.write_file
+    armed, _ = staging_waits_for(stack, failed)
 
-    def prelink(self: Reuse, *args: Any) -> bool:
-        if armed.is_set():
+    def before(what: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and what == "hash":
             failed.set()
             raise RuntimeError("hashing failed")
-        return real_prelink(self, *args)
+        if armed.is_set() and what == "write":
+            writes.append(name)
 
-    def write_file(self: Reuse, *args: Any, **kwargs: Any) -> Any:
-        if armed.is_set():
-            writes.append(args[4].name)
-        return real_write(self, *args, **kwargs)
-
-    monkeypatch.setattr(Reuse, "prelink", prelink)
-    monkeypatch.setattr(Reuse, "write_file", write_file)
-    staging_waits_for(monkeypatch, armed, failed)
+    stack.enter_context(incremental_steps(before=before))
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
@@ -692,7 +660,7 @@ async def test_no_early_write_starts_for_a_save_whose_hashing_failed(
 
 @pytest.mark.anyio
 async def test_a_cancelled_save_waits_for_its_hashing_workers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, stack: contextlib.ExitStack
 ) -> None:
     """The caller is cancelled while base files are hashed: save() returns only
     once no worker is inside a hashing (they link into the temporary directory
@@ -700,21 +668,23 @@ async def test_a_cancelled_save_waits_for_its_hashing_workers(
     armed = threading.Event()
     inside = [0]
     lock = threading.Lock()
-    real_prelink = Reuse.prelink
+    counted: set[int] = set()  # the threads whose hashing is counted in ``inside``
 
-    def prelink(self: Reuse, *args: Any) -> bool:
-        if not armed.is_set():
-            return real_prelink(self, *args)
-        with lock:
-            inside[0] += 1
-        try:
-            time.sleep(0.6)  # a slow hashing, longer than the caller waits
-            return real_prelink(self, *args)
-        finally:
+    def before(what: str, name: str, nbytes: int) -> None:
+        if what == "hash" and armed.is_set():
             with lock:
-                inside[0] -= 1
+                inside[0] += 1
+                counted.add(threading.get_ident())
+            time.sleep(0.6)  # a slow hashing, longer than the caller waits
 
-    monkeypatch.setattr(Reuse, "prelink", prelink)
+    def after(what: str, name: str, nbytes: int) -> None:
+        if what == "hash":
+            with lock:
+                if threading.get_ident() in counted:
+                    counted.discard(threading.get_ident())
+                    inside[0] -= 1
+
+    stack.enter_context(incremental_steps(before=before, after=after))
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
@@ -732,20 +702,18 @@ async def test_a_cancelled_save_waits_for_its_hashing_workers(
 
 @pytest.mark.anyio
 async def test_a_base_lookup_that_hangs_is_a_timeout_of_the_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, stack: contextlib.ExitStack
 ) -> None:
     """Looking up the base never returns (a hung listing): the save fails with
     ``CheckpointTimeoutError`` (as the cause of its ``SaveFailedError``: it ended
     before its snapshot was taken) at ``save_timeout_s``, not a wait without end."""
     armed, release = threading.Event(), threading.Event()
-    real_find = Reuse.find_base
 
-    def find_base(self: Reuse, *args: Any) -> Any:
-        if armed.is_set():
+    def before(what: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and what == "base":
             release.wait(WAIT_S)
-        return real_find(self, *args)
 
-    monkeypatch.setattr(Reuse, "find_base", find_base)
+    stack.enter_context(incremental_steps(before=before))
     state = lora_state()
     try:
         async with asyncsave.Checkpointer(tmp_path, incremental=True, save_timeout_s=1.0) as ckpt:
@@ -768,7 +736,7 @@ async def test_a_base_lookup_that_hangs_is_a_timeout_of_the_save(
 @pytest.mark.anyio
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 async def test_a_base_file_found_changed_is_written_while_the_others_are_hashed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool
+    tmp_path: Path, stack: contextlib.ExitStack, lazy: bool
 ) -> None:
     """Every base tensor changed (a model unfrozen): with one hashing worker, the
     hashing of the second and third base files waits until the first one, found
@@ -776,33 +744,19 @@ async def test_a_base_file_found_changed_is_written_while_the_others_are_hashed(
     each wait runs out."""
     armed, writing = threading.Event(), threading.Event()
     waited: list[bool] = []
-    real_prelink, real_write = Reuse.prelink, Reuse.write_file
-
-    def write_file(
-        self: Reuse,
-        base: Any,
-        report: Any,
-        fs: Any,
-        d: Path,
-        layout: Any,
-        *args: Any,
-        **kwargs: Any,
-    ) -> Any:
-        if armed.is_set() and layout.nbytes >= OWN_FILE_BYTES:
-            writing.set()
-        return real_write(self, base, report, fs, d, layout, *args, **kwargs)
-
     seen: list[str] = []
 
-    def prelink(self: Reuse, fs: Any, tmp: Path, layout: Any, *args: Any) -> bool:
-        if armed.is_set():
+    def before(what: str, name: str, nbytes: int) -> None:
+        if not armed.is_set():
+            return
+        if what == "write" and nbytes >= OWN_FILE_BYTES:
+            writing.set()
+        elif what == "hash":
             if seen:  # not the first base file
                 waited.append(writing.wait(WAIT_S))
-            seen.append(layout.name)
-        return real_prelink(self, fs, tmp, layout, *args)
+            seen.append(name)
 
-    monkeypatch.setattr(Reuse, "write_file", write_file)
-    monkeypatch.setattr(Reuse, "prelink", prelink)
+    stack.enter_context(incremental_steps(before=before))
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True, writer_threads=1) as ckpt:
         await two_saves(ckpt, state)
@@ -856,29 +810,28 @@ async def test_a_failed_write_of_a_file_found_changed_fails_the_save(
 
 @pytest.mark.anyio
 async def test_a_failed_staging_of_a_file_found_changed_fails_the_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    """The staging copy of a base file found changed fails: save() raises that
-    error as itself, the early writes are awaited first, nothing is left, and
-    the next save of the step commits whole."""
-    import asyncsave._jobs as jobs
-
+    """The staging of the base files found changed fails (the last step of the
+    save's staging): save() raises that error as itself, the early writes are
+    awaited first, nothing is left, and the next save of the step commits whole."""
     armed = threading.Event()
-    real_stage = jobs.stage_entries
 
-    async def stage_entries(lease: Any, entries: list[Any], **kwargs: Any) -> None:
-        if armed.is_set() and any(is_base(e) for e in entries):
+    def staged() -> None:
+        if armed.is_set():
             raise RuntimeError("staging failed")
-        await real_stage(lease, entries, **kwargs)
 
-    monkeypatch.setattr(jobs, "stage_entries", stage_entries)
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
         for key in ("lora_A", "base.0", "base.1", "base.2"):
             state["model"][key].add_(1)
         armed.set()
-        with anyio.fail_after(WAIT_S), pytest.raises(RuntimeError, match="staging failed"):
+        with (
+            snapshot_taken(staged),
+            anyio.fail_after(WAIT_S),
+            pytest.raises(RuntimeError, match="staging failed"),
+        ):
             await ckpt.save(3, state)
         armed.clear()
         assert not tmp_dirs(tmp_path)
@@ -890,21 +843,19 @@ async def test_a_failed_staging_of_a_file_found_changed_fails_the_save(
 
 @pytest.mark.anyio
 async def test_hashing_longer_than_save_timeout_s_is_not_a_stuck_early_write(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, stack: contextlib.ExitStack
 ) -> None:
     """The early writes take files for as long as the hashing runs; their
     deadline counts from the end of the staging, so a slow hashing (0.5 s per
     base file, 1.5 s against ``save_timeout_s=1``) neither times the save out
     nor poisons the staging memory: steps 3 and 4 commit whole."""
     armed = threading.Event()
-    real_prelink = Reuse.prelink
 
-    def prelink(self: Reuse, *args: Any) -> bool:
-        if armed.is_set():
+    def before(what: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and what == "hash":
             time.sleep(0.5)
-        return real_prelink(self, *args)
 
-    monkeypatch.setattr(Reuse, "prelink", prelink)
+    stack.enter_context(incremental_steps(before=before))
     state = lora_state()
     async with asyncsave.Checkpointer(
         tmp_path, incremental=True, writer_threads=1, save_timeout_s=1.0
@@ -924,7 +875,7 @@ async def test_hashing_longer_than_save_timeout_s_is_not_a_stuck_early_write(
 
 @pytest.mark.anyio
 async def test_a_previous_save_commits_while_the_next_one_hashes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, stack: contextlib.ExitStack
 ) -> None:
     """``writer_threads=1``: step 4's hashing waits (in its worker) until step 3
     is committed and tracked. Step 3's commit runs on the writer threads, which
@@ -932,7 +883,6 @@ async def test_a_previous_save_commits_while_the_next_one_hashes(
     runs out."""
     armed = threading.Event()
     waited: list[bool] = []
-    real_prelink = Reuse.prelink
 
     def tracked(step: str) -> bool:
         deadline = time.monotonic() + WAIT_S
@@ -943,12 +893,11 @@ async def test_a_previous_save_commits_while_the_next_one_hashes(
             time.sleep(0.005)
         return False
 
-    def prelink(self: Reuse, *args: Any) -> bool:
-        if armed.is_set() and not waited:
+    def before(what: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and what == "hash" and not waited:
             waited.append(tracked("3"))
-        return real_prelink(self, *args)
 
-    monkeypatch.setattr(Reuse, "prelink", prelink)
+    stack.enter_context(incremental_steps(before=before))
     state = lora_state()
     async with asyncsave.Checkpointer(tmp_path, incremental=True, writer_threads=1) as ckpt:
         await two_saves(ckpt, state)
@@ -966,7 +915,7 @@ async def test_a_previous_save_commits_while_the_next_one_hashes(
 @pytest.mark.anyio
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 async def test_a_tensor_changed_during_its_save_still_gives_a_verifiable_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool
+    tmp_path: Path, stack: contextlib.ExitStack, lazy: bool
 ) -> None:
     """A caller that breaks the contract and changes a base tensor after its
     hashing found it changed and before it is staged (another thread of the
@@ -975,21 +924,22 @@ async def test_a_tensor_changed_during_its_save_still_gives_a_verifiable_checkpo
     ``load`` agree on it, as for a full save. (The in-place checksum was kept for
     the writer: such checkpoints failed ``verify``.)"""
     armed = threading.Event()
-    real_prelink = Reuse.prelink
     state = lora_state()
+    base_0: list[str] = []  # the name of the data file of base.0
 
-    def prelink(self: Reuse, fs: Any, tmp: Path, layout: Any, *args: Any) -> bool:
-        linked = real_prelink(self, fs, tmp, layout, *args)
-        if armed.is_set() and not linked:
+    def after(what: str, name: str, nbytes: int) -> None:
+        if armed.is_set() and what == "hash" and name in base_0:
             state["model"]["base.0"].add_(1.0)  # after its hashing, before its staging
-        return linked
+            base_0.append("changed")
 
-    monkeypatch.setattr(Reuse, "prelink", prelink)
+    stack.enter_context(incremental_steps(after=after))
     async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
         await two_saves(ckpt, state)
+        base_0.append(data_file_of(tmp_path / "step_2", "model/base.0"))
         state["model"]["base.0"].add_(1.0)  # found changed: handed on after its hashing
         armed.set()
         await (await ckpt.save(3, state, lazy=lazy))
         armed.clear()
+    assert base_0[1:] == ["changed"], base_0  # its hashing was seen, once
     asyncsave.verify(tmp_path / "step_3")
     assert_equal_tree(asyncsave.load(tmp_path / "step_3")["model"], state["model"])

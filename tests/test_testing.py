@@ -16,11 +16,13 @@ import torch
 
 import asyncsave
 from asyncsave.testing import (
+    INCREMENTAL_STEPS,
     INLINE_PLAN_MAX_NODES,
     LAYOUT_NAMES,
     NEWEST_FORMAT_VERSION,
     PHASES,
     FaultyFileSystem,
+    background_tasks,
     block,
     checkpoint_dir_name,
     checkpoint_step,
@@ -29,6 +31,7 @@ from asyncsave.testing import (
     encode_manifest,
     fail_staging,
     gloo_collectives,
+    incremental_steps,
     leftover_temp_names,
     listing_reads,
     on_early_copy,
@@ -36,6 +39,7 @@ from asyncsave.testing import (
     pause_at,
     planning,
     raise_errno,
+    snapshot_taken,
     staging_released,
     staging_steps,
     thresholds,
@@ -550,3 +554,70 @@ async def test_early_copy_made_is_called_in_the_copying_thread_inside_the_block_
     with pytest.raises(TypeError, match="fn="):
         with early_copy_made(None):  # type: ignore[arg-type]
             pass
+
+
+async def test_incremental_steps_sees_the_base_hashing_and_writes_inside_the_block_only(
+    tmp_path: Path,
+) -> None:
+    """An incremental save after two saves of one structure: the base is looked
+    up, the unchanged file hashed in place, the changed one written; ``after``
+    follows each ``before``; what ``before`` raises fails that step."""
+    state = {"frozen": torch.randn(1 << 18), "lora": torch.randn(1 << 18)}  # 1 MiB each
+    steps: list[tuple[str, str]] = []
+    ends: list[str] = []
+    fail = threading.Event()
+
+    def before(what: str, name: str, nbytes: int) -> None:
+        assert what in INCREMENTAL_STEPS and (nbytes > 0) == (what != "base")
+        steps.append((what, name))
+        if fail.is_set() and what == "base":
+            raise StepFailed("no base")
+
+    async with asyncsave.Checkpointer(tmp_path, incremental=True) as ckpt:
+        for step in (1, 2):
+            state["lora"].add_(1)
+            await (await ckpt.save(step, state))
+        with incremental_steps(before=before, after=lambda what, name, n: ends.append(what)):
+            state["lora"].add_(1)
+            await (await ckpt.save(3, state))
+            kinds = sorted({what for what, _ in steps})
+            assert kinds == ["base", "hash", "write"], steps
+            assert sorted(ends) == sorted(what for what, _ in steps)
+            fail.set()
+            with pytest.raises(StepFailed):
+                await ckpt.save(4, state)
+        n = len(steps)
+        await (await ckpt.save(4, state))
+    assert len(steps) == n and committed(tmp_path) == [1, 2, 3, 4]
+    with pytest.raises(TypeError, match="after="):
+        with incremental_steps(after="x"):  # type: ignore[arg-type]
+            pass
+
+
+async def test_snapshot_taken_and_background_tasks_fail_a_save_inside_the_block_only(
+    tmp_path: Path,
+) -> None:
+    calls: list[str] = []
+
+    def staged() -> None:
+        calls.append("staged")
+        raise StepFailed("the last step of staging")
+
+    def started() -> None:
+        calls.append("started")
+        raise StepFailed("task group closed")
+
+    state = {f"t{i}": torch.randn(1 << 17) for i in range(4)}
+    async with asyncsave.Checkpointer(tmp_path, overlap_writes=True) as ckpt:
+        with snapshot_taken(staged), pytest.raises(StepFailed, match="last step"):
+            await ckpt.save(1, state)
+        with thresholds(follow_min_bytes=0), background_tasks(started):
+            with pytest.raises(StepFailed, match="task group"):  # written while staged
+                await ckpt.save(2, state)
+        with thresholds(follow_min_bytes=0):
+            await (await ckpt.save(3, state))
+    assert calls == ["staged", "started"] and committed(tmp_path) == [3]
+    for hook in (snapshot_taken, background_tasks):
+        with pytest.raises(TypeError, match="fn="):
+            with hook(None):  # type: ignore[arg-type]
+                pass
