@@ -152,8 +152,8 @@ def export_hf(
     :raises UnsupportedFormatError: a checkpoint another library wrote (Megatron).
     :raises FileExistsError: ``out_dir`` holds model weights already.
     :raises ValueError: ``max_shard_bytes`` is not a size; ``dtype`` is not one
-        of the four it casts to; ``out_dir`` is a checkpoint directory or inside
-        one (retention would delete the export with it).
+        of the four it casts to; ``out_dir`` is a URL, or a checkpoint directory
+        or inside one (retention would delete the export with it).
     :raises TypeError: ``config`` is not a config, dict or path; ``dtype`` is
         not a ``torch.dtype``.
     :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) the bytes
@@ -176,7 +176,7 @@ def export_hf(
     for item in items:
         _check_nameable(item, dtype, p)
     doc = None if config is None else _config_dict(config, dtype)
-    out = Path(out_dir)
+    out = _local_dir(out_dir)
     _check_out(out)
     written: list[Path] = []
     try:
@@ -456,6 +456,21 @@ def _prepared(
         else:
             end = max(end, hi)
     return out
+
+
+def _local_dir(out_dir: Any) -> Path:
+    """``out_dir`` as a local path.
+
+    :raises ValueError: a URL (``s3://bucket/out``): ``Path`` would make it a
+        local ``s3:/bucket/out``, written without a word.
+    """
+    text = str(out_dir)
+    if "://" in text:
+        raise ValueError(
+            f"out_dir {text!r} is a URL: the export writes a local directory; export "
+            "there, then upload it (e.g. huggingface_hub.upload_folder)"
+        )
+    return Path(out_dir)
 
 
 def _check_out(out: Path) -> None:

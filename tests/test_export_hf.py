@@ -206,10 +206,13 @@ async def test_bad_requests_are_typed_errors_naming_the_key(tmp_path: Path) -> N
     assert not [p for p in (tmp_path / "e").iterdir() if p.name.startswith(".")]
 
 
-async def test_an_export_into_a_checkpoint_directory_is_refused(tmp_path: Path) -> None:
+async def test_an_export_into_a_checkpoint_directory_or_a_url_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The checkpoint would be written to after its commit, and retention would
     # delete the export with it: into the step directory or below it, refused
-    # before anything is created; into the root (no checkpoint), written.
+    # before anything is created; into the root (no checkpoint), written. A URL
+    # out_dir became a local directory "s3:".
     async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
         info = await (await ckpt.save(1, {"model": {"w": torch.randn(2)}}))
     before = sorted(p.name for p in info.path.iterdir())
@@ -218,6 +221,11 @@ async def test_an_export_into_a_checkpoint_directory_is_refused(tmp_path: Path) 
             asyncsave.export_hf(info.path, out)
     assert sorted(p.name for p in info.path.iterdir()) == before
     asyncsave.verify(info.path)
+    # A URL is not made a local directory named "s3:".
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="URL"):
+        asyncsave.export_hf(info.path, "s3://bucket/export")
+    assert not (tmp_path / "s3:").exists()
     asyncsave.export_hf(info.path, tmp_path / "run" / "hf")
     assert (tmp_path / "run" / "hf" / "model.safetensors").is_file()
 
