@@ -151,7 +151,9 @@ def test_an_entry_that_is_not_plain_data_is_named(tmp_path: Path) -> None:
         AsyncsaveCheckpointIO().load_checkpoint(root / "last.ckpt")
 
 
-def test_load_checkpoint_reads_torch_files_and_refuses_others(tmp_path: Path) -> None:
+def test_load_checkpoint_reads_torch_files_and_refuses_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Lightning's own ``TorchCheckpointIO`` writes the same format: it loads
     (the previous release refused it; its own files were pointers then)."""
     io = AsyncsaveCheckpointIO()
@@ -162,8 +164,9 @@ def test_load_checkpoint_reads_torch_files_and_refuses_others(tmp_path: Path) ->
     (tmp_path / "notes.ckpt").write_text("not a checkpoint")
     with pytest.raises(asyncsave.UnsupportedFormatError, match="not a checkpoint pointer"):
         io.load_checkpoint(tmp_path / "notes.ckpt")
-    with pytest.raises(FileNotFoundError):
-        io.load_checkpoint(tmp_path / "missing.ckpt")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"Checkpoint file not found: missing\.ckpt$"):
+        io.load_checkpoint("missing.ckpt")  # named as given, as Lightning's own IO
     (tmp_path / "empty").mkdir()
     with pytest.raises(asyncsave.CheckpointNotFoundError, match="no committed checkpoint"):
         io.load_checkpoint(tmp_path / "empty")

@@ -277,6 +277,27 @@ def test_loading_a_path_this_process_is_writing_waits_for_the_write(tmp_path: Pa
     assert loaded["global_step"] == 4 and torch.equal(loaded["w"], torch.ones(4))
 
 
+def test_a_save_calls_torch_save_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One ``torch.save`` per ``save_checkpoint``, new path or not, as Lightning's
+    own IO (its frequency tests count them; the placeholder is JSON)."""
+    calls: list[object] = []
+    real = torch.save
+
+    def counting(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        calls.append(f)
+        real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", counting)
+    io = AsyncsaveCheckpointIO()
+    try:
+        for step, name in ((1, "a"), (2, "a"), (2, "b")):
+            io.save_checkpoint({"global_step": step, "w": torch.ones(2)}, tmp_path / f"{name}.ckpt")
+        io.wait()
+    finally:
+        io.teardown()
+    assert len(calls) == 3
+
+
 def test_no_thread_of_the_plugin_runs_between_saves(tmp_path: Path) -> None:
     """The writer thread starts with a write and leaves once none is queued:
     after ``wait()`` nothing of the plugin runs, before any ``teardown``
