@@ -16,7 +16,8 @@ the library moves them with it and leaves the tests alone (the idea of httpx's
   (nothing is called, and nothing costs, outside it): :func:`on_early_copy` and
   :func:`early_copy_made` around a lazy save's copy of what forward may change;
   :func:`staging_steps` after each step of a copy that the writers follow;
-  :func:`snapshot_taken` as a snapshot is whole; :func:`staging_released` as a
+  :func:`snapshot_taken` as a snapshot is whole; :func:`stream_rounds` as a
+  streamed save cuts its files into rounds; :func:`staging_released` as a
   save gives its staging memory back; :func:`background_tasks` as its early
   writes start; :func:`planning` at each walk of a state tree and each grouping
   of its tensors; :func:`incremental_steps` around an incremental save's base
@@ -79,6 +80,7 @@ __all__ = [
     "NEWEST_FORMAT_VERSION",
     "PHASES",
     "PROCEED",
+    "StreamPiece",
     "FakeGroup",
     "FakeRank",
     "FaultyFileSystem",
@@ -105,6 +107,7 @@ __all__ = [
     "snapshot_taken",
     "staging_released",
     "staging_steps",
+    "stream_rounds",
     "thresholds",
     "tracker_file_name",
 ]
@@ -868,6 +871,44 @@ def background_tasks(fn: Callable[[], None]) -> Iterator[None]:
         real(self, func, *args)
 
     patches.set(saver, "start_soon", start_soon)
+    try:
+        yield
+    finally:
+        patches.undo()
+
+
+#: A piece of a streamed round (:func:`stream_rounds`): ``(file, entry, start,
+#: end, arena_offset)``, bytes ``[start, end)`` of entry ``entry`` (an index into
+#: the manifest's ``entries``) of data file ``file``, staged at ``arena_offset``
+#: (bytes) of the staging memory in its round.
+StreamPiece = tuple[int, int, int, int, int]
+
+
+@contextmanager
+def stream_rounds(fn: Callable[[int, list[list[StreamPiece]]], None]) -> Iterator[None]:
+    """Call ``fn(budget_bytes, rounds)`` as a streamed save (a state larger than
+    its ``budget_bytes``, staged and written in rounds through that much memory)
+    cuts its files into rounds, in the thread that plans them, while the block
+    runs: ``rounds`` lists each round's pieces (:data:`StreamPiece`). A save of
+    the same structure and budget reuses its rounds: no second call.
+
+    :raises TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn={fn!r} must be callable")
+    replan = importlib.import_module("asyncsave._replan")
+    real = replan.plan_rounds
+    patches = _Patches()
+
+    def plan_rounds(entries: Any, layouts: Any, budget: int) -> Any:
+        rounds = real(entries, layouts, budget)
+        fn(
+            budget,
+            [[(q.file, q.entry, q.start, q.end, q.arena_offset) for q in r] for r in rounds],
+        )
+        return rounds
+
+    patches.set(replan, "plan_rounds", plan_rounds)
     try:
         yield
     finally:

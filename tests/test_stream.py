@@ -1,10 +1,10 @@
 """Streaming a state larger than the staging budget through it in rounds (S15)."""
 
-# Private imports: unit tests of the private round planner of streamed saves.
 from __future__ import annotations
 
 import errno
 import itertools
+import json
 import math
 import threading
 from pathlib import Path
@@ -16,10 +16,7 @@ import torch
 from faults import FaultyFS, pause, raise_errno
 
 import asyncsave
-from asyncsave import _format
-from asyncsave._format import layout_files
-from asyncsave._plan import make_plan
-from asyncsave._stream import plan_rounds
+from asyncsave.testing import StreamPiece, stream_rounds, thresholds
 
 pytestmark = pytest.mark.anyio
 
@@ -57,43 +54,58 @@ def assert_same(a: Any, b: Any) -> None:
         assert a == b
 
 
-@pytest.mark.parametrize("budget", [12288, 12345, 1 << 20])
+@pytest.mark.parametrize("budget", [12288, 12345, 30000])
 @pytest.mark.parametrize("files", [1, 3])
 def test_rounds_cover_every_byte_once_in_file_order_within_the_budget(
-    budget: int, files: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, budget: int, files: int
 ) -> None:
-    monkeypatch.setattr(_format, "MIN_FILE_BYTES", 1024)
-    plan = make_plan(mixed_state(), allow_pickle=False)
-    layouts = layout_files(plan.entries, rank=0, max_files=files)
-    assert len(layouts) == files
-    rounds = plan_rounds(plan.entries, layouts, budget)
+    """A streamed save of a mixed state (about 38 KB) through ``budget`` bytes:
+    each round gives each file at most its share of the arena (a multiple of 64
+    bytes), the pieces of a file never overlap in the arena, and across the
+    rounds each file's entries come in file order, every byte once."""
+    seen: list[tuple[int, list[list[StreamPiece]]]] = []
+    with thresholds(min_file_bytes=1024), stream_rounds(lambda b, r: seen.append((b, r))):
+        with asyncsave.SyncCheckpointer(
+            tmp_path, budget_bytes=budget, writer_threads=files
+        ) as ckpt:
+            info = ckpt.save(1, mixed_state()).result()
+    assert len(seen) == 1 and seen[0][0] == budget, seen
+    rounds = seen[0][1]
+    doc = json.loads((info.path / "manifest.json").read_bytes())
+    entries = doc["entries"]
+    assert len(doc["files"]) == files
+    file_entries = [  # each file's entries in file order (an empty one before its neighbour)
+        sorted(
+            (i for i, e in enumerate(entries) if e["file"] == f),
+            key=lambda i: (entries[i]["offset"], entries[i]["nbytes"] > 0),
+        )
+        for f in range(files)
+    ]
     covered: dict[int, int] = {}
     share = budget // files // 64 * 64
     for pieces in rounds:
         for f in range(files):
-            mine = [p for p in pieces if p.file == f]
-            for p in mine:  # inside the file's share of the arena, no overlap
-                assert f * share <= p.arena_offset
-                assert p.arena_offset + (p.end - p.start) <= (f + 1) * share
-            spans = sorted((p.arena_offset, p.arena_offset + p.end - p.start) for p in mine)
+            mine = [q for q in pieces if q[0] == f]
+            for _, _, start, end, at in mine:  # inside the file's share, no overlap
+                assert f * share <= at and at + (end - start) <= (f + 1) * share
+            spans = sorted((at, at + end - start) for _, _, start, end, at in mine)
             assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
     # Per file, the pieces follow the file's order with no gap and no overlap.
-    for f, fl in enumerate(layouts):
-        order = [(p.entry, p.start, p.end) for r in rounds for p in r if p.file == f]
-        pos = {i: 0 for i in fl.entries}
-        seen_entries = []
+    for f in range(files):
+        order = [(i, start, end) for r in rounds for (g, i, start, end, _) in r if g == f]
+        pos = {i: 0 for i in file_entries[f]}
+        seen_entries: list[int] = []
         for i, start, end in order:
             assert start == pos[i]
             pos[i] = end
             if not seen_entries or seen_entries[-1] != i:
                 seen_entries.append(i)
-        assert seen_entries == fl.entries
-        for i in fl.entries:
-            covered[i] = pos[i]
-    assert covered == {i: e.nbytes for i, e in enumerate(plan.entries)}
-    total = sum(e.nbytes for e in plan.entries)
-    if budget < total:
-        assert len(rounds) >= math.ceil(total / budget)
+        assert seen_entries == file_entries[f]
+        covered.update(pos)
+    assert covered == {i: e["nbytes"] for i, e in enumerate(entries)}
+    total = sum(e["nbytes"] for e in entries)
+    assert budget < total and len(rounds) >= math.ceil(total / budget)
+    assert_same(asyncsave.load(info.path), mixed_state())
 
 
 async def test_state_four_times_the_budget_streams_and_loads_back_equal(tmp_path: Path) -> None:
@@ -135,14 +147,14 @@ async def test_contiguous_tensors_with_odd_strides_on_size_one_dims_stream(
 
 @pytest.mark.parametrize("writer_threads", [1, 3])
 async def test_every_dtype_and_shared_storage_stream_through_a_tiny_budget(
-    tmp_path: Path, writer_threads: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, writer_threads: int
 ) -> None:
-    monkeypatch.setattr(_format, "MIN_FILE_BYTES", 1024)
     state = mixed_state()
-    async with asyncsave.Checkpointer(
-        tmp_path, budget_bytes=3 * 4096, writer_threads=writer_threads
-    ) as ckpt:
-        await (await ckpt.save(1, state))
+    with thresholds(min_file_bytes=1024):
+        async with asyncsave.Checkpointer(
+            tmp_path, budget_bytes=3 * 4096, writer_threads=writer_threads
+        ) as ckpt:
+            await (await ckpt.save(1, state))
     loaded = asyncsave.load(tmp_path / "step_1")
     assert_same(state, loaded)
     assert (

@@ -42,6 +42,7 @@ from asyncsave.testing import (
     snapshot_taken,
     staging_released,
     staging_steps,
+    stream_rounds,
     thresholds,
     tracker_file_name,
 )
@@ -621,3 +622,25 @@ async def test_snapshot_taken_and_background_tasks_fail_a_save_inside_the_block_
         with pytest.raises(TypeError, match="fn="):
             with hook(None):  # type: ignore[arg-type]
                 pass
+
+
+async def test_stream_rounds_sees_the_rounds_of_a_streamed_save_inside_the_block_only(
+    tmp_path: Path,
+) -> None:
+    """Called once per structure and budget, for a state over its budget only;
+    its pieces cover the data of every file."""
+    state = {f"t{i}": torch.randn(1 << 16) for i in range(4)}  # 1 MiB
+    seen: list[tuple[int, int, int]] = []
+
+    def rounds_of(budget: int, rounds: list[list[tuple[int, int, int, int, int]]]) -> None:
+        seen.append((budget, len(rounds), sum(q[3] - q[2] for r in rounds for q in r)))
+
+    async with asyncsave.Checkpointer(tmp_path, budget_bytes=256 << 10) as ckpt:
+        with stream_rounds(rounds_of):
+            await (await ckpt.save(1, state))
+            await (await ckpt.save(2, state))  # the same rounds, reused
+        await (await ckpt.save(3, {"w": torch.zeros(4)}))  # under the budget
+    assert seen == [(256 << 10, 4, 1 << 20)], seen
+    with pytest.raises(TypeError, match="fn="):
+        with stream_rounds(None):  # type: ignore[arg-type]
+            pass
