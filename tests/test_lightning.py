@@ -22,6 +22,8 @@ import lightning_app as app
 import pytest
 import torch
 from faults import FaultyFS, raise_errno
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import asyncsave
 from asyncsave.lightning import POINTER_FORMAT, AsyncsaveCheckpointIO, read_pointer, verify_ckpt
@@ -105,6 +107,38 @@ def test_sigkill_during_a_save_resumes_to_the_uninterrupted_weights(
     model = app.fit(root, EPOCHS, ckpt_path="last")
     assert _same(_weights(model), reference)
     assert torch.load(root / "last.ckpt", weights_only=True)["global_step"] == 16
+
+
+def test_two_callbacks_and_a_prune_leave_every_ckpt_whole(tmp_path: Path) -> None:
+    """The user report: with two ``ModelCheckpoint`` callbacks the "best" folder
+    held pointers into the other's, and ``asyncsave prune --keep-last 1`` on the
+    root deleted what the best pointer named. Now each folder holds its own
+    files, and a prune of either deletes none of them."""
+    import io as text
+
+    from asyncsave.testing import cli
+
+    torch.manual_seed(0)
+    trainer = Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[AsyncsaveCheckpointIO()],
+        callbacks=[
+            ModelCheckpoint(dirpath=tmp_path / "all", save_top_k=-1, monitor=None),
+            ModelCheckpoint(dirpath=tmp_path / "best", monitor="train_loss", save_top_k=1),
+        ],
+    )
+    trainer.fit(app.Tiny())
+    assert _files(tmp_path / "all") == [f"epoch={e}-step={4 * e + 4}.ckpt" for e in range(3)]
+    (best,) = _files(tmp_path / "best")
+    for folder in ("all", "best"):
+        assert cli(["prune", str(tmp_path / folder), "--keep-last", "1"], out=text.StringIO()) == 0
+    for path in [*(tmp_path / "all").glob("*.ckpt"), tmp_path / "best" / best]:
+        verify_ckpt(path)
+        assert "state_dict" in torch.load(path, weights_only=True)
 
 
 def _legacy_root(root: Path, state: dict[str, Any]) -> None:
