@@ -27,7 +27,7 @@ from ._errors import (
 )
 from ._fs import LocalFileSystem
 from ._fsspec import open_root
-from ._manifest import FORMAT, Manifest, parse_manifest
+from ._manifest import FORMAT, Manifest, parse_manifest, stored_files
 from ._paths import COMMIT_MARKER_NAME, LAYOUTS, MANIFEST_NAME, Layout, aside_dir_step
 from ._track import read_tracker
 from ._types import CheckpointInfo
@@ -61,7 +61,7 @@ def read_checkpoint(
     uncommitted: bool = False,
 ) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path`` and check that
-    every data file has the size the manifest says (no data is read).
+    every file it names (:func:`stored_files`) has the size it says (no data is read).
 
     :param expect_step: the step the directory's name says; a manifest of another
         step (a copied or renamed directory) is refused.
@@ -98,23 +98,24 @@ def read_checkpoint(
             path=path,
             step=manifest.step,
         )
-    for done, f in enumerate(manifest.files, 1):
-        fpath = path / f["name"]
+    stored = stored_files(manifest)
+    for done, f in enumerate(stored, 1):
+        fpath = path / f.name
         try:
             actual = fs.size(fpath)
         except FileNotFoundError as exc:
             raise CorruptCheckpointError(
                 f"data file {fpath} is missing", path=fpath, step=manifest.step
             ) from exc
-        if actual != f["nbytes"]:
+        if actual != f.nbytes:
             raise CorruptCheckpointError(
-                f"data file {fpath} is {actual} bytes, the manifest says {f['nbytes']} "
+                f"data file {fpath} is {actual} bytes, the manifest says {f.nbytes} "
                 "(truncated or altered)",
                 path=fpath,
                 step=manifest.step,
             )
         if progress is not None:
-            progress(done, len(manifest.files))
+            progress(done, len(stored))
     return manifest
 
 
@@ -204,14 +205,15 @@ def scan_steps(fs: LocalFileSystem, root: Path, layout: Layout) -> dict[int, Pat
 
 def stored_info(fs: LocalFileSystem, path: Path, manifest: Manifest) -> CheckpointInfo:
     """:func:`info_of` plus what the checkpoint takes in storage: ``size_bytes``
-    (data files and manifest, plus a layout's info file such as the ``nemo-rl``
-    ``training_info.json`` and an object store's commit marker, where present) and
+    (every file the manifest names, the manifest, plus a layout's info file such
+    as the ``nemo-rl`` ``training_info.json`` and an object store's commit marker,
+    where present) and
     ``saved_unix_s`` (when its manifest was written). One home for every reader
     (:func:`latest`, :func:`verify`, :func:`asyncsave.checkpoints`).
 
     :raises FileNotFoundError: a file went away meanwhile (retention, prune).
     """
-    size = sum(int(f["nbytes"]) for f in manifest.files) + fs.size(path / MANIFEST_NAME)
+    size = sum(f.nbytes for f in stored_files(manifest)) + fs.size(path / MANIFEST_NAME)
     extras = {lay.info_name for lay in LAYOUTS.values() if lay.info_name is not None}
     extras.update(strategy_for(fs).protocol_files)
     for extra in sorted(extras):

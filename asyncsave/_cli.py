@@ -381,21 +381,23 @@ def cmd_verify(fs: LocalFileSystem, path: Path, args: argparse.Namespace, out: T
     total = 0
     for target in targets:
         with contextlib.suppress(CheckpointError, OSError):
-            total += read_checkpoint(fs, target).nbytes
+            m = read_checkpoint(fs, target)
+            total += m.nbytes + m.whole_nbytes
     desc = "verify" if len(targets) == 1 else f"verify {len(targets)} checkpoints"
     rc = 0
     with _bar(args.progress, total, desc) as bar:
         for target in targets:
             try:
                 info = verify(target, filesystem=fs, progress=bar.update)
-                count = _num_tensors(fs, target, read_checkpoint(fs, target))
+                m = read_checkpoint(fs, target)
+                count = _num_tensors(fs, target, m)
             except CheckpointError as exc:
                 rc = 1
                 bar.write(f"FAIL {target}: {exc}", out)
                 continue
             bar.write(
                 f"ok   {target}: step {info.step}, {count} tensors, "
-                f"{_size(info.nbytes)} verified",
+                f"{_size(info.nbytes + m.whole_nbytes)} verified",
                 out,
             )
     return rc

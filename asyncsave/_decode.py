@@ -33,7 +33,7 @@ from ._errors import (
 from ._format import SAFETENSORS_BITS
 from ._fs import LocalFileSystem
 from ._fsspec import FsspecFileSystem, open_root
-from ._manifest import CHECKSUM, Manifest, torch_dtype
+from ._manifest import CHECKSUM, Manifest, stored_files, torch_dtype
 from ._plan import key_str
 from ._read import read_entries
 from ._types import CheckpointInfo, Tagged
@@ -425,21 +425,25 @@ def verify(
     storage_options: Mapping[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> CheckpointInfo:
-    """Check a checkpoint completely: manifest (and its own checksum), file sizes,
-    safetensors headers, the checksum of every byte, and that every tensor and the
-    state tree can be rebuilt (pickled leaves are not unpickled). Reads every byte
-    once. ``path``, ``filesystem`` and ``storage_options`` as for :func:`load`.
+    """Check a checkpoint completely: manifest (and its own checksum), the size of
+    every file it names, safetensors headers, the checksum of every byte (per
+    entry in safetensors files; per file for a DCP save's ``.metadata`` and the
+    files of DCP's own format written with ``_extensions``, which are never
+    opened as safetensors), and that every tensor and the state tree can be
+    rebuilt (pickled leaves are not unpickled). Reads every byte once. ``path``,
+    ``filesystem`` and ``storage_options`` as for :func:`load`.
 
     :param progress: called with each count of bytes just hashed (chunks of at
         most 8 MiB), possibly from several reading threads at once; the counts add
-        up to ``CheckpointInfo.nbytes`` once the checkpoint verifies (none for
-        another library's files, whose sizes only are checked). The
-        ``asyncsave verify`` command feeds a progress bar with it.
+        up to ``CheckpointInfo.nbytes`` plus the sizes of the files checked whole
+        (a DCP save's ``.metadata`` and compressed files) once the checkpoint
+        verifies (none for another library's files, whose sizes only are
+        checked). The ``asyncsave verify`` command feeds a progress bar with it.
 
     :returns: the checkpoint's :class:`CheckpointInfo`.
     :raises CheckpointNotFoundError: no manifest at ``path``.
     :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) naming the
-        file and entry that is wrong.
+        file and entry that is wrong, or the file that is missing.
     """
     fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
     manifest = read_checkpoint(fs, p, expect_step=step_of_name(p))
@@ -454,15 +458,51 @@ def verify_data(
     progress: Callable[[int], None] | None = None,
 ) -> None:
     """The checks of :func:`verify` after the manifest and the file sizes: every
-    checksum, every tensor and the state tree rebuilt (nothing unpickled). Another
+    checksum (of each entry of a safetensors file; of each file recorded whole, as
+    a DCP save's ``.metadata`` and ``dcp_files``, which are never opened as
+    safetensors), every tensor and the state tree rebuilt (nothing unpickled). Another
     library's files (a ``foreign`` tree) have only their sizes checked.
 
     :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) naming the
         file and entry that is wrong.
     """
+    for rec in stored_files(manifest):
+        if rec.checksum is not None:
+            _verify_whole(fs, path / rec.name, rec.nbytes, rec.checksum, progress)
     if manifest.tree.get("type") == "foreign":
         return
     raw = _read(fs, path, manifest, verify=True, device=torch.device("cpu"), progress=progress)
     tensors = _build_tensors(manifest, raw, torch.device("cpu"))
     decoder = _Decoder(tensors, manifest.tensors, path=path, allow_pickle=False, unpickle=False)
     decoder.node(manifest.tree)
+
+
+def _verify_whole(
+    fs: LocalFileSystem,
+    fpath: Path,
+    nbytes: int,
+    digest: str,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Hash the stored bytes of ``fpath`` (8 MiB reads) against its manifest record.
+
+    :raises ChecksumMismatchError: its size or XXH3-64 digest differs (names it).
+    :raises CorruptCheckpointError: it is missing.
+    """
+    h = xxhash.xxh3_64()
+    seen = 0
+    try:
+        with fs.open_read(fpath) as f:
+            while chunk := f.read(_READ_CHUNK):
+                h.update(chunk)
+                seen += len(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"data file {fpath} is missing", path=fpath) from exc
+    if seen != nbytes or h.hexdigest() != digest:
+        raise ChecksumMismatchError(
+            f"{fpath}: stored bytes do not match their checksum in the manifest "
+            f"({seen} bytes, {h.hexdigest()}; the manifest says {nbytes}, {digest})",
+            path=fpath,
+        )

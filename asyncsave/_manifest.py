@@ -36,6 +36,8 @@ __all__ = [
     "format_version",
     "parse_manifest",
     "record_entries",
+    "StoredRecord",
+    "stored_files",
     "torch_dtype",
 ]
 
@@ -76,11 +78,41 @@ class Manifest:
     # When the saver wrote the manifest, just before the commit (seconds since the
     # epoch); ``None`` when absent or not a finite number.
     created_unix_s: float | None = None
+    # Files checked whole (size and XXH3-64 of their stored bytes), beside the
+    # safetensors ``files``: a DCP save's ``.metadata`` and the files of DCP's own
+    # format (``dcp_files``, written with stream transforms).
+    whole_files: list[StoredRecord] = dataclasses.field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data (the sum of the entries)."""
         return sum(e["nbytes"] for e in self.entries)
+
+    @property
+    def whole_nbytes(self) -> int:
+        """Bytes of the files checked whole (a DCP save's ``.metadata`` and
+        ``dcp_files``), which :func:`asyncsave.verify` hashes besides the entries."""
+        return sum(f.nbytes for f in self.whole_files)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredRecord:
+    """One file a checkpoint stores beside its manifest, as the manifest records it:
+    its plain name in the checkpoint directory, its size in bytes and, for a file
+    checked whole, the XXH3-64 hex digest of its stored bytes (``None`` for a
+    safetensors data file, whose entries carry the checksums)."""
+
+    name: str
+    nbytes: int
+    checksum: str | None
+
+
+def stored_files(manifest: Manifest) -> list[StoredRecord]:
+    """Every file ``manifest`` names, each once: the safetensors data files, then
+    the files checked whole (a DCP save's ``.metadata`` and ``dcp_files``). The one
+    list that sizes, verification, copies between tiers and listings read."""
+    out = [StoredRecord(f["name"], f["nbytes"], None) for f in manifest.files]
+    return out + manifest.whole_files
 
 
 _DTYPES: dict[str, torch.dtype | None] = {}  # name -> answer, for names seen (strs)
@@ -288,6 +320,7 @@ def _parse(raw: bytes, path: Path) -> Manifest:
         costs=costs,
         training_info=training_info,
         created_unix_s=_finite(doc.get("created_unix_s")),
+        whole_files=_checked_whole_files(doc, {f["name"] for f in files}, path),
     )
 
 
@@ -340,6 +373,41 @@ def _checked_files(files: Any, path: Path) -> list[dict[str, Any]]:
             raise _fail(path, f"files[{i}] repeats {f['name']!r}")
         names.add(f["name"])
     return files
+
+
+_DCP_METADATA_NAME = ".metadata"  # torch.distributed.checkpoint's file name
+
+
+def _checked_whole_files(doc: dict[str, Any], taken: set[str], path: Path) -> list[StoredRecord]:
+    """``dcp_metadata`` (an object named ``.metadata``) and ``dcp_files`` (a list of
+    objects with a safe plain name), each with a size and an XXH3-64 digest, no
+    name repeated or shared with ``files``; both absent outside DCP saves."""
+    records: list[tuple[str, Any]] = []
+    meta = doc.get("dcp_metadata")
+    if meta is not None:
+        if not isinstance(meta, dict) or meta.get("name") != _DCP_METADATA_NAME:
+            raise _fail(path, f"dcp_metadata is not an object named {_DCP_METADATA_NAME!r}")
+        records.append(("dcp_metadata", meta))
+    listed = doc.get("dcp_files", [])
+    if not isinstance(listed, list):
+        raise _fail(path, "dcp_files is not a list")
+    for i, f in enumerate(listed):
+        if not isinstance(f, dict) or not _safe_file_name(f.get("name")):
+            raise _fail(path, f"dcp_files[{i}] has no safe plain file name")
+        records.append((f"dcp_files[{i}]", f))
+    out = []
+    names = set(taken)
+    for where, rec in records:
+        if not _int(rec.get("nbytes")):
+            raise _fail(path, f"{where}.nbytes is not a non-negative int")
+        digest = rec.get(CHECKSUM)
+        if not isinstance(digest, str) or not _HEX16.match(digest):
+            raise _fail(path, f"{where}.{CHECKSUM} is not 16 hex digits")
+        if rec["name"] in names:
+            raise _fail(path, f"{where} repeats {rec['name']!r}")
+        names.add(rec["name"])
+        out.append(StoredRecord(rec["name"], rec["nbytes"], digest))
+    return out
 
 
 def _checked_entries(entries: Any, files: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
