@@ -149,7 +149,10 @@ def export_hf(
         are both ``a.b``), naming both.
     :raises UnsupportedTensorError: a tensor whose dtype safetensors cannot name
         (complex128, sub-byte types), naming its key.
-    :raises UnsupportedFormatError: a checkpoint another library wrote (Megatron).
+    :raises UnsupportedFormatError: a checkpoint another library wrote (Megatron);
+        a plain save of N ranks whose ranks hold different tensors under ``key``
+        (pipeline stages, tensor-parallel shards: rank 0's would be a part of
+        the model), naming the key and rank.
     :raises FileExistsError: ``out_dir`` holds model weights already.
     :raises ValueError: ``max_shard_bytes`` is not a size; ``dtype`` is not one
         of the four it casts to; ``out_dir`` is a URL, or a checkpoint directory
@@ -172,7 +175,9 @@ def export_hf(
     fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
     manifest = read_checkpoint(fs, p, expect_step=step_of_name(p))
     source = _source(fs, p, manifest, verify=verify)
-    items = _selected(source.items, key, source.all_tensors, p)
+    prefix = _prefix(source.items, key, source.all_tensors, p)
+    items = _selected(source.items, prefix, p)
+    source.check_replicated(items, prefix)
     for item in items:
         _check_nameable(item, dtype, p)
     doc = None if config is None else _config_dict(config, dtype)
@@ -221,9 +226,11 @@ class _PlainSource:
 
     def __init__(self, fs: LocalFileSystem, path: Path, manifest: Manifest, *, verify: bool):
         self.fs, self.path, self.manifest, self.verify = fs, path, manifest, verify
-        tree, t0, t1 = manifest.tree, 0, len(manifest.tensors)
+        ranges = [(manifest.tree, 0, len(manifest.tensors))]
         if manifest.world_size > 1:
-            tree, t0, t1 = _rank0(fs, path, manifest)
+            ranges = _rank_ranges(fs, path, manifest)
+        tree, t0, t1 = ranges[0]
+        self.ranks = [(t0, t1) for _, t0, t1 in ranges]
         self.all_tensors = _only_tensors(tree)
         self.items = []
         for ri in range(t0, t1):
@@ -232,6 +239,35 @@ class _PlainSource:
                 dt = torch_dtype(rec["dtype"])
                 assert dt is not None  # validated by parse_manifest
                 self.items.append(_Item("", rec["key"], ri, dt, tuple(rec["shape"])))
+
+    def check_replicated(self, items: list[_Item], prefix: str) -> None:
+        """Every rank holds the tensors of ``items`` (rank 0's) under ``prefix``,
+        and no other, with their dtypes and shapes: the replicas of DDP, whose
+        rank 0 is the model. Ranks that hold different parts (pipeline stages,
+        tensor-parallel shards) would export a part of the model.
+
+        :raises UnsupportedFormatError: naming the first key and rank that differ.
+        """
+        ours = {it.key: (str(it.dtype).removeprefix("torch."), list(it.shape)) for it in items}
+        for rank, (t0, t1) in enumerate(self.ranks[1:], start=1):
+            theirs = {
+                rec["key"]: (rec["dtype"], rec["shape"])
+                for rec in self.manifest.tensors[t0:t1]
+                if rec["kind"] in ("tensor", "parameter") and rec["key"].startswith(prefix)
+            }
+            if theirs == ours:
+                continue
+            key = min(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+            raise UnsupportedFormatError(
+                f"{self.path}: rank {rank} holds {key!r} as {_held(theirs.get(key))}, rank 0 "
+                f"as {_held(ours.get(key))}: the ranks hold different parts of the model "
+                "(pipeline stages or tensor-parallel shards), and an export of a plain "
+                "save of N ranks writes rank 0's replica; save the model as DTensor "
+                "through asyncsave.dcp (consolidated on export), or gather it on rank 0",
+                path=self.path,
+                key=key,
+                rank=rank,
+            )
 
     def read(self, items: list[_Item]) -> dict[str, torch.Tensor]:
         chosen = {it.ref for it in items}
@@ -261,6 +297,9 @@ class _DcpSource:
                 continue
             shape = tuple(md.size)
             self.items.append(_Item("", key_str(where), where, md.properties.dtype, shape))
+
+    def check_replicated(self, items: list[_Item], prefix: str) -> None:
+        """Nothing to check: DCP's planner consolidates every rank's shards."""
 
     def read(self, items: list[_Item]) -> dict[str, torch.Tensor]:
         from ._dcp_read import TemplateLoad
@@ -300,19 +339,27 @@ def _source(fs: LocalFileSystem, path: Path, manifest: Manifest, *, verify: bool
     return _PlainSource(fs, path, manifest, verify=verify)
 
 
-def _rank0(fs: LocalFileSystem, path: Path, manifest: Manifest) -> tuple[Any, int, int]:
-    """Rank 0's tree and range of tensor records in a save of N ranks."""
+def _rank_ranges(fs: LocalFileSystem, path: Path, manifest: Manifest) -> list[tuple[Any, int, int]]:
+    """Each rank's tree and range of tensor records in a save of N ranks."""
     doc = json.loads(fs.read_bytes(path / MANIFEST_NAME))
+    out: list[tuple[Any, int, int]] = []
     try:
-        rec = doc["ranks"][0]
-        t0, t1 = rec["tensors"]
-        assert type(t0) is int and type(t1) is int and 0 <= t0 <= t1 <= len(manifest.tensors)
-        assert isinstance(rec["tree"], dict)
+        assert len(doc["ranks"]) == manifest.world_size
+        for rec in doc["ranks"]:
+            t0, t1 = rec["tensors"]
+            assert type(t0) is int and type(t1) is int
+            assert 0 <= t0 <= t1 <= len(manifest.tensors)
+            assert isinstance(rec["tree"], dict)
+            out.append((rec["tree"], t0, t1))
     except (KeyError, IndexError, TypeError, ValueError, AssertionError) as exc:
         raise CorruptCheckpointError(
-            f"damaged manifest {path / MANIFEST_NAME}: no valid ranks[0]", path=path
+            f"damaged manifest {path / MANIFEST_NAME}: no valid ranks", path=path
         ) from exc
-    return rec["tree"], t0, t1
+    return out
+
+
+def _held(what: tuple[str, list[int]] | None) -> str:
+    return "nothing" if what is None else f"{what[0]} {what[1]}"
 
 
 def _only_tensors(node: Any) -> bool:
@@ -329,10 +376,11 @@ def _only_tensors(node: Any) -> bool:
     return False
 
 
-def _selected(items: list[_Item], key: str | None, all_tensors: bool, path: Path) -> list[_Item]:
-    """The items under ``key`` (see :func:`export_hf`), named below it.
+def _prefix(items: list[_Item], key: str | None, all_tensors: bool, path: Path) -> str:
+    """The key prefix (``"model/"``; ``""`` for the whole state) of the item
+    ``key`` names (see :func:`export_hf`).
 
-    :raises MissingItemError: ``key`` names no tensor, or no default applies.
+    :raises MissingItemError: no default applies.
     """
     if key is None:
         if any(it.key.startswith("model/") for it in items):
@@ -347,13 +395,22 @@ def _selected(items: list[_Item], key: str | None, all_tensors: bool, path: Path
         else:
             key = ""
     key = key.strip("/")
-    prefix = key + "/" if key else ""
+    return key + "/" if key else ""
+
+
+def _selected(items: list[_Item], prefix: str, path: Path) -> list[_Item]:
+    """The items under ``prefix``, named below it.
+
+    :raises MissingItemError: ``prefix`` names no tensor.
+    :raises InvalidKeyError: two of them get one name.
+    """
     out = [
         dataclasses.replace(it, name=it.key[len(prefix) :].replace("/", "."))
         for it in items
         if it.key.startswith(prefix)
     ]
     if not out:
+        key = prefix.removesuffix("/")
         raise MissingItemError(f"{path} has no tensor under {key!r}", path=path, key=key)
     first: dict[str, str] = {}
     for it in out:

@@ -15,7 +15,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import asyncsave
-from asyncsave.testing import cli
+from asyncsave.testing import FakeGroup, cli
 
 pytestmark = pytest.mark.anyio
 
@@ -228,6 +228,43 @@ async def test_an_export_into_a_checkpoint_directory_or_a_url_is_refused(
     assert not (tmp_path / "s3:").exists()
     asyncsave.export_hf(info.path, tmp_path / "run" / "hf")
     assert (tmp_path / "run" / "hf" / "model.safetensors").is_file()
+
+
+async def _save_ranks(root: Path, states: list[dict[str, object]]) -> Path:
+    """One save of ``len(states)`` ranks (a FakeGroup in this process)."""
+    group = FakeGroup(len(states))
+
+    async def rank(r: int) -> None:
+        async with asyncsave.Checkpointer(root, coordinator=group.rank(r)) as ckpt:
+            await (await ckpt.save(1, states[r]))
+
+    async with anyio.create_task_group() as tg:
+        for r in range(len(states)):
+            tg.start_soon(rank, r)
+    return root / "step_1"
+
+
+async def test_ranks_holding_different_parts_of_the_model_are_refused(tmp_path: Path) -> None:
+    # Replicas (DDP) with per-rank optimizer shards (ZeRO-1): rank 0's model.
+    w = torch.randn(4, 4)
+    replicas = await _save_ranks(
+        tmp_path / "ddp",
+        [{"model": {"w": w.clone()}, "optim": {"m": torch.randn(2 + r)}} for r in range(2)],
+    )
+    asyncsave.export_hf(replicas, tmp_path / "ddp-hf")
+    got = safetensors.torch.load_file(tmp_path / "ddp-hf" / "model.safetensors")
+    assert set(got) == {"w"} and torch.equal(got["w"], w)
+    # Pipeline stages (other keys) and tensor-parallel shards (other shapes):
+    # rank 0's tensors would be a part of the model, exported without a word.
+    stages = [{"model": {"layers.0.w": torch.randn(4)}}, {"model": {"layers.1.w": torch.randn(4)}}]
+    shards = [{"model": {"w": torch.randn(2 + r, 4)}} for r in range(2)]
+    for name, states in (("pp", stages), ("tp", shards)):
+        path = await _save_ranks(tmp_path / name, states)
+        with pytest.raises(asyncsave.UnsupportedFormatError, match="rank 1") as err:
+            asyncsave.export_hf(path, tmp_path / f"{name}-hf")
+        assert err.value.rank == 1
+        assert err.value.key == {"pp": "model/layers.0.w", "tp": "model/w"}[name]
+        assert not (tmp_path / f"{name}-hf").exists()
 
 
 def _flip_a_byte_of(path: Path, key: str) -> None:
