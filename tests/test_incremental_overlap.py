@@ -407,14 +407,24 @@ def staging_waits_for(
     ``WAIT_S``). Returns ``armed`` and the list of whether it was."""
     stop = stack.enter_context(pause_at("staging", armed=False))
     waited: list[bool] = []
-
-    def release() -> None:
-        if stop.reached.wait(3 * WAIT_S):
-            waited.append(event.wait(WAIT_S))
-            stop.release()
-
-    threading.Thread(target=release, daemon=True).start()
+    done = threading.Event()
+    watcher = threading.Thread(target=_release_when, args=(stop, event, done, waited))
+    stack.callback(watcher.join, WAIT_S)
+    stack.callback(done.set)  # first (last in, first out): the watcher ends with the test
+    watcher.start()
     return stop.armed, waited
+
+
+def _release_when(
+    stop: Any, event: threading.Event, done: threading.Event, waited: list[bool]
+) -> None:
+    """Once ``stop`` is reached, release it when ``event`` is set (at most
+    ``WAIT_S``), recording whether it was; give up once ``done`` is set."""
+    while not stop.reached.wait(0.01):
+        if done.is_set():
+            return
+    waited.append(event.wait(WAIT_S))
+    stop.release()
 
 
 def sets_when_called(
@@ -499,7 +509,9 @@ async def test_the_first_failure_stops_the_hashing_of_the_other_files(
                         anyio.from_thread.run_sync(lambda: None, token=token)
                     staging_failed.set()
 
-            threading.Thread(target=fail_once_hashing, daemon=True).start()
+            failer = threading.Thread(target=fail_once_hashing)
+            stack.callback(failer.join, 2 * WAIT_S)
+            failer.start()
         armed.set()
         with anyio.fail_after(WAIT_S), pytest.raises(RuntimeError, match=f"{where} failed"):
             await ckpt.save(3, state)
