@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import operator
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -141,11 +142,16 @@ def _bare(e: Entry) -> Entry:
     return new
 
 
+# Every field of an Entry, in __init__'s order (a field added later is copied too).
+_ENTRY_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(Entry)))
+
+
 def _copy(e: Entry) -> Entry:
-    # Cheaper than dataclasses.replace (10x for 100,000 entries): no __init__.
-    new = Entry.__new__(Entry)
-    new.__dict__.update(e.__dict__)
-    return new
+    # Through __init__, all fields read by one C call: 10x cheaper than
+    # dataclasses.replace and cheaper than copying __dict__, which materialised a
+    # dict per entry (Python keeps attributes inline until __dict__ is read):
+    # 100,000 more objects for the collector's young pass after a reused plan.
+    return Entry(*_ENTRY_FIELDS(e))
 
 
 def _template(
