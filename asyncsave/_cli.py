@@ -188,15 +188,23 @@ def cmd_export(fs: LocalFileSystem, path: Path, args: argparse.Namespace, out: T
 
     if path.name == MANIFEST_NAME:
         path = path.parent
-    written = export_hf(
-        path,
-        args.out,
-        key=args.key,
-        config=args.config,
-        max_shard_bytes=args.max_shard_size,
-        dtype=None if args.dtype is None else getattr(torch, args.dtype),
-        filesystem=fs,
-    )
+    try:
+        written = export_hf(
+            path,
+            args.out,
+            key=args.key,
+            config=args.config,
+            max_shard_bytes=args.max_shard_size,
+            dtype=None if args.dtype is None else getattr(torch, args.dtype),
+            filesystem=fs,
+        )
+    except CheckpointError:
+        raise  # a finding about the checkpoint: status 1 (see _run)
+    except (ValueError, TypeError) as exc:
+        # A request that cannot be met (OUT in a checkpoint or a URL, a --config
+        # file that is not a JSON object): one line and status 2, as a usage error.
+        print(f"asyncsave export: {exc}", file=sys.stderr)
+        return 2
     for f in written:
         print(f"wrote {f} ({_size(f.stat().st_size)})", file=out)
     return 0

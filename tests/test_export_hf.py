@@ -340,6 +340,27 @@ async def test_the_command_exports_with_a_config_file(
     assert usage.value.code == 2 and "5 parsecs" in capsys.readouterr().err
 
 
+async def test_the_command_answers_a_request_it_cannot_meet_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # OUT inside the checkpoint, OUT a URL, a --config file that is not an object:
+    # one line and status 2 (a traceback before), nothing written.
+    async with asyncsave.Checkpointer(tmp_path / "run") as ckpt:
+        info = await (await ckpt.save(1, {"model": {"w": torch.randn(2)}}))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    bad_config = [str(tmp_path / "hf"), "--config", str(tmp_path / "list.json")]
+    for rest, said in (
+        ([str(info.path / "hf")], "in the checkpoint"),
+        (["s3://bucket/hf"], "URL"),
+        (bad_config, "JSON object"),
+    ):
+        capsys.readouterr()
+        assert cli(["export", str(info.path), *rest]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "hf").exists() and not (info.path / "hf").exists()
+
+
 # -- saved on 2 gloo ranks (CPU) -----------------------------------------------------
 
 
