@@ -91,7 +91,7 @@ from ._fs import LocalFileSystem
 from ._fsspec import open_root
 from ._handle import SaveHandle
 from ._jobs import check_visible, merge_parts
-from ._manifest import CHECKSUM, SELF_CHECKSUM, encode_manifest, parse_manifest
+from ._manifest import CHECKSUM, SELF_CHECKSUM, encode_manifest, parse_manifest, stored_files
 from ._options import Tier
 from ._paths import COMMIT_MARKER_NAME, MANIFEST_NAME, Layout, is_temp_name
 from ._pipeline import Saver, _final_lock_for
@@ -185,7 +185,7 @@ def copy_checkpoint(
     if overwrite:
         strategy.check_overwrite(dfs, final, step)
     raw = sfs.read_bytes(src / MANIFEST_NAME)
-    named = {f["name"]: f["nbytes"] for f in parse_manifest(raw, src / MANIFEST_NAME).files}
+    named = {f.name: f.nbytes for f in stored_files(parse_manifest(raw, src / MANIFEST_NAME))}
     listed = [n for n in _files(sfs, src) if n not in (MANIFEST_NAME, COMMIT_MARKER_NAME)]
     names = sorted(set(listed) | set(named))  # one the listing lacks fails its copy
     tmp = strategy.begin(dfs, root, step, final)
@@ -757,7 +757,7 @@ class Copier:
             return "ok", None, None
         raw = sfs.read_bytes(src / MANIFEST_NAME)
         manifest = parse_manifest(raw, src / MANIFEST_NAME)
-        named = {f["name"]: f["nbytes"] for f in manifest.files}
+        named = {f.name: f.nbytes for f in stored_files(manifest)}
         names = list(named)
         info = self.layout.info_name
         if self.coord.leader and info is not None and sfs.exists(src / info):

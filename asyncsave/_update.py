@@ -34,6 +34,7 @@ from ._errors import (
     MissingItemError,
     ProtectedCheckpointError,
     SaveFailedError,
+    UnsupportedFormatError,
 )
 from ._format import FileLayout, layout_files, staging_nbytes
 from ._fs import LocalFileSystem
@@ -152,6 +153,7 @@ def _read_item(fs: LocalFileSystem, final: Path, key: str) -> tuple[int, dict[st
 
     :raises ProtectedCheckpointError: ``final`` is a symlink.
     :raises MissingItemError: the checkpoint has no top-level item ``key``.
+    :raises UnsupportedFormatError: it was written through DCP.
     """
     step = read_checkpoint(fs, final).step  # validates everything first
     if fs.is_link(final):
@@ -165,6 +167,16 @@ def _read_item(fs: LocalFileSystem, final: Path, key: str) -> tuple[int, dict[st
     doc = json.loads(fs.read_bytes(final / MANIFEST_NAME))
     doc.pop(SELF_CHECKSUM, None)
     tree = doc["tree"]
+    if tree.get("type") == "dcp":
+        raise UnsupportedFormatError(
+            f"{final} was written through torch.distributed.checkpoint: its items are "
+            "DCP's (possibly in DCP's own compressed files), not a state tree update() "
+            f"can splice {key!r} into; save the step again through DCP with "
+            "overwrite=True instead",
+            path=final,
+            step=step,
+            key=key,
+        )
     items = tree.get("items") if tree.get("type") == "dict" else None
     slot = None
     for i, (k, _) in enumerate(items or []):

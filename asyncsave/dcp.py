@@ -185,7 +185,7 @@ from ._errors import (
 )
 from ._format import SAFETENSORS_DTYPES, staging_nbytes
 from ._fs import LocalFileSystem, check_lock_mode, holds_lock
-from ._fsspec import check_root
+from ._fsspec import check_root, is_url
 from ._jobs import Job, Services, register_job
 from ._manifest import CHECKSUM, FORMAT, FORMAT_VERSION, encode_manifest, torch_dtype
 from ._paths import LAYOUTS, MANIFEST_NAME
@@ -456,7 +456,8 @@ class StorageWriter(_DcpStorageWriter):
     :raises RootInUseError: (from :meth:`finish`) the root's lock stayed held for
         ``lock_timeout_s``; nothing was committed, nothing is left in ``root``.
     :raises CheckpointError: (on construction) ``filesystem`` cannot move files
-        (an object store), which the commit needs to gather every rank's files.
+        (an object store), which the commit needs to gather every rank's files;
+        ``root`` is a URL (``s3://``, ``memory://``; ``file://`` is a local path).
     :raises CheckpointError: (from ``set_up_storage_writer``) ``dcp.save(...,
         use_collectives=False)`` on several ranks (each rank would commit alone;
         DCP's own writer then writes per-rank metadata instead).
@@ -503,6 +504,8 @@ class StorageWriter(_DcpStorageWriter):
     def __post_init__(self) -> None:
         check_root(self.root, "StorageWriter root")
         self.root = os.fspath(self.root)
+        if self.root.lower().startswith("file://"):
+            self.root = self.root[len("file://") :]
         _check_step(self.step)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not one of {sorted(LAYOUTS)}")
@@ -902,6 +905,14 @@ def _strategy_of(root: str, fs: LocalFileSystem) -> CommitStrategy:
     :raises CheckpointError: it cannot move files between directories (an
         object store), which DCP's writer needs to gather every rank's files.
     """
+    if is_url(root):
+        raise CheckpointError(
+            f"StorageWriter root {root!r} is a URL: this writer commits by renaming "
+            "on a local or shared POSIX file system (a URL would be written as a "
+            "local directory of that name); save to a POSIX root and copy it to the "
+            "object store with a persistent Tier (asyncsave.Tier)",
+            path=root,
+        )
     strategy = strategy_for(fs)
     if not strategy.can_move_files:
         raise CheckpointError(
