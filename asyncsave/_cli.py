@@ -265,7 +265,7 @@ def _ls_steps(fs: LocalFileSystem, steps: dict[int, Path], tracked: int | None, 
             rc = 1
             print(f"{head}NOT LOADABLE: {exc}", file=out)
             continue
-        print(f"{head}{_size(m.nbytes):>10}  {count:>6} tensors{_format_note(m)}", file=out)
+        print(f"{head}{_shown_size(m):>10}  {count:>6} tensors{_format_note(m)}", file=out)
     return rc
 
 
@@ -476,8 +476,29 @@ def _num_tensors(fs: LocalFileSystem, path: Path, m: Manifest) -> int:
     return sum(1 for _, dtype, _ in dcp_items(fs, path) if dtype is not None)
 
 
+DCP_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's (no torch import here)
+
+
+def _compressed_nbytes(m: Manifest) -> int | None:
+    """Stored bytes of the files of DCP's own format (a save with stream transforms,
+    ``_extensions``), or ``None`` for any other checkpoint."""
+    sizes = [f.nbytes for f in m.whole_files if f.name != DCP_METADATA_FILE]
+    return sum(sizes) if sizes else None
+
+
+def _shown_size(m: Manifest) -> str:
+    """The size ``ls`` and ``inspect`` show: tensor bytes, or for a save in DCP's
+    own (compressed) files, whose tensors have no entries, the bytes stored."""
+    stored = _compressed_nbytes(m)
+    return _size(m.nbytes) if stored is None else _size(stored)
+
+
 def _format_note(m: Manifest) -> str:
-    return " (torch.distributed.checkpoint)" if m.tree.get("type") == "dcp" else ""
+    if m.tree.get("type") != "dcp":
+        return ""
+    if _compressed_nbytes(m) is not None:
+        return " (torch.distributed.checkpoint, DCP's own files: size as stored)"
+    return " (torch.distributed.checkpoint)"
 
 
 def _describe_dcp(fs: LocalFileSystem, path: Path, out: TextIO) -> None:
@@ -533,7 +554,7 @@ def cmd_inspect(fs: LocalFileSystem, path: Path, args: argparse.Namespace, out: 
         return 1
     print(
         f"{path}: step {m.step}, world size {m.world_size}, "
-        f"{count} tensors, {_size(m.nbytes)}{_format_note(m)}",
+        f"{count} tensors, {_shown_size(m)}{_format_note(m)}",
         file=out,
     )
     try:

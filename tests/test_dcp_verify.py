@@ -166,9 +166,11 @@ def test_cli_verify_inspect_and_ls_on_a_compressed_save(tmp_path: Path) -> None:
     out = io.StringIO()
     assert cli(["inspect", str(final)], out=out) == 0
     assert "torch.distributed.checkpoint" in out.getvalue() and "a" in out.getvalue()
+    assert "0 B" not in out.getvalue()  # no entries: the size shown is as stored
     out = io.StringIO()
     assert cli(["ls", str(tmp_path)], out=out) == 0
     assert "step_1" in out.getvalue() and "NOT LOADABLE" not in out.getvalue()
+    assert " 0 B" not in out.getvalue() and "size as stored" in out.getvalue()
     flip(final / dcp_files(final)[0])
     out = io.StringIO()
     assert cli(["verify", "--no-progress", str(final)], out=out) == 1
