@@ -903,22 +903,23 @@ def _strategy_of(root: str, fs: LocalFileSystem) -> CommitStrategy:
     """The commit protocol of the writer's ``root`` on ``fs``.
 
     :raises CheckpointError: it cannot move files between directories (an
-        object store), which DCP's writer needs to gather every rank's files.
+        object store), which DCP's writer needs to gather every rank's files; or
+        ``root`` is a URL on a local file system layer.
     """
-    if is_url(root):
-        raise CheckpointError(
-            f"StorageWriter root {root!r} is a URL: this writer commits by renaming "
-            "on a local or shared POSIX file system (a URL would be written as a "
-            "local directory of that name); save to a POSIX root and copy it to the "
-            "object store with a persistent Tier (asyncsave.Tier)",
-            path=root,
-        )
     strategy = strategy_for(fs)
     if not strategy.can_move_files:
         raise CheckpointError(
             f"StorageWriter root {root!r}: {fs!r} cannot move files between "
             "directories (an object store), and DCP's writer moves every rank's "
             "files into one directory at the commit: write to a POSIX root",
+            path=root,
+        )
+    if is_url(root):
+        raise CheckpointError(
+            f"StorageWriter root {root!r} is a URL: this writer commits by renaming "
+            "on a local or shared POSIX file system (a URL would be written as a "
+            "local directory of that name); save to a POSIX root and copy it to the "
+            "object store with a persistent Tier (asyncsave.Tier)",
             path=root,
         )
     return strategy
