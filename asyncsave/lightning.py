@@ -82,6 +82,7 @@ asyncsave[lightning]``, tested with lightning 2.6.6).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import dataclasses
 import json
@@ -461,6 +462,9 @@ def verify_ckpt(path: str | os.PathLike[str], storage_options: Any = None) -> No
     local path or an fsspec URL.
 
     :raises ChecksumMismatchError: a record's bytes differ from its CRC-32 (named).
+    :raises CheckpointNotFoundError: ``path`` is the pending placeholder of a save
+        that has not committed (still being written, or the run stopped), with
+        its ``step``.
     :raises UnsupportedFormatError: not a torch zip file.
     :raises FileNotFoundError: no file at ``path``.
     """
@@ -469,6 +473,8 @@ def verify_ckpt(path: str | os.PathLike[str], storage_options: Any = None) -> No
         try:
             bad = zipfile.ZipFile(f).testzip()
         except zipfile.BadZipFile as exc:
+            with contextlib.suppress(UnsupportedFormatError):
+                _pointer_doc(fs, p)  # a pending placeholder raises, naming its step
             raise UnsupportedFormatError(
                 f"{p} is not a torch zip checkpoint ({exc})", path=p
             ) from exc

@@ -128,6 +128,19 @@ def test_a_pending_file_whose_save_never_committed_is_a_typed_error(tmp_path: Pa
     assert info.value.step == 7
 
 
+def test_verify_ckpt_of_a_pending_file_names_its_step(tmp_path: Path) -> None:
+    """verify_ckpt of a placeholder (a save not yet whole, or one a killed run
+    left) says so and names the step, as loading it does, instead of calling the
+    file no torch checkpoint."""
+    (tmp_path / "x.ckpt").write_text(json.dumps({"format": PENDING_FORMAT, "global_step": 9}))
+    with pytest.raises(asyncsave.CheckpointNotFoundError, match="had not committed") as info:
+        verify_ckpt(tmp_path / "x.ckpt")
+    assert info.value.step == 9
+    (tmp_path / "y.ckpt").write_text("{}")
+    with pytest.raises(asyncsave.UnsupportedFormatError, match="not a torch zip"):
+        verify_ckpt(tmp_path / "y.ckpt")
+
+
 def test_a_pending_pointer_of_the_previous_release_is_a_typed_error(tmp_path: Path) -> None:
     doc = {"format": "asyncsave-lightning-pointer", "root": ".", "layout": "asyncsave"}
     (tmp_path / "x.ckpt").write_text(json.dumps({**doc, "step": 7, "pending": True}))
