@@ -94,9 +94,26 @@ def _steps_by_layout(fs: LocalFileSystem, root: Path) -> dict[str, dict[int, Pat
     return tracked or found
 
 
+def _foreign_dcp_hint(fs: LocalFileSystem, path: Path) -> str | None:
+    """When ``path`` is a directory DCP's own ``FileSystemWriter`` wrote (its
+    ``.metadata``, no manifest): say so, and what reads it."""
+    if fs.exists(path / MANIFEST_NAME) or not fs.exists(path / DCP_METADATA_FILE):
+        return None
+    return (
+        f"{path} was written by torch.distributed.checkpoint's FileSystemWriter "
+        f"({DCP_METADATA_FILE}, no {MANIFEST_NAME}), not committed by asyncsave: it has "
+        "no checksums to verify or list; dcp.load with asyncsave.dcp.StorageReader(path) "
+        "or DCP's FileSystemReader(path) reads it"
+    )
+
+
 def _layout_hint(fs: LocalFileSystem, root: Path, layout_name: str) -> str | None:
     """When ``root`` holds no directory of ``layout_name`` but some of others: say
-    which ``--layout`` finds them."""
+    which ``--layout`` finds them; when it is a directory DCP's own writer wrote,
+    say that."""
+    foreign = _foreign_dcp_hint(fs, root)
+    if foreign is not None:
+        return foreign
     others = [n for n in _steps_by_layout(fs, root) if n != layout_name]
     if not others:
         return None
@@ -538,6 +555,10 @@ def cmd_inspect(fs: LocalFileSystem, path: Path, args: argparse.Namespace, out: 
                 file=sys.stderr,
             )
             return 2
+        foreign = _foreign_dcp_hint(fs, path)
+        if foreign is not None:
+            print(f"asyncsave: {foreign}", file=sys.stderr)
+            return 1
     try:
         # The bar counts data files whose size is checked (a request each on an
         # object store); the tree is printed after it closes.

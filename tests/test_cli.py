@@ -211,3 +211,24 @@ def test_every_subcommand_is_one_line_and_status_1_on_a_missing_path(
     err = capsys.readouterr().err
     assert rc == 1 and text == ""
     assert err.count("\n") == 1 and "nothing" in err
+
+
+def test_a_directory_dcps_own_writer_wrote_is_named_with_what_reads_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ls, verify and inspect of a FileSystemWriter directory (no manifest)
+    say what it is and what reads it, not only that no checkpoint is here."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # DCP's "no process group: one process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(tmp_path))
+    rc, text = run("ls", str(tmp_path))
+    assert rc == 1 and "written by torch.distributed.checkpoint's FileSystemWriter" in text
+    assert "asyncsave.dcp.StorageReader(path)" in text
+    for command in ("verify", "inspect"):
+        assert run(command, str(tmp_path))[0] == 1
+        err = capsys.readouterr().err
+        assert "FileSystemWriter (.metadata, no manifest.json)" in err, command
