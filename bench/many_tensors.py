@@ -5,8 +5,11 @@ bfloat16, the same sizes in the same proportions at every count, so the bytes pe
 tensor are equal), flat keys ``experts.{i}.w{j}``, as a MoE model's experts or a
 replay buffer lay them out. For each count, in one run, medians of ``--repeats``:
 
-- ``copy_loop_s``: a Python loop of ``copy_`` into preallocated tensors (the
-  floor of a snapshot with one Python call per tensor);
+- ``foreach_copy_s``: one ``torch._foreach_copy_`` of every tensor into
+  preallocated, already touched tensors (the floor of a snapshot: the reference
+  of the eager target);
+- ``copy_loop_s``: a Python loop of ``copy_`` into the same tensors (one Python
+  call per tensor);
 - ``eager_blocked_s`` / ``eager_durable_s`` / ``hb_max_ms``: asyncsave's eager
   ``save()`` on one checkpointer (a second save of the same structure: the plan
   is reused), the time until it is durable, and the largest gap of a 1 ms
@@ -66,6 +69,15 @@ def moe_state(n: int) -> dict[str, torch.Tensor]:
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def _foreach_copy(state: dict[str, torch.Tensor], dst: list[torch.Tensor]) -> float:
+    srcs = list(state.values())
+    t0 = time.perf_counter()
+    torch._foreach_copy_(dst, srcs)
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def _copy_loop(state: dict[str, torch.Tensor], dst: list[torch.Tensor]) -> float:
@@ -149,6 +161,7 @@ async def bench_count(
         for r in range(repeats):
             step = r + 2
             add("copy_loop_s", await anyio.to_thread.run_sync(_copy_loop, state, dst))
+            add("foreach_copy_s", await anyio.to_thread.run_sync(_foreach_copy, state, dst))
             s = await _save(eager, step, state, hb, lazy=False)
             add("eager_blocked_s", s["blocked_s"])
             add("eager_durable_s", s["durable_s"])
@@ -176,7 +189,13 @@ async def bench_count(
             st_path.unlink()
             (root / "raw.bin").unlink()
     shutil.rmtree(root, ignore_errors=True)
-    row: dict[str, Any] = {"num_tensors": n, "nbytes": nbytes, "repeats": repeats, **first}
+    row: dict[str, Any] = {
+        "num_tensors": n,
+        "nbytes": nbytes,
+        "repeats": repeats,
+        "load_avg_1min": os.getloadavg()[0],  # other jobs on the machine
+        **first,
+    }
     row.update({k: _median(v) for k, v in samples.items()})
     return row
 
@@ -188,21 +207,23 @@ def targets(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
         return {"value": value, "limit": limit, "met": bool(value <= limit)}
 
     return {
-        "eager blocked <= 1.5 x copy_ loop + 10 ms": t(
-            row["eager_blocked_s"], 1.5 * row["copy_loop_s"] + 0.010
+        "eager blocked <= 1.2 x foreach_copy_ + 10 ms": t(
+            row["eager_blocked_s"], 1.2 * row["foreach_copy_s"] + 0.010
         ),
         "largest heartbeat gap <= 10 ms": t(row["hb_max_ms"], 10.0),
-        "durable <= safetensors + fsync": t(row["eager_durable_s"], row["safetensors_durable_s"]),
-        "durable <= 1.25 x raw write + fsync": t(
-            row["eager_durable_s"], 1.25 * row["raw_write_fsync_s"]
+        "lazy blocked <= 0.1 x eager blocked": t(
+            row["lazy_blocked_s"], 0.1 * row["eager_blocked_s"]
+        ),
+        "durable <= 0.5 x safetensors + fsync": t(
+            row["eager_durable_s"], 0.5 * row["safetensors_durable_s"]
         ),
         "cold verified load <= safetensors.load_file": t(row["load_s"], row["safetensors_load_s"]),
-        "lazy blocked <= 10 ms": t(row["lazy_blocked_s"], 0.010),
     }
 
 
 def markdown(result: dict[str, Any]) -> str:
     cols = [
+        ("foreach_copy_", "foreach_copy_s"),
         ("copy_ loop", "copy_loop_s"),
         ("eager blocked", "eager_blocked_s"),
         ("first eager blocked", "first_blocked_s"),
@@ -214,8 +235,10 @@ def markdown(result: dict[str, Any]) -> str:
         ("safetensors load", "safetensors_load_s"),
         ("lazy blocked", "lazy_blocked_s"),
     ]
+    loads = ", ".join(f"{r.get('load_avg_1min', float('nan')):.1f}" for r in result["rows"])
     lines = [
-        f"Many-tensor states ({result['machine']}, medians of {result['repeats']}; times in ms):",
+        f"Many-tensor states ({result['machine']}, medians of {result['repeats']}; times in ms;",
+        f"1-minute load average after each row: {loads}):",
         "",
         "| tensors | MiB | " + " | ".join(c for c, _ in cols) + " |",
         "|" + "---|" * (len(cols) + 2),
@@ -255,7 +278,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ("asyncsave time to durable", "eager_durable_s", "s-"),
         ("asyncsave lazy save() blocked", "lazy_blocked_s", "^-"),
         ("asyncsave cold verified load", "load_s", "D-"),
-        ("copy_ loop (peer)", "copy_loop_s", "o--"),
+        ("foreach_copy_ (floor)", "foreach_copy_s", "o--"),
+        ("copy_ loop (peer)", "copy_loop_s", "x--"),
         ("safetensors save + fsync (peer)", "safetensors_durable_s", "s--"),
         ("safetensors load_file (peer)", "safetensors_load_s", "D--"),
         ("raw write + fsync (limit)", "raw_write_fsync_s", "k:"),
@@ -289,8 +313,8 @@ async def bench(
         row["targets"] = targets(row)
         result["rows"].append(row)
         print(
-            f"{n:>7,} tensors: blocked {row['eager_blocked_s'] * 1e3:.1f} ms (copy_ loop "
-            f"{row['copy_loop_s'] * 1e3:.1f}), hb max {row['hb_max_ms']:.1f} ms, durable "
+            f"{n:>7,} tensors: blocked {row['eager_blocked_s'] * 1e3:.1f} ms (foreach_copy_ "
+            f"{row['foreach_copy_s'] * 1e3:.1f}), hb max {row['hb_max_ms']:.1f} ms, durable "
             f"{row['eager_durable_s'] * 1e3:.0f} ms (safetensors "
             f"{row['safetensors_durable_s'] * 1e3:.0f}, raw {row['raw_write_fsync_s'] * 1e3:.0f}), "
             f"load {row['load_s'] * 1e3:.0f} ms (safetensors "
