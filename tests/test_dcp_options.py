@@ -266,6 +266,19 @@ def test_zstandard_compresses_commits_and_loads_with_both_readers(tmp_path: Path
         assert torch.equal(out["z"], zeros["z"]) and out["meta"] == {"k": 1}
 
 
+def test_dcps_reader_cannot_read_asyncsaves_own_files_as_the_guide_says(tmp_path: Path) -> None:
+    """Without _extensions the files are asyncsave's safetensors files: DCP's
+    FileSystemReader stops on them (the several-ranks guide quotes the error),
+    and StorageReader reads them. Fails once torch reads them, so the guide is
+    rewritten then."""
+    dcp.save(state(2.0), storage_writer=StorageWriter(tmp_path, 3), no_dist=True)
+    with pytest.raises(CheckpointException, match="relative_path"):
+        dcp.load(blank(), storage_reader=FileSystemReader(tmp_path / "step_3"), no_dist=True)
+    out = blank()
+    dcp.load(out, storage_reader=StorageReader(tmp_path), no_dist=True)
+    assert torch.equal(out["a"], state(2.0)["a"])
+
+
 def test_safetensors_serialization_with_a_stream_transform_is_refused(tmp_path: Path) -> None:
     # DCP's FileSystemWriter writes such files, and its reader cannot read them.
     with pytest.raises(ValueError, match="serialization_format=SAFETENSORS with _extensions"):
