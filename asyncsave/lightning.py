@@ -231,8 +231,9 @@ def _pointer_doc(fs: LocalFileSystem, p: Path) -> dict[str, Any]:
         step = doc.get("global_step")
         raise CheckpointNotFoundError(
             f"{p} is the placeholder of a save of global step {step} that had not "
-            "committed (the run may have stopped while saving it): resume from "
-            "another checkpoint of its folder",
+            "committed: if this process is still writing it, the plugin's wait() "
+            "returns once it is whole; if the run stopped while saving it, resume "
+            "from another checkpoint of its folder",
             path=p,
             step=step if type(step) is int else None,
         )

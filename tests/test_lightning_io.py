@@ -136,6 +136,7 @@ def test_verify_ckpt_of_a_pending_file_names_its_step(tmp_path: Path) -> None:
     with pytest.raises(asyncsave.CheckpointNotFoundError, match="had not committed") as info:
         verify_ckpt(tmp_path / "x.ckpt")
     assert info.value.step == 9
+    assert "wait() returns once it is whole" in str(info.value)  # read before wait()
     (tmp_path / "y.ckpt").write_text("{}")
     with pytest.raises(asyncsave.UnsupportedFormatError, match="not a torch zip"):
         verify_ckpt(tmp_path / "y.ckpt")
