@@ -523,7 +523,7 @@ def _describe_dcp(fs: LocalFileSystem, path: Path, out: TextIO) -> None:
     from ._dcp_read import dcp_items
 
     print(
-        "state: written through torch.distributed.checkpoint (DTensor state): "
+        "state: written through torch.distributed.checkpoint: "
         "Checkpointer.load_latest(template) resumes it, as does dcp.load with "
         "asyncsave.dcp.StorageReader",
         file=out,

@@ -279,6 +279,18 @@ def test_dcps_reader_cannot_read_asyncsaves_own_files_as_the_guide_says(tmp_path
     assert torch.equal(out["a"], state(2.0)["a"])
 
 
+def test_inspect_of_a_dcp_save_of_plain_tensors_does_not_call_them_dtensors(
+    tmp_path: Path,
+) -> None:
+    from asyncsave.testing import cli
+
+    dcp.save(state(), storage_writer=StorageWriter(tmp_path, 4), no_dist=True)
+    out = io.StringIO()
+    assert cli(["inspect", str(tmp_path / "step_4")], out=out) == 0
+    assert "written through torch.distributed.checkpoint" in out.getvalue()
+    assert "DTensor" not in out.getvalue()
+
+
 def test_safetensors_serialization_with_a_stream_transform_is_refused(tmp_path: Path) -> None:
     # DCP's FileSystemWriter writes such files, and its reader cannot read them.
     with pytest.raises(ValueError, match="serialization_format=SAFETENSORS with _extensions"):
