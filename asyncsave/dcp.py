@@ -137,6 +137,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint import filesystem as _dcp_filesystem
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import (
@@ -786,6 +787,8 @@ class StorageWriter(_DcpStorageWriter):
         """:meth:`finish` proper; appends the directory it creates to ``temps``."""
         fs, root, step = self.filesystem, save.root, save.step
         located, stored = _located(results)
+        # DCP's Metadata version, as FileSystemWriter records it (None: torch has none)
+        metadata.version = getattr(_dcp_filesystem, "CURRENT_DCP_VERSION", None)
         metadata.storage_data = {wr.index: wr.storage_data for rr in located for wr in rr}
         metadata.storage_meta = StorageMeta(
             checkpoint_id=os.fspath(self._final(save)), save_id=save.save_id

@@ -247,6 +247,22 @@ def test_save_id_is_public_recorded_in_storage_meta_and_fresh_per_save(tmp_path:
     assert second is not None and second.save_id == writer.save_id != first
 
 
+def test_metadata_records_dcps_version_as_filesystem_writer_does(tmp_path: Path) -> None:
+    """``Metadata.version`` (DCP's format version, "1.0.0" on torch 2.13) is what a
+    load planner sees, with asyncsave's commit as with ``FileSystemWriter``, for
+    plain saves and saves through DCP's stream transforms."""
+    dcp.save(state(1.0), storage_writer=FileSystemWriter(tmp_path / "dcp"), no_dist=True)
+    expected = FileSystemReader(tmp_path / "dcp").read_metadata().version
+    assert expected is not None
+    dcp.save(state(1.0), storage_writer=StorageWriter(tmp_path / "plain", 1), no_dist=True)
+    zstd = StorageWriter(tmp_path / "zstd", 1, _extensions=[ZStandard()])
+    dcp.save(state(1.0), storage_writer=zstd, no_dist=True)
+    for root in (tmp_path / "plain", tmp_path / "zstd"):
+        planner = dcp.DefaultLoadPlanner()
+        dcp.load(blank(), storage_reader=StorageReader(root), planner=planner, no_dist=True)
+        assert planner.metadata is not None and planner.metadata.version == expected, root
+
+
 # -- stream transforms (_extensions) -----------------------------------------------------
 
 
