@@ -515,6 +515,46 @@ def test_partial_load_by_state_dict_and_by_keys(tmp_path: Path) -> None:
     assert_same(got["everything"], saved)
 
 
+def _refusal(load: Callable[[], Any]) -> dict[int, tuple[str, str]]:
+    """The errors DCP raised on each rank of a ``load`` that must fail."""
+    with pytest.raises(CheckpointException) as info:
+        load()
+    return {r: (type(e).__name__, str(e)) for r, (e, _tb) in info.value.failures.items()}
+
+
+def test_load_planner_refuses_missing_keys_and_other_sizes_unless_partial(
+    tmp_path: Path,
+) -> None:
+    """``DefaultLoadPlanner``'s checks against the stored metadata: an entry the
+    checkpoint lacks loads with ``allow_partial_load=True`` (the rest is read), is
+    "Missing key in checkpoint" without it; another shape is "Size mismatch". The
+    same refusals, word for word, on both backends."""
+    torch.manual_seed(0)
+    original = nn.Linear(2, 2)
+
+    def flow(writer: Any, reader: Any) -> dict[str, Any]:
+        dcp.save({"module": original}, storage_writer=writer)
+        torch.manual_seed(1)  # the same untouched entry on both backends
+        extra = nn.Linear(2, 2)
+        extra.extra_param = nn.Parameter(torch.randn(2, 2))
+        partial = DefaultLoadPlanner(allow_partial_load=True)
+        dcp.load({"module": extra}, storage_reader=reader, planner=partial)
+        strict = DefaultLoadPlanner(allow_partial_load=False)
+        return {
+            "partial": {k: v.detach().clone() for k, v in extra.state_dict().items()},
+            "missing": _refusal(
+                lambda: dcp.load({"module": extra}, storage_reader=reader, planner=strict)
+            ),
+            "size": _refusal(lambda: dcp.load({"module": nn.Linear(3, 2)}, storage_reader=reader)),
+        }
+
+    got = on_both_backends(tmp_path, flow)
+    assert_same(got["partial"]["weight"], original.weight.detach())
+    assert_same(got["partial"]["bias"], original.bias.detach())
+    assert "Missing key in checkpoint" in str(got["missing"])
+    assert "Size mismatch" in str(got["size"])
+
+
 def test_a_saved_step_is_refused_and_the_root_is_left_as_it_was(tmp_path: Path) -> None:
     """DCP's writer overwrites a checkpoint (``overwrite=True``, with a warning);
     asyncsave never replaces a committed step: the save fails, the committed
