@@ -9,6 +9,7 @@ checkpoints in DCP's own format.
   transforms (``ZStandard``, a transform of the test's own) with a checksum over
   every stored file;
 - ``save_id`` is public and the one in ``Metadata.storage_meta``;
+- ``Metadata.version`` is DCP's, as ``FileSystemWriter`` records it;
 - the refusal of an existing step says what DCP says;
 - ``StorageReader`` reads a directory that ``FileSystemWriter`` wrote, compressed
   or not.
