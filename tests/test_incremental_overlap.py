@@ -498,14 +498,21 @@ async def test_the_first_failure_stops_the_hashing_of_the_other_files(
             # The staging of the changed files (the save's only one: the base files
             # are hashed in place) waits until the first base file is being
             # hashed, then fails.
-            stack.enter_context(fail_staging(RuntimeError("staging failed")))
+            staging_error = RuntimeError("staging failed")
+            stack.enter_context(fail_staging(staging_error))
             stop = stack.enter_context(pause_at("staging"))
             token = anyio.lowlevel.current_token()
 
             def fail_once_hashing() -> None:
                 if stop.reached.wait(WAIT_S) and hashing.wait(WAIT_S):
                     stop.release()
-                    for _ in range(5):  # the loop runs the staging on: it raises
+                    # The loop runs the staging on and it raises (a raised exception
+                    # has a traceback); a few more turns of the loop then carry the
+                    # failure to the save's stop, all on the loop thread.
+                    deadline = time.monotonic() + WAIT_S
+                    while staging_error.__traceback__ is None and time.monotonic() < deadline:
+                        anyio.from_thread.run_sync(lambda: None, token=token)
+                    for _ in range(5):
                         anyio.from_thread.run_sync(lambda: None, token=token)
                     staging_failed.set()
 
