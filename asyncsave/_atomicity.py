@@ -213,40 +213,33 @@ class RenameCommit(CommitStrategy):
         return True
 
     def replace_file(self, fs: LocalFileSystem, path: Path, data: bytes) -> None:
-        # Temp file, fsync, rename(2) over the old one, fsync of the directory.
-        tmp = path.parent / temp_file_name(path.name)
-        try:
-            write_bytes(fs, tmp, data)
-            fs.replace(tmp, path)
-        except BaseException:
-            try:
-                fs.unlink(tmp)
-            except OSError as exc:
-                if exc.errno != errno.ENOENT:
-                    logger.warning("could not remove %s", tmp, exc_info=True)
-            raise
-        fs.fsync_dir(path.parent)
+        _replace_through_temp(fs, path, lambda tmp: write_bytes(fs, tmp, data))
 
     def replace_file_streamed(
         self, fs: LocalFileSystem, path: Path, produce: Callable[[FileSink], Any]
     ) -> None:
-        # Temp file beside the final name, written and fsynced, rename(2) over
-        # the old one, fsync of the directory: the tracker's sequence, streamed.
-        tmp = path.parent / temp_file_name(path.name)
-        try:
-            _stream_to(fs, tmp, produce)
-            fs.replace(tmp, path)
-        except BaseException:
-            try:
-                fs.unlink(tmp)
-            except OSError as exc:
-                if exc.errno != errno.ENOENT:
-                    logger.warning("could not remove %s", tmp, exc_info=True)
-            raise
-        fs.fsync_dir(path.parent)
+        _replace_through_temp(fs, path, lambda tmp: _stream_to(fs, tmp, produce))
 
     def __repr__(self) -> str:
         return "RenameCommit()"
+
+
+def _replace_through_temp(fs: LocalFileSystem, path: Path, write: Callable[[Path], Any]) -> None:
+    """The tracker's sequence: ``write`` a temporary file beside ``path`` (written
+    and fsynced), rename(2) it over the old one, fsync the directory. A failure
+    removes the temporary file and leaves ``path`` as it was."""
+    tmp = path.parent / temp_file_name(path.name)
+    try:
+        write(tmp)
+        fs.replace(tmp, path)
+    except BaseException:
+        try:
+            fs.unlink(tmp)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                logger.warning("could not remove %s", tmp, exc_info=True)
+        raise
+    fs.fsync_dir(path.parent)
 
 
 class MarkerCommit(CommitStrategy):
