@@ -546,7 +546,7 @@ def _check_out(out: Path) -> None:
         )
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    _make_dirs_durably(out)
     held = sorted(
         p.name
         for p in out.iterdir()
@@ -573,6 +573,21 @@ def _checkpoint_of(out: Path) -> Path | None:
     return None
 
 
+def _make_dirs_durably(out: Path) -> None:
+    """Create ``out`` and its missing parents, each made durable in its parent
+    (fsync of the parent directory), so that files fsynced into ``out`` survive
+    a power loss with the directory that names them."""
+    missing: list[Path] = []
+    d = out.absolute()
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    fs = LocalFileSystem()
+    fs.makedirs(out)
+    for made in reversed(missing):  # the top one first: its parent existed
+        fs.fsync_dir(made.parent)
+
+
 def _write_atomic(target: Path, write: Any) -> Path:
     """Write ``target`` through ``write(temp path)``, fsync it, rename it in
     place: a reader never sees half a file."""
@@ -584,11 +599,7 @@ def _write_atomic(target: Path, write: Any) -> Path:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    LocalFileSystem().fsync_dir(target.parent)
     return target
 
 

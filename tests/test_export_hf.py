@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import anyio
@@ -298,6 +299,26 @@ async def test_only_the_models_bytes_are_read_and_a_failed_export_leaves_nothing
         asyncsave.export_hf(info.path, out, max_shard_bytes=20_000, config={"a": 1})
     assert list(out.iterdir()) == []
     asyncsave.export_hf(info.path, out, key="optim", verify=False)  # the directory is usable
+
+
+async def test_the_directories_an_export_creates_are_made_durable_in_their_parents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fresh out_dir whose entry in its parent was never fsynced can vanish at a
+    # power loss with every file fsynced into it.
+    path = await save_trained(tmp_path / "run", tiny_gpt2())
+    synced: list[Path] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "exports" / "hf"
+    asyncsave.export_hf(path, out)
+    assert {tmp_path, tmp_path / "exports", out} <= set(synced)
+    assert any(p.parent == out for p in synced)  # the weights file, as written
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
