@@ -659,6 +659,9 @@ class AsyncsaveCheckpointIO(CheckpointIO):
             self._live[key] = self._seq
             seq = self._seq
         job = self._writer.submit(lambda: self._write(staged, fs, target, step, seq))
+        # A write dropped before it ran (a teardown past save_timeout_s) leaves
+        # no placeholder behind: Lightning would see the name taken for good.
+        job.add_done_callback(lambda done: self._dropped(done, fs, target, seq))
         with _IN_FLIGHT_LOCK:
             _IN_FLIGHT[key] = job
         job.add_done_callback(lambda done: _forget(key, done))
@@ -736,6 +739,14 @@ class AsyncsaveCheckpointIO(CheckpointIO):
                 )
                 error.__cause__ = exc
                 self._error = error
+
+    def _dropped(
+        self, done: concurrent.futures.Future[None], fs: LocalFileSystem, target: Path, seq: int
+    ) -> None:
+        """Done callback of a write: one cancelled before it ran removes its
+        pending file."""
+        if done.cancelled():
+            self._drop_pending(fs, target, seq)
 
     def _drop_pending(self, fs: LocalFileSystem, target: Path, seq: int) -> None:
         key = str(target)

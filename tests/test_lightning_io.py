@@ -346,6 +346,29 @@ def test_a_stuck_write_is_a_timeout_and_teardown_does_not_wait_for_it(tmp_path: 
     assert _no_new_threads(before), _threads() - before
 
 
+def test_a_write_a_timed_out_teardown_drops_leaves_no_placeholder(tmp_path: Path) -> None:
+    """Two paths of one step (top-k and ``last``), the first write stuck: the
+    teardown that times out drops the second, queued write, and the placeholder
+    of its new path goes with it (else Lightning sees the name taken for good)."""
+    go = threading.Event()
+    fs = FaultyFileSystem(
+        "write", block(go), n=2, where=lambda p: ".asyncsave-tmp-a.ckpt-" in Path(p).name
+    )
+    io = AsyncsaveCheckpointIO(filesystem=fs, save_timeout_s=0.5)
+    before = _threads()
+    try:
+        io.save_checkpoint({"global_step": 5, "w": torch.ones(4)}, tmp_path / "a.ckpt")
+        io.save_checkpoint({"global_step": 5, "w": torch.ones(4)}, tmp_path / "b.ckpt")
+        assert _pending(tmp_path / "b.ckpt")
+        with pytest.raises(asyncsave.CheckpointTimeoutError):
+            io.teardown()
+        assert not (tmp_path / "b.ckpt").exists()
+    finally:
+        go.set()  # the stuck write fails now and its thread ends
+    assert _no_new_threads(before), _threads() - before
+    assert not (tmp_path / "a.ckpt").exists()  # its failure removed its placeholder too
+
+
 # -- options -------------------------------------------------------------------
 @pytest.mark.parametrize("route", ["options", "keywords"])
 def test_options_and_keywords_mean_the_same(route: str) -> None:
