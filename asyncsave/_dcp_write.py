@@ -23,6 +23,7 @@ functions run inside ``prepare_global_plan`` (coordinator) and ``write_data``
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -257,13 +258,35 @@ def write_distcp_part(
         for ``_extensions``).
     :returns: DCP's write results (their ``storage_data`` DCP's own) and every file
         written, by name.
-    :raises OSError: from the file system (partial files stay in ``tmp``).
+    :raises OSError: from the file system (partial files stay in ``tmp``); with
+        ``EIO`` when an item got no write result (a writer thread of torch's
+        failed), naming it.
     """
     inner = _distcp_writer(tmp, options)
     inner.set_up_storage_writer(is_coordinator, rank=rank)
     results: list[WriteResult] = inner.write_data(plan, planner).wait()
+    _check_every_item_written(plan, results, tmp)
     names = sorted({wr.storage_data.relative_path for wr in results})
     return results, {n: hash_file(tmp / n) for n in names}
+
+
+def _check_every_item_written(plan: SavePlan, results: list[WriteResult], tmp: Path) -> None:
+    """torch's ``FileSystemWriter`` loses the exception of an extra writer thread
+    (``thread_count > 1``: the thread dies, its items get no result) and returns
+    the others' results: a save committed from them would lack those items.
+
+    :raises OSError: (``EIO``) an item of ``plan`` has no write result, naming it.
+    """
+    done = {wr.index for wr in results}
+    missing = [it.index.fqn for it in plan.items if it.index not in done]
+    if missing:
+        raise OSError(
+            errno.EIO,
+            f"DCP's FileSystemWriter returned no write result for {len(missing)} item(s) "
+            f"(first: {missing[0]!r}): one of its writer threads failed (its error went "
+            "to threading.excepthook); nothing of this save is committed",
+            str(tmp),
+        )
 
 
 def verify_stored(fs: LocalFileSystem, directory: Path, names: Iterable[str]) -> None:

@@ -418,6 +418,39 @@ def test_a_failed_compressed_write_leaves_no_directory_and_keeps_the_last_step(
     assert_same(load_with(StorageReader(tmp_path)), state(1.0))
 
 
+class _DiskFullOffMainThread(_Xor):
+    """A transform whose output fails as a full disk does, in DCP's extra writer
+    threads only (``thread_count > 1``): torch's ``FileSystemWriter`` loses such a
+    thread's exception and returns the results of the other threads."""
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        inner = super().transform_to(output)
+        if threading.current_thread() is threading.main_thread():
+            return inner
+
+        class Writer(io.RawIOBase):
+            def writable(self) -> bool:
+                return True
+
+            def write(self, b: Any) -> int:
+                raise OSError(28, "No space left on device (injected, writer thread)")
+
+        return Writer()  # type: ignore[return-value]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_compressed_write_failing_in_a_writer_thread_commits_nothing(tmp_path: Path) -> None:
+    # Before: the failed thread's items had no write result, and the save
+    # committed a checkpoint without them (its load failed on a missing item).
+    dcp.save(state(1.0), storage_writer=StorageWriter(tmp_path, 1), no_dist=True)
+    writer = StorageWriter(tmp_path, 2, _extensions=[_DiskFullOffMainThread()], thread_count=2)
+    with pytest.raises(CheckpointException, match="no write result"):
+        dcp.save(state(2.0), storage_writer=writer, no_dist=True)
+    assert not (tmp_path / "step_2").exists()
+    assert leftovers(tmp_path) == []
+    assert (tmp_path / TRACKER).read_text().strip() == "1"
+
+
 def _zstd_on_two_ranks(rank: int, world: int, root: str) -> bool:
     dcp.save(
         {f"w{rank}": torch.full((1000,), float(rank + 1)), "shared": torch.ones(4)},
