@@ -189,8 +189,11 @@ class CommitStrategy:
         """Replace the file at ``path`` by what ``produce`` writes into the
         :class:`FileSink` it is given (any size, never held whole in memory):
         readers see the old file or the whole new one; durable on return
-        (blocking). A failure of ``produce`` or of the I/O removes the temporary
-        file (or discards the upload) and propagates unchanged."""
+        (blocking). Both strategies write a temporary name beside ``path`` first
+        (renamed over it on a POSIX directory; copied over it on an object store,
+        where a copy makes the object appear whole). A failure of ``produce`` or
+        of the I/O removes the temporary file and propagates unchanged; ``path``
+        keeps its old bytes."""
         raise NotImplementedError
 
 
@@ -283,9 +286,12 @@ class MarkerCommit(CommitStrategy):
     def replace_file_streamed(
         self, fs: LocalFileSystem, path: Path, produce: Callable[[FileSink], Any]
     ) -> None:
-        # One upload, completed at close: an object store replaces the object
-        # atomically then; a failed upload is discarded (never completed).
-        _stream_to(fs, path, produce)
+        # Uploaded under a temporary key, then copied over the final one (a
+        # server-side copy: the object appears whole) and the temporary key
+        # deleted. Streaming straight to the final key relied on a failed upload
+        # being discarded, which not every fsspec file system does (``memory://``
+        # publishes the object as it is opened): the previous file was lost.
+        _replace_through_temp(fs, path, lambda tmp: _stream_to(fs, tmp, produce))
 
     def __repr__(self) -> str:
         return "MarkerCommit()"

@@ -8,7 +8,9 @@ on CPU; the two-process runs are marked slow."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import json
 import pickle
 import threading
@@ -673,3 +675,44 @@ def test_ddp_spawn_on_two_ranks_saves_with_options_as_with_keywords(
     assert _step(tmp_path / "ckpts" / "last.ckpt") == 2
     # The weights came back through the plugin and their directory went.
     assert [list(d.iterdir()) for d in (tmp_path / "tmp").iterdir()] == [[]]
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.parametrize("fail_after_bytes", [0, 1, 600, 10_000])
+def test_a_save_that_fails_mid_write_leaves_the_previous_file_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory_url: str, where: str, fail_after_bytes: int
+) -> None:
+    """A write that fails after any number of bytes leaves the path's previous
+    ``.ckpt`` as it was, on a local directory and on an fsspec store whose files
+    appear as they are opened (``memory://``): the new bytes go under a temporary
+    name first, never straight into the final one."""
+    import fsspec
+
+    root = str(tmp_path / "ckpts") if where == "local" else memory_url
+    path = f"{root}/last.ckpt"
+    fs, target = fsspec.core.url_to_fs(path)
+    io = AsyncsaveCheckpointIO()
+    try:
+        io.save_checkpoint({"global_step": 1, "w": torch.arange(64.0)}, path)
+        io.wait()
+        before = fs.cat_file(target)
+        real_save = torch.save
+
+        def failing_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+            if fail_after_bytes:
+                f.write(b"\0" * fail_after_bytes)
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+        monkeypatch.setattr(torch, "save", failing_save)
+        io.save_checkpoint({"global_step": 2, "w": torch.arange(64.0) + 1}, path)
+        with pytest.raises(Exception) as failure:
+            io.wait()
+        assert "No space left" in repr(failure.value) + repr(failure.value.__cause__)
+        monkeypatch.setattr(torch, "save", real_save)
+        assert fs.cat_file(target) == before
+        assert io.load_checkpoint(path)["global_step"] == 1
+        assert [n for n in fs.ls(fs._parent(target), detail=False) if ".asyncsave-tmp" in n] == []
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(Exception):
+            io.teardown()
