@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
         RankFailedError,
         RootInUseError,
         SaveFailedError,
+        SaverDiedError,
         StagingBudgetError,
         StagingPendingError,
         TemplateMismatchError,
@@ -57,7 +58,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
     from ._lazy import stage_before_step
     from ._listing import checkpoints, load_step
     from ._load import load, load_tensors
-    from ._options import CheckpointOptions, Tier
+    from ._options import CheckpointOptions, MemoryTier, Tier
     from ._policy import (
         AgreedPolicy,
         SaveAtStep,
@@ -66,7 +67,7 @@ if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
         SaveOnSignal,
         SavePolicy,
     )
-    from ._retention import KeepBest, KeepEvery, KeepLast, Retention
+    from ._retention import KeepBest, KeepBytes, KeepEvery, KeepLast, Retention
     from ._rng import RNGState
     from ._sync import SyncCheckpointer, SyncSaveHandle
     from ._types import CheckpointInfo, Restored, SaveProgress, Tagged
@@ -81,6 +82,7 @@ _LAZY = {
     "SaveHandle": "._engine",
     "CheckpointerClosedError": "._errors",
     "CheckpointError": "._errors",
+    "SaverDiedError": "._errors",
     "CheckpointNotFoundError": "._errors",
     "CheckpointTimeoutError": "._errors",
     "CheckpointWarning": "._errors",
@@ -119,6 +121,7 @@ _LAZY = {
     "verify": "._decode",
     "CheckpointOptions": "._options",
     "Tier": "._options",
+    "MemoryTier": "._options",
     "AgreedPolicy": "._policy",
     "SaveAtStep": "._policy",
     "SaveBeforeDeadline": "._policy",
@@ -126,6 +129,7 @@ _LAZY = {
     "SaveOnSignal": "._policy",
     "SavePolicy": "._policy",
     "KeepBest": "._retention",
+    "KeepBytes": "._retention",
     "KeepEvery": "._retention",
     "KeepLast": "._retention",
     "Retention": "._retention",
@@ -177,11 +181,13 @@ __all__ = [
     "InvalidStateError",
     "InvalidStepError",
     "KeepBest",
+    "KeepBytes",
     "KeepEvery",
     "KeepLast",
     "KindMismatchError",
     "LocalFileSystem",
     "LockUnavailableError",
+    "MemoryTier",
     "MissingItemError",
     "ProtectedCheckpointError",
     "RNGState",
@@ -190,6 +196,7 @@ __all__ = [
     "Retention",
     "RootInUseError",
     "SaveFailedError",
+    "SaverDiedError",
     "SaveAtStep",
     "SaveBeforeDeadline",
     "SaveEvery",

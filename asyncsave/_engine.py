@@ -52,6 +52,7 @@ __all__ = [
     "WorkerDiedError",
     "admission_of",
     "load_latest_and_warning",
+    "persist_newest",
     "retain",
 ]
 
@@ -152,6 +153,20 @@ class Checkpointer:
     :param options: a :class:`CheckpointOptions`; keyword ``overrides`` replace
         single fields (``Checkpointer(root, budget_bytes=2 << 30)``).
     """
+
+    def __new__(
+        cls,
+        root: str | os.PathLike[str] | None = None,
+        options: CheckpointOptions | None = None,
+        **overrides: Any,
+    ) -> Checkpointer:
+        # A memory tier is another engine behind the same interface: chosen once, here.
+        memory = overrides["memory"] if "memory" in overrides else getattr(options, "memory", None)
+        if cls is Checkpointer and memory is not None:
+            from ._memtier import MemoryCheckpointer
+
+            cls = MemoryCheckpointer
+        return object.__new__(cls)
 
     def __init__(
         self,
@@ -489,6 +504,15 @@ async def retain(ckpt: Checkpointer, step: int) -> None:
     ``save_timeout_s``; never deletes the tracked, an in-flight or the resumed-from
     checkpoint)."""
     await ckpt._saver.retain(step)
+
+
+async def persist_newest(ckpt: Checkpointer) -> int | None:
+    """Queue ``ckpt``'s newest committed checkpoint for its persistent tier if
+    that tier lacks it (whatever the tier's policy); ``None`` without a tier or
+    when nothing is due. See :meth:`asyncsave._tiers.Persister.persist_newest`."""
+    if ckpt._tiers is None:
+        return None
+    return await ckpt._tiers.persist_newest()
 
 
 async def load_latest_and_warning(

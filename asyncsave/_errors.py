@@ -24,8 +24,9 @@ know asyncsave::
     ├── SaveFailedError                      "it broke": a background save failed;
     │   │                                    the original error is ``__cause__``
     │   ├── CheckpointTimeoutError(TimeoutError)  a save or close ran past its bound
-    │   └── RankFailedError                  a multi-rank save failed on some rank(s);
-    │                                        ``ranks`` maps each to its cause
+    │   ├── RankFailedError                  a multi-rank save failed on some rank(s);
+    │   │                                    ``ranks`` maps each to its cause
+    │   └── SaverDiedError                   the memory tier's saver process died
     ├── WaitTimeoutError(TimeoutError)       a wait with a timeout ran out; the save
     │                                        goes on (not a failure)
     ├── CheckpointerClosedError(RuntimeError)    "you closed it": used after close
@@ -83,6 +84,7 @@ __all__ = [
     "MissingItemError",
     "ProtectedCheckpointError",
     "RankFailedError",
+    "SaverDiedError",
     "RootInUseError",
     "SaveFailedError",
     "StagingBudgetError",
@@ -292,6 +294,16 @@ def _rebuild_rank_failed(
     message: str, step: int | None, path: str | None, rank: int | None, ranks: dict[int, str]
 ) -> RankFailedError:
     return RankFailedError(message, step=step, path=path, rank=rank, ranks=ranks)
+
+
+class SaverDiedError(SaveFailedError):
+    """The memory tier's saver process died (``MemoryTier``): raised by the
+    trainer's next call (``save()``, ``wait()``, ``await handle``, close), never
+    a hang. Saves it had not committed are lost; the committed ones stay
+    loadable, and a new :class:`~asyncsave.Checkpointer` starts a new saver (its
+    open recovers what the dead one left). The message names the process and how
+    it ended (exit code or signal).
+    """
 
 
 class WaitTimeoutError(CheckpointError, TimeoutError):

@@ -16,7 +16,7 @@ from ._retention import Retention, as_retention
 if TYPE_CHECKING:
     from ._coord import Coordinator
 
-__all__ = ["CheckpointOptions", "Tier"]
+__all__ = ["CheckpointOptions", "MemoryTier", "Tier"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +88,65 @@ class Tier:
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ValueError(f"Tier.timeout_s={t!r} must be a positive finite number")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTier:
+    """A tier in shared memory, in front of the checkpointer's root: the save
+    survives the death of the training process once ``save()`` has returned.
+
+    ::
+
+        ckpt = asyncsave.Checkpointer(
+            "/shared/run1",                               # where saves persist
+            memory=asyncsave.MemoryTier(persist=asyncsave.SaveEvery(10)),
+        )
+
+    With it, ``save()`` copies the snapshot into shared memory (a slot file in
+    ``shm_dir``, pinned on CUDA hosts) owned by a saver process that the
+    checkpointer starts on entry (one per rank: see ``asyncsave._memtier``), and
+    returns once the saver holds it. The saver commits every save to a
+    checkpoint in ``shm_dir`` (the memory tier: a restart on this node resumes
+    from it without reading the disk), copies the saves ``persist`` picks to the
+    root behind it (commit, tracker, the checkpointer's ``retention``), and keeps
+    the newest ``budget_bytes`` of snapshots in memory. If the trainer dies, the
+    saver still commits every save whose ``save()`` returned, persists the newest
+    one, and exits; if the saver dies, the trainer's next call raises
+    :class:`SaverDiedError`. Sources: DLRover's Flash Checkpoint (snapshot in
+    shared memory, an agent persists it), Gemini (SOSP'23, checkpoints in CPU
+    memory).
+
+    :param persist: which saves are copied to the root (a :class:`SavePolicy`
+        asked once per accepted save; ``None``: every save). Whatever it says,
+        close and the trainer's death persist the newest save.
+    :param budget_bytes: tensor bytes of committed snapshots kept in shared
+        memory (:class:`KeepBytes`; the newest is always kept, and a snapshot
+        not yet persisted is never dropped). ``None``: the newest two.
+    :param shm_dir: a tmpfs directory (default ``/dev/shm``); the tier lives in
+        ``shm_dir/asyncsave-<uid>-<hash of the root>``, so a restarted trainer
+        of the same root finds it.
+    :param start_timeout_s: seconds to wait for the saver to start, including
+        for the saver of a dead trainer to finish its commits (it holds the
+        root) before a restarted one takes over.
+    :raises ValueError: a field is invalid (named).
+    """
+
+    persist: SavePolicy | None = None
+    budget_bytes: int | None = None
+    shm_dir: str = "/dev/shm"
+    start_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.persist is not None and not isinstance(self.persist, SavePolicy):
+            raise ValueError(f"MemoryTier.persist={self.persist!r} must be a SavePolicy or None")
+        b = self.budget_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"MemoryTier.budget_bytes={b!r} must be a positive int or None")
+        if not isinstance(self.shm_dir, str) or not self.shm_dir:
+            raise ValueError(f"MemoryTier.shm_dir={self.shm_dir!r} must be a directory path")
+        t = self.start_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"MemoryTier.start_timeout_s={t!r} must be a positive finite number")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +282,10 @@ class CheckpointOptions:
         coordinator is chosen from ``distributed``. ``ValueError`` with
         ``distributed=False``, or with ``persistent`` on more than one rank (the
         tier's copier creates a gloo group of its own).
+    :param memory: a :class:`MemoryTier`: saves go through shared memory owned
+        by a saver process, and survive the trainer's death once ``save()``
+        returned; ``root`` is where they persist. What combines with it:
+        ``asyncsave._memtier.ROWS`` (``docs/guides/tiers.md``).
     """
 
     layout: str = "asyncsave"
@@ -244,6 +307,7 @@ class CheckpointOptions:
     incremental: bool = False
     lock: str = "flock"
     coordinator: Coordinator | None = None
+    memory: MemoryTier | None = None
 
     def __post_init__(self) -> None:
         check_lock_mode(self.lock)
@@ -270,6 +334,8 @@ class CheckpointOptions:
             )
         if self.persistent is not None and not isinstance(self.persistent, Tier):
             raise ValueError(f"persistent={self.persistent!r} must be an asyncsave.Tier or None")
+        if self.memory is not None and not isinstance(self.memory, MemoryTier):
+            raise ValueError(f"memory={self.memory!r} must be an asyncsave.MemoryTier or None")
         if self.incremental not in (True, False):
             raise ValueError(f"incremental={self.incremental!r} must be True or False")
         if self.overlap_writes not in (None, True, False):

@@ -30,6 +30,7 @@ from ._paths import Layout, is_retired_name, retired_dir_name
 __all__ = [
     "Candidate",
     "KeepBest",
+    "KeepBytes",
     "KeepEvery",
     "KeepLast",
     "Retention",
@@ -49,10 +50,12 @@ class Candidate:
     :param step: its step.
     :param training_info: the flat ``training_info`` saved with it (counters and
         metrics), empty when none was given.
+    :param nbytes: its tensor bytes (this rank's part).
     """
 
     step: int
     training_info: Mapping[str, object]
+    nbytes: int = 0
 
 
 class Retention:
@@ -107,6 +110,32 @@ class KeepLast(Retention):
 
     def keep(self, candidates: list[Candidate]) -> set[int]:
         return {c.step for c in candidates[-self.k :]}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepBytes(Retention):
+    """Keep the newest checkpoints whose tensor bytes add up to at most
+    ``budget_bytes`` (the newest is kept whatever its size, as by every rule):
+    the byte budget of the memory tier's snapshots (:class:`MemoryTier`).
+
+    :param budget_bytes: bytes (a positive int) of tensor data to keep.
+    :raises ValueError: ``budget_bytes`` is not a positive int.
+    """
+
+    budget_bytes: int
+
+    def __post_init__(self) -> None:
+        _positive_int("KeepBytes.budget_bytes", self.budget_bytes)
+
+    def keep(self, candidates: list[Candidate]) -> set[int]:
+        kept: set[int] = set()
+        total = 0
+        for c in reversed(candidates):
+            total += c.nbytes
+            if total > self.budget_bytes:
+                break
+            kept.add(c.step)
+        return kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +236,7 @@ def retention_plan(
         except Exception as exc:  # damaged or foreign: not ours to delete
             logger.debug("retention skips %s: %s", path, exc)
             continue
-        candidates.append(Candidate(step, manifest.training_info))
+        candidates.append(Candidate(step, manifest.training_info, manifest.nbytes))
     if not candidates:
         return []
     guard = protected() if callable(protected) else protected

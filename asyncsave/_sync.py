@@ -122,6 +122,11 @@ class SyncCheckpointer(AbstractContextManager["SyncCheckpointer"]):
         backend: str = "asyncio",
         **overrides: Any,
     ) -> None:
+        memory = overrides["memory"] if "memory" in overrides else getattr(options, "memory", None)
+        if memory is not None:
+            from ._memtier import refusal
+
+            raise refusal("`SyncCheckpointer`")
         self._ckpt = Checkpointer(root, options, **overrides)
         self._backend = backend
         self._stack: ExitStack | None = None

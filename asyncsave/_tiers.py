@@ -358,6 +358,32 @@ class Persister:
             baseline = max([s for s in (tracked, *committed) if s is not None], default=None)
             self.copier.tracker = TrackerWriter(self.fs, self.root / self.layout.tracker_name, baseline)
 
+    async def persist_newest(self) -> int | None:
+        """Queue the newest local checkpoint for the persistent tier, whatever
+        the tier's policy says, when it is newer than the newest persistent one
+        and not already being copied: the memory tier's last act, at close or
+        when its trainer died (``asyncsave._saverproc``). Every rank decides from
+        the same committed steps (commits are collective).
+
+        :returns: the step queued, or ``None``.
+        """
+        committed = [s for s in self.saver.committed if s not in self.saver.held]
+        newest = max(self.saver.committed, default=None)
+        if newest is None or newest not in committed:
+            return None
+        if newest <= max(self.copier.committed, default=-1):
+            return None
+        assert self._slots is not None and self.saver.tg is not None
+        await self._slots.acquire()
+        path = self.saver.root / self.layout.dir_name(newest)
+        handle = SaveHandle.resolved(newest, _bare_info(newest, path))
+        handle.due_to_persist = True
+        self.saver.held[newest] = handle
+        turn = self._turns.take()
+        self.saver.tg.start_soon(self._persist, newest, handle, turn, False, True)
+        logger.info("persisting the newest local step %d before the saver ends", newest)
+        return newest
+
     def catch_up(self) -> list[int]:
         """Persist the local checkpoints a previous run left due but not persisted
         (it crashed, or its copy failed): the local steps newer than the newest

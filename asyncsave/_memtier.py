@@ -1,0 +1,808 @@
+"""The memory tier: saves that survive the death of the training process.
+
+``Checkpointer(root, memory=MemoryTier(...))`` makes a :class:`MemoryCheckpointer`,
+the trainer's side of the tier. On entry it starts its saver process
+(``asyncsave._saverproc``); ``save()`` copies the snapshot into a slot of shared
+memory that the saver owns (``asyncsave._slots``) and returns once the saver
+answered (the save accepted, or refused with the saver's typed error); the saver
+commits it to the memory tier (a tmpfs root), persists it to ``root`` (its
+``persistent`` tier) and reports each commit back. Everything past the copy runs
+in the saver: if the trainer dies, the saver still commits every save it
+received, persists the newest one and exits.
+
+**One saver per rank, not per node.** A saver per rank is a process with one
+parent, one socket and one part of the state, and the savers' own gloo group
+(rendezvous through a ``TCPStore`` served by saver 0) agrees each commit
+exactly as the ranks' checkpointers do; a saver per node would have to
+multiplex several trainers, and its death would take every rank of the node.
+The cost is a process and its interpreter per rank (about 150 MB of resident
+memory with torch imported).
+
+**Two slots.** The trainer stages into one slot while the saver still copies the
+previous save out of the other (its lazy save: planned at once, staged in the
+background); a slot comes back once its save is staged in the saver. A third
+save waits for a slot, as a save waits for the staging buffer without a memory
+tier. Slots are sized by the first save and grown (both at once, once both are
+free) when a state outgrows them.
+
+Messages (trainer to saver): ``save``, ``slots``, ``wait``, ``load``, ``close``
+(and ``store`` on several ranks); saver to trainer: ``ready``, ``port``,
+``accepted``/``refused``, ``free``, ``committed``/``failed``,
+``persisted``/``persist_failed``, ``slots``, ``waited``, ``loaded``, ``closed``.
+
+What combines with a memory tier is :data:`ROWS` (rendered in
+``docs/guides/tiers.md``); a refused combination raises
+:class:`UnsupportedCombinationError` when the checkpointer is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import logging
+import operator
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterable, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+import torch
+
+from ._engine import Checkpointer
+from ._errors import (
+    CheckpointerClosedError,
+    CheckpointWarning,
+    InvalidStepError,
+    SaveFailedError,
+    SaverDiedError,
+    UnsupportedCombinationError,
+)
+from ._fsspec import open_root
+from ._handle import SaveHandle
+from ._options import CheckpointOptions, MemoryTier, Tier
+from ._paths import LAYOUTS
+from ._retention import KeepBytes, KeepLast
+from ._slots import Slot, copy_into, pack
+from ._types import CheckpointInfo, Restored
+
+__all__ = ["ROWS", "MemoryCheckpointer", "check_options", "markdown", "refusal"]
+
+logger = logging.getLogger("asyncsave")
+
+_MAX_STEP = 2**62
+_SLOTS = 2
+_GROW = 1.25  # headroom of grown slots
+
+#: What combines with ``memory=``: (option, how it behaves or why it is
+#: refused). ``refused`` rows raise :class:`UnsupportedCombinationError`.
+ROWS: tuple[tuple[str, str, str], ...] = (
+    ("one rank", "supported", "one saver process"),
+    ("several ranks", "supported",
+     "one saver per rank; the savers agree each commit on a gloo group of their own, "
+     "and each rank's snapshots live in its node's memory (`local_scope=\"rank\"`)"),
+    ("eager save", "supported", "returns once the snapshot is in shared memory and the saver has it"),
+    ("lazy save", "supported",
+     "returns once planned; the copy into shared memory runs behind, "
+     "`staged()` waits for it; a trainer that dies before it ends loses that save"),
+    ("CUDA tensors", "supported", "copied device-to-host into the slot, registered as pinned memory"),
+    ("`retention=`", "supported", "applies to `root` (the persistent tier)"),
+    ("`layout=`, `save_step_zero=`, `allow_pickle=`, timeouts, `writer_threads=`", "supported",
+     "passed to the saver's checkpointer"),
+    ("object-store `root`", "supported", "the saver persists there (commit marker)"),
+    ("`budget_bytes=`", "supported", "the saver's own staging buffer"),
+    ("`persistent=`", "refused",
+     "the memory tier's persistent tier is `root` itself: a third tier behind it "
+     "is not built yet; make `root` the shared file system or object store"),
+    ("`incremental=True`", "refused",
+     "incremental saves hash against the previous checkpoint of the same root; "
+     "with a memory tier that root is in memory, where sharing files saves nothing"),
+    ("`coordinator=`", "refused", "the saver processes need real ranks (torch.distributed)"),
+    ("DTensor state", "refused",
+     "DTensor state goes through DCP's planner in the trainer's process group; "
+     "save per-rank state, or use asyncsave.dcp without a memory tier"),
+    ("`update()`", "refused",
+     "rewriting one item happens in the saver's checkpointer; not exposed yet"),
+    ("`SyncCheckpointer`", "refused",
+     "use `Checkpointer` (an async pump) with a memory tier; a synchronous facade is not built yet"),
+)
+
+
+def markdown() -> str:
+    """:data:`ROWS` as a Markdown table (``docs/guides/tiers.md``)."""
+    lines = ["| with `memory=` | | how, or why not |", "|---|---|---|"]
+    lines += [f"| {o} | {v} | {why} |" for o, v, why in ROWS]
+    return "\n".join(lines)
+
+
+def refusal(option: str) -> UnsupportedCombinationError:
+    for o, verdict, why in ROWS:
+        if o == option:
+            assert verdict == "refused"
+            return UnsupportedCombinationError(f"memory=MemoryTier(...) with {option}: {why}")
+    raise AssertionError(option)
+
+
+def check_options(options: CheckpointOptions) -> None:
+    """Raise the refusal of :data:`ROWS` that ``options`` meets, if any."""
+    if options.persistent is not None:
+        raise refusal("`persistent=`")
+    if options.incremental:
+        raise refusal("`incremental=True`")
+    if options.coordinator is not None:
+        raise refusal("`coordinator=`")
+
+
+def memory_home(root: Any, tier: MemoryTier) -> Path:
+    """Where the memory tier of ``root`` lives on this node: one directory per
+    user and root, so that a restarted trainer of the same root finds it."""
+    key = str(root if not isinstance(root, Path) else root.resolve())
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return Path(tier.shm_dir) / f"asyncsave-{os.getuid()}-{digest}"
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _Reply:
+    """One awaited answer of the saver."""
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.value: Any = None
+
+    def set(self, value: Any) -> None:
+        self.value = value
+        self.event.set()
+
+
+class MemoryCheckpointer(Checkpointer):
+    """The trainer's side of a :class:`~asyncsave.MemoryTier` (see the module
+    docstring); made by ``Checkpointer(root, memory=...)`` and used exactly like
+    it (``save``, ``staged``, ``wait``, ``load_latest``, ``agree``, ``async
+    with``). A subclass of :class:`~asyncsave.Checkpointer` that shares its
+    interface, not its engine (the engine runs in the saver): every public
+    method is its own.
+
+    :raises UnsupportedCombinationError: an option :data:`ROWS` refuses.
+    :raises ValueError: an option that cannot be sent to the saver process (a
+        policy or retention rule that does not pickle).
+    """
+
+    def __init__(  # no super().__init__(): the engine is the saver's
+        self,
+        root: str | os.PathLike[str],
+        options: CheckpointOptions | None = None,
+        **overrides: Any,
+    ) -> None:
+        options = options or CheckpointOptions()
+        self.options = dataclasses.replace(options, **overrides) if overrides else options
+        assert self.options.memory is not None
+        self.memory: MemoryTier = self.options.memory
+        check_options(self.options)
+        _, self.root = open_root(
+            root, filesystem=self.options.filesystem, storage_options=self.options.storage_options
+        )
+        self.layout = LAYOUTS[self.options.layout]
+        self._home = memory_home(self.root, self.memory)
+        self._phase = "new"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._tasks: Any = None
+        self._coord: Any = None
+        self._broken: SaveFailedError | None = None
+        self._seq = 0
+        self._handles: dict[int, SaveHandle] = {}
+        self._replies: dict[Any, _Reply] = {}
+        self._slots: list[Slot] = []
+        self._free: set[int] = set()
+        self._changed = anyio.Event()
+        self._order = anyio.Semaphore(1)
+        self._control = anyio.Lock()
+        self._behind: dict[int, SaveHandle] = {}
+        self._resumed: int | None = None
+        self._tracked: int | None = None
+        self.saver_pid: int | None = None
+        self.memory_root: Path | None = None
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({str(self.root)!r}, memory={self.memory!r})"
+
+    # -- the saver process ----------------------------------------------------
+    def _saver_options(self, world: int) -> CheckpointOptions:
+        o = self.options
+        tier = Tier(
+            self.root,
+            policy=self.memory.persist,
+            retention=o.retention,
+            filesystem=o.filesystem,
+            storage_options=o.storage_options,
+            local_scope="rank" if world > 1 else "shared",
+            timeout_s=o.save_timeout_s,
+        )
+        keep = KeepLast(2) if self.memory.budget_bytes is None else KeepBytes(self.memory.budget_bytes)
+        return dataclasses.replace(
+            o,
+            memory=None,
+            persistent=tier,
+            retention=keep,
+            filesystem=None,
+            storage_options=None,
+            distributed=world > 1,
+        )
+
+    async def __aenter__(self) -> MemoryCheckpointer:
+        if self._phase != "new":
+            raise CheckpointerClosedError("a Checkpointer can be entered only once", path=self.root)
+        self._phase = "opening"
+        rank, world = _world() if self.options.distributed is not False else (0, 1)
+        options = self._saver_options(world)
+        hello = {
+            "rank": rank,
+            "world_size": world,
+            "options": options,
+            "memory_home": str(self._home),
+            "memory_root": str(self._home / "tier"),
+            "slot_dir": str(self._home / f"slots-r{rank}"),
+            "start_timeout_s": self.memory.start_timeout_s,
+            "dist_timeout_s": self.options.dist_timeout_s,
+        }
+        try:
+            payload = pickle.dumps(hello)
+        except Exception as exc:
+            raise ValueError(
+                f"the options of Checkpointer({str(self.root)!r}) cannot be sent to the memory "
+                f"tier's saver process (a policy or retention rule that does not pickle?): {exc}"
+            ) from exc
+        await anyio.to_thread.run_sync(self._spawn)
+        try:
+            await self._start(payload, rank, world)
+        except BaseException:
+            await self._stop_process(kill=True)
+            self._phase = "closed"
+            raise
+        self._phase = "open"
+        return self
+
+    def _spawn(self) -> None:
+        """Start the saver process with one end of a socket pair."""
+        self._home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        mine, theirs = socket.socketpair()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "asyncsave._saverproc", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                start_new_session=True,  # a Ctrl-C of the trainer's terminal is not the saver's
+            )
+        finally:
+            theirs.close()
+        self._conn = Connection(mine.detach())
+        self.saver_pid = self._proc.pid
+
+    async def _start(self, payload: bytes, rank: int, world: int) -> None:
+        assert self._conn is not None
+        self._conn.send_bytes(payload)
+        if world > 1:
+            from ._coord import GlooGroup
+
+            self._coord = await GlooGroup.create(self.options.dist_timeout_s)
+            port = (await self._recv_start())[1] if rank == 0 else None
+            host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+            where = await self._coord.broadcast("memory-tier-store", (host, port))
+            if rank != 0:
+                self._conn.send(("store", *where))
+        else:
+            from ._coord import Solo
+
+            self._coord = Solo()
+        kind, ready = await self._recv_start()
+        if kind != "ready":
+            raise SaverDiedError(f"the memory tier's saver sent {kind!r} before it was ready")
+        if isinstance(ready, BaseException):
+            raise ready
+        self.memory_root = Path(ready["memory_root"])
+        self._tasks = anyio.create_task_group()
+        await self._tasks.__aenter__()
+        self._tasks.start_soon(self._read)
+
+    async def _recv_start(self) -> Any:
+        conn = self._conn
+        assert conn is not None
+        with anyio.move_on_after(self.memory.start_timeout_s + 60):
+            try:
+                return await anyio.to_thread.run_sync(conn.recv, abandon_on_cancel=True)
+            except (EOFError, OSError):
+                raise self._died("while starting") from None
+        raise SaverDiedError(
+            f"the memory tier's saver (pid {self.saver_pid}) did not start within "
+            f"{self.memory.start_timeout_s + 60} s",
+            path=self.root,
+        )
+
+    def _died(self, when: str) -> SaverDiedError:
+        proc = self._proc
+        code = None
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = proc.wait(timeout=5)
+        how = (
+            "is still running but closed its socket"
+            if code is None
+            else f"was killed by {signal.Signals(-code).name}"
+            if code < 0
+            else f"exited with code {code}"
+        )
+        return SaverDiedError(
+            f"the memory tier's saver process (pid {self.saver_pid}) {how} {when}; saves it "
+            f"had not committed are lost, committed ones stay loadable under {self.root}",
+            path=self.root,
+        )
+
+    async def _read(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        while True:
+            try:
+                msg = await anyio.to_thread.run_sync(conn.recv, abandon_on_cancel=True)
+            except (EOFError, OSError):
+                if self._phase == "closed":
+                    return
+                self._lose_saver(self._died("during training"))
+                return
+            try:
+                self._take(msg)
+            except Exception as exc:  # a saver of another version, say: never a hang
+                logger.exception("asyncsave: unreadable message from the memory tier's saver")
+                self._lose_saver(
+                    SaverDiedError(f"the memory tier's saver sent {msg[:1]!r}, unreadable: {exc!r}")
+                )
+                return
+
+    def _take(self, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind in ("accepted", "refused"):
+            self._answer(("save", msg[1]), msg)
+        elif kind == "free":
+            self._free.add(msg[1])
+        elif kind == "committed":
+            handle = self._handles.pop(msg[1], None)
+            info: CheckpointInfo = msg[2]
+            if self._tracked is None or info.step > self._tracked:
+                self._tracked = info.step
+            if handle is not None:
+                handle._commit(info)
+        elif kind == "failed":
+            handle = self._handles.pop(msg[1], None)
+            error = self._as_failure(msg[2], handle.step if handle else None)
+            if self._broken is None:
+                self._broken = error
+            if handle is not None:
+                handle._fail(error)
+        elif kind in ("persisted", "persist_failed"):
+            handle = self._persisting.pop(msg[1], None)
+            if handle is not None:
+                ok = kind == "persisted"
+                handle._persist_done(msg[2] if ok else None, None if ok else self._as_failure(msg[2], handle.step))
+        else:  # the answer to the one control request in flight
+            self._answer("control", msg)
+        self._wake()
+
+    @functools.cached_property
+    def _persisting(self) -> dict[int, SaveHandle]:
+        return {}
+
+    def _as_failure(self, exc: Any, step: int | None) -> SaveFailedError:
+        if isinstance(exc, SaveFailedError):
+            return exc
+        error = SaveFailedError(f"the save of step {step} failed in the memory tier's saver", step=step)
+        error.__cause__ = exc if isinstance(exc, BaseException) else None
+        return error
+
+    def _answer(self, key: Any, msg: Any) -> None:
+        reply = self._replies.pop(key, None)
+        if reply is not None:
+            reply.set(msg)
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _lose_saver(self, error: SaverDiedError) -> None:
+        if self._broken is None or not isinstance(self._broken, SaverDiedError):
+            self._broken = error
+        for handles in (self._handles, self._persisting):
+            for handle in handles.values():
+                handle._fail(error)
+                handle._persist_done(None, error)
+            handles.clear()
+        for reply in list(self._replies.values()):
+            reply.set(("died", error))
+        self._replies.clear()
+        self._wake()
+
+    async def _ask(self, key: Any, msg: tuple[Any, ...] | None) -> tuple[Any, ...]:
+        """Send ``msg`` (if any) and wait for the answer filed under ``key``."""
+        if isinstance(self._broken, SaverDiedError):
+            raise self._broken
+        reply = self._replies[key] = _Reply()
+        if msg is not None:
+            self._send(msg)
+        await reply.event.wait()
+        answer = reply.value
+        if answer[0] == "died":
+            raise answer[1]
+        return answer
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        assert self._conn is not None
+        try:
+            self._conn.send(msg)
+        except OSError:
+            self._lose_saver(self._died("before a message reached it"))
+            assert self._broken is not None
+            raise self._broken from None
+
+    async def _control_call(self, *msg: Any) -> Any:
+        async with self._control:
+            return (await self._ask("control", msg))[1]
+
+    # -- saving -----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._phase != "open":
+            raise CheckpointerClosedError(
+                f"save() needs an open Checkpointer (this one is {self._phase})", path=self.root
+            )
+        if self._broken is not None:
+            raise self._broken
+
+    async def _slot(self, nbytes: int) -> int:
+        """A free slot of at least ``nbytes``, (re)making the slots if they are
+        too small (once both are free)."""
+        while True:
+            self._check_open()
+            if self._slots and self._slots[0].capacity >= nbytes and self._free:
+                return self._free.pop()
+            if not self._slots or (self._slots[0].capacity < nbytes and len(self._free) == _SLOTS):
+                await self._make_slots(nbytes)
+                continue
+            await self._changed.wait()
+
+    async def _make_slots(self, nbytes: int) -> None:
+        old = self._slots[0].capacity if self._slots else 0
+        capacity = max(int(nbytes * _GROW), old, 1 << 20)
+        capacity = (capacity + 4095) // 4096 * 4096
+        for s in self._slots:
+            s.close()
+        self._slots, self._free = [], set()
+        paths = await self._control_call("slots", _SLOTS, capacity)
+        if isinstance(paths, BaseException):
+            raise SaveFailedError(
+                f"the memory tier cannot make {_SLOTS} slots of {capacity} bytes in "
+                f"{self.memory.shm_dir}: {paths}",
+                path=self.root,
+            ) from paths
+        self._slots = [Slot(Path(p), capacity, pin=True) for p in paths]
+        self._free = set(range(len(paths)))
+
+    async def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        overwrite: bool = False,
+        training_info: dict[str, Any] | None = None,
+        lazy: bool = False,
+    ) -> SaveHandle:
+        """:meth:`asyncsave.Checkpointer.save` through the memory tier: returns
+        once the snapshot is in shared memory and the saver has accepted it (eager),
+        or once it is planned (``lazy``; :meth:`staged` waits for the copy).
+        Refusals of the saver (a bad step, an unstorable leaf, a protected
+        overwrite) are raised here, as without a memory tier.
+
+        :raises SaverDiedError: the saver process died.
+        """
+        self._check_open()
+        if type(step) is not int and not isinstance(step, bool):
+            with contextlib.suppress(TypeError):
+                step = operator.index(step)
+        if type(step) is not int or not 0 <= step <= _MAX_STEP:
+            raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
+        await self._order.acquire()
+        try:
+            packed = pack(state)
+            index = await self._slot(packed.nbytes)
+        except BaseException:
+            self._order.release()
+            raise
+        self._seq += 1
+        seq = self._seq
+        handle = SaveHandle(step)
+        handle._progress.total_bytes = packed.nbytes
+        if not lazy:
+            try:
+                notes = await self._hand_over(seq, step, index, packed, handle, overwrite, training_info)
+            finally:
+                self._order.release()
+            for category, text in notes:
+                cls = CheckpointWarning if category == "CheckpointWarning" else UserWarning
+                warnings.warn(cls(text), stacklevel=2)
+            return handle
+        self._behind[seq] = handle
+
+        async def behind() -> None:
+            try:
+                notes = await self._hand_over(seq, step, index, packed, handle, overwrite, training_info)
+                for category, text in notes:
+                    logger.warning("asyncsave (lazy save of step %d): %s: %s", step, category, text)
+            except BaseException as exc:
+                handle._fail(exc if isinstance(exc, SaveFailedError) else self._as_failure(exc, step))
+                if self._broken is None:
+                    self._broken = handle._error  # type: ignore[assignment]
+            finally:
+                self._order.release()
+                self._behind.pop(seq, None)
+
+        self._tasks.start_soon(behind)
+        return handle
+
+    async def _hand_over(
+        self,
+        seq: int,
+        step: int,
+        index: int,
+        packed: Any,
+        handle: SaveHandle,
+        overwrite: bool,
+        training_info: dict[str, Any] | None,
+    ) -> list[tuple[str, str]]:
+        try:
+            await anyio.to_thread.run_sync(copy_into, packed, self._slots[index])
+        except BaseException:
+            self._free.add(index)
+            raise
+        handle._progress.all_staged()
+        msg = ("save", seq, step, index, packed.tree, packed.refs, packed.spans, overwrite, training_info)
+        answer = await self._ask(("save", seq), msg)
+        if answer[0] == "refused":
+            raise answer[2]
+        _, _, notes, skipped, due = answer
+        handle.due_to_persist = bool(due)
+        if skipped:
+            handle.skipped = True
+            handle._mark_staged()
+            handle._done.set()
+        else:
+            handle._mark_staged()
+            self._handles[seq] = handle
+            if due:
+                self._persisting[seq] = handle
+        return list(notes)
+
+    async def staged(self) -> None:
+        """Wait until every lazy save is in shared memory (see
+        :meth:`asyncsave.Checkpointer.staged`)."""
+        while self._behind:
+            await next(iter(self._behind.values()))._staged.wait()
+        if self._broken is not None:
+            raise self._broken
+
+    async def wait(self) -> None:
+        """Wait until every save handed to the saver has committed or failed.
+
+        :raises SaveFailedError: a save failed (:class:`SaverDiedError` if the
+            saver died).
+        :raises CheckpointerClosedError: not open.
+        """
+        if self._phase != "open":
+            raise CheckpointerClosedError(
+                f"wait() needs an open Checkpointer (this one is {self._phase})", path=self.root
+            )
+        await self.staged()
+        error = await self._control_call("wait")
+        if self._broken is not None:
+            raise self._broken
+        if error is not None:
+            raise error
+
+    def agree(self, policy: Any) -> Any:
+        """:meth:`asyncsave.Checkpointer.agree`, on the trainers' gloo group."""
+        from ._policy import AgreedPolicy
+
+        if self._phase != "open":
+            raise CheckpointerClosedError("agree() needs an open Checkpointer", path=self.root)
+        return AgreedPolicy(policy, self._coord.vote)
+
+    async def update(self, step: int, key: str, value: Any) -> CheckpointInfo:
+        """Refused with a memory tier (see :data:`ROWS`).
+
+        :raises UnsupportedCombinationError: always.
+        """
+        raise refusal("`update()`")
+
+    # -- resuming ---------------------------------------------------------------
+    async def load_latest(
+        self,
+        template: Any = None,
+        *,
+        device: str | torch.device = "cpu",
+        fallback: bool = False,
+        required: Iterable[str | Sequence[Any]] = (),
+        strict: bool = True,
+    ) -> Restored | None:
+        """:meth:`asyncsave.Checkpointer.load_latest` from the nearest tier: the
+        newest snapshot in this node's memory when it is at least as new as the
+        newest persistent checkpoint and verifies (no disk read), else the
+        persistent one; every rank the same step. The saver resolves and
+        verifies (every byte against its checksum) with the checkpointer's own
+        resume; this process then maps the files it verified (tmpfs pages,
+        zero-copy on CPU) and copies them into ``template``.
+        """
+        from ._template import apply_template, warned
+
+        if self._phase != "open":
+            raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=self.root)
+        required = list(required)
+        found = await self._control_call("load", fallback, required)
+        if isinstance(found, BaseException):
+            raise found
+        if found is None:
+            return None
+        info: CheckpointInfo = found["info"]
+        state = await anyio.to_thread.run_sync(
+            functools.partial(self._read_part, info.path, found["whole"], device)
+        )
+        state, note = apply_template(state, template, info.path, strict=strict)
+        self._resumed = info.step
+        return warned((Restored(state, info), note), 3)
+
+    def _read_part(self, path: Path, whole: bool, device: Any) -> Any:
+        from ._dist import load_rank
+        from ._load import load
+
+        pickle_ok = self.options.allow_pickle
+        if whole:  # a part of the memory tier: on the local file system
+            return load(path, verify=False, device=device, allow_pickle=pickle_ok)
+        rank, world = self._coord.rank, self._coord.world_size
+        fs = self.options.filesystem
+        if world > 1:
+            return load_rank(path, rank, world, device=device, allow_pickle=pickle_ok, filesystem=fs)
+        return load(  # read again from the root: verified again (cheap beside the I/O)
+            path,
+            device=device,
+            allow_pickle=pickle_ok,
+            filesystem=fs,
+            storage_options=self.options.storage_options,
+        )
+
+    @property
+    def resumed_step(self) -> int | None:
+        """The step ``load_latest()`` resumed from, if any."""
+        return self._resumed
+
+    @property
+    def tracked_step(self) -> int | None:
+        """The newest step the saver reported committed in this run."""
+        return self._tracked
+
+    @property
+    def pending_steps(self) -> list[int]:
+        """Steps handed to the saver and not yet committed or failed."""
+        return sorted({h.step for h in (*self._handles.values(), *self._behind.values())})
+
+    @property
+    def staging_pool(self) -> None:
+        """``None``: the staging memory is the saver's shared slots."""
+        return None
+
+    # -- closing ----------------------------------------------------------------
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        error = await self._shutdown()
+        if exc is not None:
+            if error is not None and error is not exc:
+                exc.add_note(f"asyncsave: a checkpoint save also failed during shutdown: {error!r}")
+                logger.error("checkpoint flush failed while %r was propagating", exc, exc_info=error)
+            return False
+        if error is not None:
+            raise error
+        return False
+
+    async def aclose(self) -> None:
+        """Flush (the saver commits and persists every save it has, the newest
+        one persisted whatever ``persist`` says), remove this rank's memory tier,
+        stop the saver. Idempotent.
+
+        :raises SaveFailedError: a save failed (:class:`SaverDiedError`: the
+            saver died).
+        """
+        error = await self._shutdown()
+        if error is not None:
+            raise error
+
+    async def _shutdown(self) -> SaveFailedError | None:
+        if self._phase in ("closed", "new"):
+            self._phase = "closed"
+            return None
+        self._phase = "closing"
+        error: BaseException | None = None
+        try:
+            with anyio.fail_after(self.options.close_timeout_s):
+                while self._behind:
+                    await next(iter(self._behind.values()))._staged.wait()
+                if not isinstance(self._broken, SaverDiedError):
+                    answer = await self._ask("control", ("close",))
+                    error = answer[1]
+        except TimeoutError:
+            from ._errors import CheckpointTimeoutError
+
+            error = CheckpointTimeoutError(
+                f"the memory tier's saver did not close within close_timeout_s="
+                f"{self.options.close_timeout_s}",
+                path=self.root,
+            )
+        except SaverDiedError as exc:
+            error = exc
+        self._phase = "closed"
+        await self._stop_process(kill=error is not None and not isinstance(error, SaveFailedError))
+        for handle in [*self._handles.values(), *self._persisting.values()]:
+            closed = CheckpointerClosedError("the checkpointer closed first", path=self.root)
+            handle._fail(closed)
+            handle._persist_done(None, closed)
+        failure = self._broken or error
+        if failure is not None and not isinstance(failure, SaveFailedError):
+            wrapped = SaveFailedError(f"closing the memory tier failed: {failure!r}", path=self.root)
+            wrapped.__cause__ = failure
+            failure = wrapped
+        return failure
+
+    async def _stop_process(self, *, kill: bool) -> None:
+        if self._tasks is not None:
+            self._tasks.cancel_scope.cancel()
+            with contextlib.suppress(BaseException):
+                await self._tasks.__aexit__(None, None, None)
+            self._tasks = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        for s in self._slots:
+            s.close()
+        proc = self._proc
+        if proc is None:
+            return
+        if kill:
+            proc.kill()
+        try:
+            await anyio.to_thread.run_sync(functools.partial(proc.wait, 60))
+        except subprocess.TimeoutExpired:
+            logger.error("the memory tier's saver (pid %d) did not exit; killing it", proc.pid)
+            proc.kill()
+            await anyio.to_thread.run_sync(proc.wait)
+        if self._coord is not None:
+            self._coord.close()
+
+    def __del__(self) -> None:
+        # The saver sees the socket's end, commits what it has and exits.
+        conn = getattr(self, "_conn", None)
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+

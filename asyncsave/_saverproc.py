@@ -1,0 +1,340 @@
+"""The saver process of the memory tier (``python -m asyncsave._saverproc FD``).
+
+Started by a trainer's :class:`~asyncsave._memtier.MemoryCheckpointer`, one per
+rank, with one end of a socket pair as ``FD``. It owns everything that must
+outlive the trainer: the slot files the trainer stages into, an ordinary
+:class:`~asyncsave.Checkpointer` whose root is the memory tier (a tmpfs
+directory) with the trainer's root as its persistent :class:`~asyncsave.Tier`,
+and, on several ranks, a gloo group of the savers alone (rendezvous through a
+``TCPStore`` that saver 0 serves), so that savers agree commits without any
+trainer.
+
+The loop takes the trainer's messages in order (``asyncsave._memtier`` lists
+them). A save is answered once the saver's own ``save()`` returned (lazy: the
+state planned and refused or accepted, the slot being copied); its slot is
+given back once staged, its commit and persistence reported as they happen.
+The end of the socket without a ``close`` message means the trainer died: every
+save already received is still committed (and the newest persisted), then the
+process exits. A ``close`` flushes, removes the memory tier (nobody will resume
+from it: the newest save is persisted) and exits.
+
+Every message that can fail carries the failure as a picklable exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import pickle
+import shutil
+import socket
+import sys
+import threading
+import time
+import warnings
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+logger = logging.getLogger("asyncsave")
+
+#: Environment variable of the kill matrices (``tests/test_memory_tier.py``):
+#: ``PHASE:DIR`` stops the saver's first save at ``PHASE`` (one of
+#: ``asyncsave.testing.PHASES``), creates ``DIR/reached`` when it stops there,
+#: and lets it go on once ``DIR/release`` exists.
+PAUSE_ENV = "ASYNCSAVE_SAVER_PAUSE"
+
+
+def wire_error(exc: BaseException) -> BaseException:
+    """``exc`` if it survives a pickle round trip, else a ``RuntimeError`` that
+    names it (with its cause's text)."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        cause = f" (caused by {exc.__cause__!r})" if exc.__cause__ is not None else ""
+        return RuntimeError(f"{exc!r}{cause}")
+
+
+class _Wire:
+    """The socket to the trainer: sends from the event loop's thread only; a send
+    to a dead trainer is dropped (``gone``)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.gone = False
+
+    def send(self, *msg: Any) -> None:
+        if self.gone:
+            return
+        try:
+            self.conn.send(msg)
+        except OSError:
+            self.gone = True
+
+
+@contextlib.contextmanager
+def _pause_from_env() -> Any:
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec:
+        yield None
+        return
+    from .testing import pause_at
+
+    phase, where = spec.split(":", 1)
+    folder = Path(where)
+    with pause_at(phase, timeout_s=600) as p:
+
+        def watch() -> None:
+            if p.reached.wait(600):
+                (folder / "reached").touch()
+                while not (folder / "release").exists() and not p.released:
+                    time.sleep(0.02)
+                p.release()
+
+        threading.Thread(target=watch, daemon=True).start()
+        yield p
+
+
+def _group(hello: dict[str, Any], wire: _Wire, conn: Connection) -> None:
+    """Join the savers' own gloo group (several ranks): saver 0 serves a
+    ``TCPStore`` on a free port and tells its trainer, which tells the others."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, world = hello["rank"], hello["world_size"]
+    timeout = datetime.timedelta(seconds=hello["dist_timeout_s"])
+    if rank == 0:
+        store = dist.TCPStore("0.0.0.0", 0, world, True, timeout=timeout, wait_for_workers=False)
+        wire.send("port", store.port)
+    else:
+        msg = conn.recv()
+        assert msg[0] == "store", msg
+        store = dist.TCPStore(msg[1], msg[2], world, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+async def _open(hello: dict[str, Any], pause: Any) -> Any:
+    """The memory tier's checkpointer, entered; waits while the saver of a dead
+    trainer still holds the root (``RootInUseError``) up to ``start_timeout_s``."""
+    from ._engine import Checkpointer
+    from ._errors import RootInUseError
+
+    options = hello["options"]
+    if pause is not None and pause.filesystem is not None:
+        import dataclasses
+
+        options = dataclasses.replace(options, filesystem=pause.filesystem)
+    deadline = time.monotonic() + hello["start_timeout_s"]
+    while True:
+        ckpt = Checkpointer(hello["memory_root"], options)
+        try:
+            await ckpt.__aenter__()
+            return ckpt
+        except RootInUseError:
+            if time.monotonic() > deadline:
+                raise
+            await anyio.sleep(0.2)
+
+
+class _Server:
+    def __init__(self, wire: _Wire, conn: Connection, ckpt: Any, slot_dir: Path) -> None:
+        self.wire = wire
+        self.conn = conn
+        self.ckpt = ckpt
+        self.slot_dir = slot_dir
+        self.slots: list[Any] = []
+
+    def make_slots(self, count: int, capacity: int) -> list[str]:
+        from ._slots import Slot
+
+        for s in self.slots:
+            s.close()
+        self.slots = []
+        for old in self.slot_dir.glob("slot*"):
+            old.unlink()
+        paths = []
+        for i in range(count):
+            path = self.slot_dir / f"slot{i}-{capacity}"
+            Slot.create(path, capacity)
+            self.slots.append(Slot(path, capacity))
+            paths.append(str(path))
+        return paths
+
+    async def save(self, tg: Any, msg: tuple[Any, ...]) -> None:
+        from ._slots import unpack
+
+        _, seq, step, index, tree, refs, spans, overwrite, training_info = msg
+        try:
+            state = unpack(tree, refs, spans, self.slots[index])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                handle = await self.ckpt.save(
+                    step, state, overwrite=overwrite, training_info=training_info, lazy=True
+                )
+        except Exception as exc:
+            self.wire.send("refused", seq, wire_error(exc))
+            self.wire.send("free", index)
+            return
+        del state
+        notes = [(w.category.__name__, str(w.message)) for w in caught]
+        self.wire.send("accepted", seq, notes, handle.skipped, handle.due_to_persist)
+        if handle.skipped:  # step 0 without save_step_zero: nothing to follow
+            self.wire.send("free", index)
+        else:
+            tg.start_soon(self._follow, seq, index, handle)
+
+    async def _follow(self, seq: int, index: int, handle: Any) -> None:
+        with contextlib.suppress(Exception):
+            await handle.staged()
+        self.wire.send("free", index)
+        try:
+            info = await handle
+        except Exception as exc:
+            self.wire.send("failed", seq, wire_error(exc))
+            return
+        self.wire.send("committed", seq, info)
+        if handle.due_to_persist:
+            try:
+                pinfo = await handle.persisted()
+            except Exception as exc:
+                self.wire.send("persist_failed", seq, wire_error(exc))
+            else:
+                self.wire.send("persisted", seq, pinfo)
+
+    async def load(self, fallback: bool, required: list[Any]) -> None:
+        """Resume as the checkpointer does (nearest tier first, every byte
+        verified, agreed by every rank, damaged copies moved aside), and tell the
+        trainer which checkpoint to read: the bytes it reads are the ones just
+        verified (committed files are never rewritten)."""
+        try:
+            restored = await self.ckpt.load_latest(None, fallback=fallback, required=required)
+        except Exception as exc:
+            self.wire.send("loaded", wire_error(exc))
+            return
+        if restored is None:
+            self.wire.send("loaded", None)
+            return
+        info = restored.info
+        del restored
+        # A part of the memory tier is a checkpoint of one rank (its own); a
+        # persistent checkpoint of several ranks is read by rank.
+        whole = Path(info.path).is_relative_to(self.ckpt.root)
+        self.wire.send("loaded", {"info": info, "whole": whole})
+
+    async def serve(self) -> bool:
+        """Take messages until ``close`` (``True``) or the trainer's end (``False``)."""
+        async with anyio.create_task_group() as tg:
+            while True:
+                try:
+                    msg = await anyio.to_thread.run_sync(self.conn.recv, abandon_on_cancel=True)
+                except (EOFError, OSError):
+                    self.wire.gone = True
+                    return False
+                kind = msg[0]
+                if kind == "save":
+                    await self.save(tg, msg)
+                elif kind == "slots":
+                    try:
+                        self.wire.send("slots", self.make_slots(msg[1], msg[2]))
+                    except OSError as exc:
+                        self.wire.send("slots", wire_error(exc))
+                elif kind == "wait":
+                    try:
+                        await self.ckpt.wait()
+                    except Exception as exc:
+                        self.wire.send("waited", wire_error(exc))
+                    else:
+                        self.wire.send("waited", None)
+                elif kind == "load":
+                    await self.load(*msg[1:])
+                elif kind == "close":
+                    return True
+                else:  # a trainer of another version: say so, go on
+                    logger.error("asyncsave saver: unknown message %r", kind)
+        return False  # not reached: the loop returns
+
+
+async def _main(conn: Connection) -> int:
+    from ._engine import persist_newest
+
+    wire = _Wire(conn)
+    hello = conn.recv()
+    if hello["world_size"] > 1:
+        _group(hello, wire, conn)
+    slot_dir = Path(hello["slot_dir"])
+    await anyio.to_thread.run_sync(functools.partial(slot_dir.mkdir, parents=True, exist_ok=True))
+    with _pause_from_env() as pause:
+        try:
+            ckpt = await _open(hello, pause)
+        except Exception as exc:
+            wire.send("ready", wire_error(exc))
+            return 1
+        server = _Server(wire, conn, ckpt, slot_dir)
+        wire.send("ready", {"pid": os.getpid(), "memory_root": str(ckpt.root)})
+        closing = False
+        error: BaseException | None = None
+        try:
+            closing = await server.serve()
+            if not closing:
+                logger.warning(
+                    "asyncsave saver %d: the trainer is gone; committing the saves it "
+                    "handed over, then exiting",
+                    os.getpid(),
+                )
+            with contextlib.suppress(Exception):
+                await ckpt.wait()  # a failed save fails close too, below
+            await persist_newest(ckpt)
+        except BaseException as exc:
+            error = exc
+        try:
+            await ckpt.aclose()
+        except BaseException as exc:
+            error = error or exc
+        for s in server.slots:
+            s.close()
+        tier = ckpt.root if closing and error is None else None
+        await anyio.to_thread.run_sync(_tidy, hello, slot_dir, tier)
+        if closing:
+            wire.send("closed", None if error is None else wire_error(error))
+    if hello["world_size"] > 1:
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    return 0 if error is None else 1
+
+
+def _tidy(hello: dict[str, Any], slot_dir: Path, tier: Path | None) -> None:
+    """Remove the slots (their snapshots are committed, or failed: nobody needs
+    them) and, after a clean close, this rank's memory tier (its newest save is
+    persisted: nobody resumes from memory after it), then the tier's folders once
+    the last rank's saver of the node has emptied them."""
+    shutil.rmtree(slot_dir, ignore_errors=True)
+    if tier is None:
+        return
+    shutil.rmtree(tier, ignore_errors=True)
+    for folder in (hello["memory_root"], hello["memory_home"]):
+        with contextlib.suppress(OSError):
+            Path(folder).rmdir()
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(
+        level=logging.WARNING, format="%(levelname)s %(name)s (memory tier's saver): %(message)s"
+    )
+    sock = socket.socket(fileno=int(argv[0]))
+    conn = Connection(sock.detach())
+    try:
+        return anyio.run(_main, conn)
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

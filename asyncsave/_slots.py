@@ -1,0 +1,297 @@
+"""Snapshots in shared memory: the staging slots of the memory tier.
+
+A *slot* is a file in a tmpfs directory (``/dev/shm``) of a fixed capacity,
+created by the saver process (``asyncsave._saverproc``) and mapped
+``MAP_SHARED`` by both processes (``mmap``, seen by torch through
+``torch.frombuffer``): bytes the
+trainer copies into it are the saver's bytes at once, and stay there if the
+trainer dies. On CUDA hosts the trainer registers its mapping as pinned memory
+(``cudaHostRegister``), so device-to-host copies go straight into it.
+
+One save crosses in two parts:
+
+- **the bytes**: every storage the state's tensors use is copied once (the span
+  its tensors cover, 64-byte aligned), so tensors that share memory (tied
+  weights, views) share it again on the other side;
+- **the tree**: the state pickled with each tensor replaced by a reference into
+  the slot (``persistent_id``), and each ``Stateful`` object (model, optimizer,
+  dataloader) by its ``state_dict()`` taken now. The pickle only travels over the
+  private socket between a trainer and the saver it started; nothing of it is
+  stored: the saver saves the tree with the ordinary engine (no pickle unless
+  ``allow_pickle``) and a restart reads the committed checkpoint, never a pickle.
+
+The pickle is the transport, not the format: a leaf asyncsave cannot store is
+refused by the saver's ``save()`` (typed, naming the key), and its error is
+raised by the trainer's ``save()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import mmap
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._errors import InvalidStateError, UnsupportedTensorError
+from ._plan import is_stateful
+
+__all__ = ["Packed", "Slot", "pack", "unpack"]
+
+_ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor of the tree lies in a slot: a view of ``dtype`` into
+    span ``span`` (one storage of the state) at element ``offset`` (of its
+    dtype) with ``shape`` and ``stride``."""
+
+    span: int
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    parameter: bool
+    requires_grad: bool
+
+
+@dataclasses.dataclass
+class Packed:
+    """One state, ready to cross: ``tree`` (the pickle), ``refs`` (one per tensor
+    reference in it), and the copies still to make into the slot: ``sources``
+    (byte views of the state's storages) to ``offsets`` (bytes into the slot)."""
+
+    tree: bytes
+    refs: list[TensorRef]
+    sources: list[torch.Tensor]
+    offsets: list[int]
+    nbytes: int
+    spans: list[tuple[int, int]]  # (slot offset, bytes) of each storage
+
+
+class Slot:
+    """One slot file, mapped shared: ``view`` is a memoryview of the mapping and
+    ``buffer`` a ``uint8`` CPU tensor of ``capacity`` bytes over it. The mapping
+    lives as long as any tensor made over it.
+
+    :param path: the file (created by the saver, at its full size).
+    :param capacity: its size in bytes.
+    :param pin: register the mapping as pinned memory (CUDA hosts).
+    """
+
+    def __init__(self, path: Path, capacity: int, *, pin: bool = False) -> None:
+        self.path = path
+        self.capacity = capacity
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, capacity, mmap.MAP_SHARED) if capacity else None
+        finally:
+            os.close(fd)
+        view = memoryview(self.map) if self.map is not None else memoryview(bytearray())
+        self.view = view
+        self.buffer = torch.frombuffer(view, dtype=torch.uint8) if capacity else torch.empty(0, dtype=torch.uint8)
+        self.pinned = False
+        if pin and torch.cuda.is_available() and capacity:
+            err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), capacity, 0)
+            self.pinned = int(err) == 0
+
+    def close(self) -> None:
+        """Unregister the mapping (the pages go with the last tensor over it)."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self.pinned = False
+
+    @staticmethod
+    def create(path: Path, capacity: int) -> None:
+        """Make the slot file ``path`` of ``capacity`` bytes (saver side), its
+        pages reserved now (``posix_fallocate``) so that a full ``/dev/shm`` is an
+        ``OSError`` here, never a ``SIGBUS`` in the middle of a copy."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if capacity:
+                os.posix_fallocate(fd, 0, capacity)
+        finally:
+            os.close(fd)
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors: list[torch.Tensor] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return len(self.tensors) - 1
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, type) and is_stateful(obj):
+            return (_same, (obj.state_dict(),))
+        return NotImplemented
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def _check(t: torch.Tensor, i: int) -> torch.Tensor:
+    if type(t).__name__ == "DTensor":
+        raise UnsupportedTensorError(
+            f"tensor #{i} of the state is a DTensor: a memory tier takes per-rank state "
+            "(DTensor state goes through DCP's planner in the trainer's process group; "
+            "save it without memory=)"
+        )
+    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+        raise UnsupportedTensorError(
+            f"tensor #{i} of the state ({t.layout}, device {t.device}) is not a dense "
+            "strided tensor; a memory tier stores dense tensors"
+        )
+    if t.is_conj() or t.is_neg():
+        return t.resolve_conj().resolve_neg()
+    return t.detach()
+
+
+def pack(state: Any) -> Packed:
+    """Pickle ``state`` with its tensors as slot references (see the module
+    docstring). Called on the caller's thread (``state_dict()`` runs here).
+
+    :raises InvalidStateError: an object that cannot be pickled (a lambda, a
+        lock, a generator), named by its type.
+    :raises UnsupportedTensorError: a DTensor, a sparse, quantized, nested or meta
+        tensor.
+    """
+    buf = io.BytesIO()
+    p = _Pickler(buf)
+    try:
+        p.dump(state)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise InvalidStateError(
+            f"the state cannot be handed to the memory tier's saver process: {exc}"
+        ) from exc
+    spans: dict[tuple[str, int], list[int]] = {}  # storage -> [lo, hi, storage] bytes
+    storages: dict[tuple[str, int], torch.UntypedStorage] = {}
+    tensors = [_check(t, i) for i, t in enumerate(p.tensors)]
+    for t in tensors:
+        s = t.untyped_storage()
+        key = (str(t.device), s.data_ptr())
+        isz = t.element_size()
+        lo = int(t.storage_offset()) * isz
+        dims = zip(t.shape, t.stride(), strict=True)
+        extent = 0 if t.numel() == 0 else 1 + sum((int(n) - 1) * int(st) for n, st in dims)
+        hi = lo + extent * isz
+        span = spans.get(key)
+        if span is None:
+            spans[key] = [lo, hi]
+            storages[key] = s
+        else:
+            span[0], span[1] = min(span[0], lo), max(span[1], hi)
+    index: dict[tuple[str, int], int] = {}  # storage -> its span
+    placed: list[tuple[int, int]] = []  # (slot offset, bytes) per span
+    sources: list[torch.Tensor] = []
+    offsets: list[int] = []
+    at = 0
+    for key, (lo, hi) in spans.items():
+        lo -= lo % _ALIGN
+        spans[key][0] = lo
+        index[key] = len(placed)
+        n = hi - lo
+        placed.append((at, n))
+        if n:
+            s = storages[key]
+            src = torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, lo, (n,), (1,))
+            sources.append(src)
+            offsets.append(at)
+        at = _aligned(at + n)
+    refs: list[TensorRef] = []
+    for t in tensors:
+        key = (str(t.device), t.untyped_storage().data_ptr())
+        byte = t.storage_offset() * t.element_size() - spans[key][0]
+        refs.append(
+            TensorRef(
+                span=index[key],
+                offset=byte // t.element_size(),
+                dtype=t.dtype,
+                shape=tuple(t.shape),
+                stride=tuple(t.stride()),
+                parameter=isinstance(p.tensors[len(refs)], torch.nn.Parameter),
+                requires_grad=p.tensors[len(refs)].requires_grad,
+            )
+        )
+    return Packed(buf.getvalue(), refs, sources, offsets, at, placed)
+
+
+def copy_into(packed: Packed, slot: Slot) -> None:
+    """Copy ``packed``'s bytes into ``slot`` (a worker thread). CPU sources in one
+    ``torch._foreach_copy_``; CUDA sources as non-blocking copies on a side
+    stream, then waited for (the mapping is pinned on CUDA hosts).
+
+    :raises ValueError: the slot is smaller than the state.
+    """
+    if packed.nbytes > slot.capacity:
+        raise ValueError(f"a state of {packed.nbytes} bytes does not fit a {slot.capacity}-byte slot")
+    dsts = [slot.buffer[o : o + s.numel()] for o, s in zip(packed.offsets, packed.sources, strict=True)]
+    cpu = [(d, s) for d, s in zip(dsts, packed.sources, strict=True) if s.device.type == "cpu"]
+    other = [(d, s) for d, s in zip(dsts, packed.sources, strict=True) if s.device.type != "cpu"]
+    if cpu:
+        torch._foreach_copy_([d for d, _ in cpu], [s for _, s in cpu])
+    if other:
+        streams: dict[torch.device, Any] = {}
+        for d, s in other:
+            stream = streams.get(s.device)
+            if stream is None:
+                stream = streams[s.device] = torch.cuda.Stream(s.device)
+                stream.wait_stream(torch.cuda.current_stream(s.device))
+            with torch.cuda.stream(stream):
+                d.copy_(s, non_blocking=True)
+        for stream in streams.values():
+            stream.synchronize()
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any, refs: list[TensorRef], storages: list[Any]) -> None:
+        super().__init__(file)
+        self.refs = refs
+        self.storages = storages
+
+    def persistent_load(self, pid: Any) -> Any:
+        r = self.refs[pid]
+        storage = self.storages[r.span]
+        t = torch.empty(0, dtype=r.dtype).set_(storage, r.offset, r.shape, r.stride)
+        if r.parameter:
+            return torch.nn.Parameter(t, requires_grad=r.requires_grad)
+        return t.requires_grad_(r.requires_grad) if r.requires_grad else t
+
+
+def unpack(tree: bytes, refs: list[TensorRef], spans: list[tuple[int, int]], slot: Slot) -> Any:
+    """The state ``pack`` made, its tensors views into ``slot`` (saver side):
+    one storage per storage of the trainer's state (``torch.frombuffer`` over
+    its span of the mapping, no copy), so that tensors share memory exactly as
+    they did, no more.
+
+    :raises InvalidStateError: the tree names a class this process cannot import
+        (one defined in the trainer's ``__main__``, say).
+    """
+    storages = [
+        torch.frombuffer(slot.view[o : o + n], dtype=torch.uint8).untyped_storage()
+        if n
+        else torch.UntypedStorage(0)
+        for o, n in spans
+    ]
+    try:
+        return _Unpickler(io.BytesIO(tree), refs, storages).load()
+    except (AttributeError, ImportError, ModuleNotFoundError) as exc:
+        raise InvalidStateError(
+            f"the memory tier's saver process cannot rebuild the state: {exc} (a class "
+            "defined in the training script's __main__ cannot be imported by another "
+            "process: define it in a module)"
+        ) from exc

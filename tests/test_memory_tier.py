@@ -1,0 +1,385 @@
+"""The memory tier (issue 28): a save survives the death of the training process
+once ``save()`` has returned.
+
+Kill matrices: the trainer SIGKILLed after ``save()`` returned while its saver
+stands at each phase of the commit to memory (staging in the saver, writing,
+committing, tracking), on 1 and 2 ranks: nothing returned is lost and the
+restart resumes bit-exact from memory. The saver SIGKILLed at each phase: the
+trainer's next call raises :class:`SaverDiedError` (no hang) and the last
+committed checkpoint stays loadable. Around them: the round trip, the persist
+interval, the byte budget, resume from memory or from the root (whichever is
+newer), refusals, bad input, lazy saves, CUDA sources.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psutil
+import pytest
+import torch
+
+import asyncsave
+from asyncsave import MemoryTier, SaverDiedError, UnsupportedCombinationError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from distributed import run_ranks, start_ranks, values
+from memtier_child import same, state_for
+
+pytestmark = pytest.mark.slow
+
+CHILD = Path(__file__).parent / "memtier_child.py"
+PAUSE_ENV = "ASYNCSAVE_SAVER_PAUSE"  # asyncsave._saverproc.PAUSE_ENV
+PHASES = ("staging", "writing", "committing", "tracking")
+
+
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A private directory in shared memory (``/dev/shm`` when there is one),
+    removed afterwards with whatever a killed saver left there."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    d = Path(tempfile.mkdtemp(prefix="asyncsave-test-", dir=base))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _gone(pid: int, timeout_s: float = 120.0) -> None:
+    """Wait until ``pid`` exited (a zombie counts: its parent was killed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"process {pid} still alive after {timeout_s} s")
+
+
+def _wait_file(path: Path, proc: Any = None, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the trainer exited ({proc.returncode}) before {path.name}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.02)
+
+
+def _child(root: Path, shm: Path, step: int, out: Path, *, hold: bool, pause: str | None = None) -> Any:
+    env = dict(os.environ)
+    env.pop(PAUSE_ENV, None)
+    if pause is not None:
+        env[PAUSE_ENV] = f"{pause}:{out}"
+    args = [sys.executable, str(CHILD), str(root), str(shm), str(step), str(out)]
+    return subprocess.Popen(args + (["hold"] if hold else []), env=env)
+
+
+def _clean_save(root: Path, shm: Path, step: int, tmp: Path) -> None:
+    out = tmp / f"clean{step}"
+    out.mkdir()
+    proc = _child(root, shm, step, out, hold=False)
+    assert proc.wait(120) == 0
+
+
+def _kill_after_return(root: Path, shm: Path, step: int, tmp: Path, pause: str | None) -> int:
+    """Run a trainer that saves ``step``; SIGKILL it once ``save()`` returned
+    (and its saver reached ``pause``), let the saver go on; its pid."""
+    out = tmp / f"kill{step}-{pause}"
+    out.mkdir()
+    proc = _child(root, shm, step, out, hold=True, pause=pause)
+    try:
+        _wait_file(out / "returned", proc)
+        if pause is not None:
+            _wait_file(out / "reached", proc)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    (out / "release").touch()
+    saver = json.loads((out / "returned").read_text())["saver_pid"]
+    _gone(saver)
+    return int(saver)
+
+
+async def _resume(root: Path, shm: Path, template: Any = None) -> tuple[Any, Any]:
+    async with asyncsave.Checkpointer(root, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+        restored = await ckpt.load_latest(template)
+        memory_root = ckpt.memory_root
+    return restored, memory_root
+
+
+@pytest.mark.parametrize("phase", [None, *PHASES])
+def test_a_trainer_killed_after_save_returned_loses_nothing(
+    tmp_path: Path, shm: Path, phase: str | None
+) -> None:
+    root = tmp_path / "root"
+    _clean_save(root, shm, 3, tmp_path)
+    _kill_after_return(root, shm, 7, tmp_path, phase)
+    # The saver committed step 7 to memory and persisted it (the newest, at its end).
+    assert asyncsave.latest(root).step == 7
+    restored, memory_root = anyio.run(_resume, root, shm)
+    assert restored.info.step == 7
+    assert same(restored.state, state_for(7))
+    assert Path(restored.info.path).is_relative_to(memory_root)  # read from memory
+    assert restored.state["model"]["emb"].data_ptr() == restored.state["model"]["head"].data_ptr()
+    assert not any(shm.iterdir())  # a clean close removes the tier
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_a_killed_saver_is_a_typed_error_and_the_last_commit_stays(
+    tmp_path: Path, shm: Path, phase: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "root"
+    _clean_save(root, shm, 3, tmp_path)
+    monkeypatch.setenv(PAUSE_ENV, f"{phase}:{tmp_path}")
+
+    async def run() -> None:
+        ckpt = asyncsave.Checkpointer(root, memory=MemoryTier(shm_dir=str(shm)))
+        with pytest.raises(SaverDiedError, match="killed by SIGKILL"):
+            async with ckpt:
+                handle = await ckpt.save(7, state_for(7))
+                await anyio.to_thread.run_sync(_wait_file, tmp_path / "reached")
+                assert ckpt.saver_pid is not None
+                os.kill(ckpt.saver_pid, signal.SIGKILL)
+                with pytest.raises(SaverDiedError):
+                    await handle
+                with pytest.raises(SaverDiedError):
+                    await ckpt.wait()
+                with pytest.raises(SaverDiedError):
+                    await ckpt.save(8, state_for(8))
+
+    anyio.run(run)
+    monkeypatch.delenv(PAUSE_ENV)
+    restored, _ = anyio.run(_resume, root, shm)
+    # Past the rename (tracking) step 7 is committed in memory; before it, step 3 stands.
+    expected = 7 if phase == "tracking" else 3
+    assert restored.info.step == expected
+    assert same(restored.state, state_for(expected))
+
+
+def _resume_rank(rank: int, world_size: int, root: str, shm: str) -> tuple[int, bool, bool]:
+    async def run() -> tuple[int, bool, bool]:
+        async with asyncsave.Checkpointer(root, memory=MemoryTier(shm_dir=shm)) as ckpt:
+            restored = await ckpt.load_latest()
+            assert ckpt.memory_root is not None
+            from_memory = Path(restored.info.path).is_relative_to(ckpt.memory_root)
+            step = restored.info.step
+            return step, same(restored.state, state_for(step, rank)), from_memory
+
+    return anyio.run(run)
+
+
+@pytest.mark.parametrize("phase", [None, "writing", "committing"])
+def test_two_ranks_killed_after_save_returned_lose_nothing(
+    tmp_path: Path, shm: Path, phase: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from memtier_child import rank_main
+
+    root = tmp_path / "root"
+    out = tmp_path / "out"
+    out.mkdir()
+    if phase is not None:
+        monkeypatch.setenv(PAUSE_ENV, f"{phase}:{out}")
+    ranks = start_ranks(rank_main, 2, tmp_path, str(root), str(shm), 7, str(out), timeout_s=180)
+    try:
+        for r in range(2):
+            _wait_file(out / f"returned{r}")
+        if phase is not None:
+            _wait_file(out / "reached")
+    finally:
+        for p in ranks.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+        results = ranks.collect()
+    assert all(kind == "exit" for kind, _ in results.values()), results
+    (out / "release").touch()
+    monkeypatch.delenv(PAUSE_ENV, raising=False)
+    for r in range(2):
+        _gone(json.loads((out / f"returned{r}").read_text())["saver_pid"])
+    assert asyncsave.latest(root).step == 7  # persisted by the savers alone
+    got = values(run_ranks(_resume_rank, 2, tmp_path, str(root), str(shm), timeout_s=180))
+    assert got == [(7, True, True), (7, True, True)]
+
+
+def test_round_trip_persist_interval_and_clean_close(tmp_path: Path, shm: Path) -> None:
+    root = tmp_path / "root"
+    tier = MemoryTier(shm_dir=str(shm), persist=asyncsave.SaveEvery(3))
+
+    async def run() -> list[Any]:
+        handles = []
+        async with asyncsave.Checkpointer(root, memory=tier) as ckpt:
+            assert isinstance(ckpt, asyncsave.Checkpointer)
+            for step in range(1, 8):
+                handles.append(await ckpt.save(step, state_for(step)))
+            infos = [await h for h in handles]
+            assert [h.due_to_persist for h in handles] == [s % 3 == 0 for s in range(1, 8)]
+            assert (await handles[2].persisted()).step == 3
+            assert ckpt.tracked_step == 7 and ckpt.pending_steps == []
+            saver = psutil.Process(ckpt.saver_pid)
+        assert not saver.is_running() or saver.status() == psutil.STATUS_ZOMBIE
+        return infos
+
+    infos = anyio.run(run)
+    assert [i.step for i in infos] == list(range(1, 8))
+    # SaveEvery(3) persisted 3 and 6; close persisted the newest, 7.
+    assert sorted(int(p.name.split("_")[1]) for p in root.glob("step_*")) == [3, 6, 7]
+    loaded = asyncsave.load(root / "step_7")
+    assert same(loaded, state_for(7))
+    assert loaded["model"]["emb"].data_ptr() == loaded["model"]["head"].data_ptr()
+    assert not any(shm.iterdir())
+
+
+def test_modules_and_optimizers_resume_in_place(tmp_path: Path, shm: Path) -> None:
+    torch.manual_seed(0)
+
+    def trainer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    model, opt = trainer()
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    tier = MemoryTier(shm_dir=str(shm))
+
+    async def save() -> None:
+        async with asyncsave.Checkpointer(tmp_path, memory=tier) as ckpt:
+            await ckpt.save(3, {"model": model, "optim": opt, "rng": asyncsave.RNGState()})
+
+    anyio.run(save)
+    model2, opt2 = trainer()
+    restored, _ = anyio.run(_resume, tmp_path, shm, {"model": model2, "optim": opt2, "rng": asyncsave.RNGState()})
+    assert restored.info.step == 3
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert all(torch.equal(s1[k]["exp_avg_sq"], s2[k]["exp_avg_sq"]) for k in s1)
+
+
+def test_resume_takes_the_root_when_it_is_newer_than_memory(tmp_path: Path, shm: Path) -> None:
+    root = tmp_path / "root"
+    _kill_after_return(root, shm, 7, tmp_path, None)  # memory keeps step 7
+
+    async def newer() -> None:
+        async with asyncsave.Checkpointer(root) as ckpt:  # another run, no memory tier
+            await (await ckpt.save(9, state_for(9)))
+
+    anyio.run(newer)
+    restored, memory_root = anyio.run(_resume, root, shm)
+    assert restored.info.step == 9 and same(restored.state, state_for(9))
+    assert not Path(restored.info.path).is_relative_to(memory_root)
+
+
+def test_snapshots_in_memory_stay_within_the_byte_budget(tmp_path: Path, shm: Path) -> None:
+    nbytes = sum(t.numel() * t.element_size() for t in (state_for(1)["model"]["emb"], state_for(1)["model"]["bias"], state_for(1)["optim"]["exp_avg"], state_for(1)["optim"]["exp_avg_sq"]))
+    tier = MemoryTier(shm_dir=str(shm), budget_bytes=3 * nbytes)
+
+    async def run() -> list[str]:
+        async with asyncsave.Checkpointer(tmp_path / "root", memory=tier) as ckpt:
+            for step in range(1, 9):
+                await (await ckpt.save(step, state_for(step)))
+            await ckpt.wait()
+            assert ckpt.memory_root is not None
+            for _ in range(100):  # retention runs after the commit is reported
+                kept = sorted(p.name for p in ckpt.memory_root.glob("step_*"))
+                if len(kept) <= 3:
+                    break
+                await anyio.sleep(0.05)
+            return kept
+
+    assert anyio.run(run) == ["step_6", "step_7", "step_8"]
+
+
+def test_refused_combinations_say_why(tmp_path: Path, shm: Path) -> None:
+    tier = MemoryTier(shm_dir=str(shm))
+    with pytest.raises(UnsupportedCombinationError, match="persistent="):
+        asyncsave.Checkpointer(tmp_path, memory=tier, persistent=asyncsave.Tier(tmp_path / "p"))
+    with pytest.raises(UnsupportedCombinationError, match="incremental"):
+        asyncsave.Checkpointer(tmp_path, memory=tier, incremental=True)
+    with pytest.raises(UnsupportedCombinationError, match="SyncCheckpointer"):
+        asyncsave.SyncCheckpointer(tmp_path, memory=tier)
+    with pytest.raises(ValueError, match=r"MemoryTier\.budget_bytes"):
+        MemoryTier(budget_bytes=0)
+    with pytest.raises(ValueError, match="memory="):
+        asyncsave.Checkpointer(tmp_path, memory="yes")
+
+    class Local(asyncsave.SavePolicy):  # a class the saver process cannot import
+        def should_save(self, step: int) -> bool:
+            return True
+
+    async def unpicklable() -> None:
+        async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm), persist=Local())):
+            pass
+
+    with pytest.raises(ValueError, match="cannot be sent to the memory tier's saver"):
+        anyio.run(unpicklable)
+
+    async def update() -> None:
+        async with asyncsave.Checkpointer(tmp_path, memory=tier) as ckpt:
+            await (await ckpt.save(1, {"w": torch.ones(2)}))
+            with pytest.raises(UnsupportedCombinationError, match="update"):
+                await ckpt.update(1, "w", torch.zeros(2))
+
+    anyio.run(update)
+    assert not any(shm.iterdir())
+
+
+def test_bad_input_is_refused_by_save_and_the_checkpointer_goes_on(tmp_path: Path, shm: Path) -> None:
+    async def run() -> None:
+        async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+            with pytest.raises(asyncsave.InvalidStateError, match="saver process"):
+                await ckpt.save(1, {"w": torch.ones(2), "f": lambda: 1})
+            with pytest.raises(asyncsave.UnsupportedTypeError, match="weird"):
+                await ckpt.save(1, {"w": torch.ones(2), "weird": {1, 2}})
+            with pytest.raises(asyncsave.InvalidStepError):
+                await ckpt.save(-1, {"w": torch.ones(2)})
+            with pytest.warns(asyncsave.CheckpointWarning):  # step 0 is skipped
+                skipped = await ckpt.save(0, {"w": torch.ones(2)})
+            assert skipped.skipped
+            info = await (await ckpt.save(1, {"w": torch.ones(2)}))
+            assert info.step == 1
+            with pytest.warns(asyncsave.CheckpointWarning, match="committed"):
+                again = await ckpt.save(1, {"w": torch.zeros(2)})
+            assert (await again).step == 1
+
+    anyio.run(run)
+    assert torch.equal(asyncsave.load(tmp_path / "step_1")["w"], torch.ones(2))
+
+
+def test_a_lazy_save_snapshots_at_staged(tmp_path: Path, shm: Path) -> None:
+    w = torch.arange(1 << 16, dtype=torch.float32)
+
+    async def run() -> None:
+        async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+            handle = await ckpt.save(2, {"w": w}, lazy=True)
+            await handle.staged()
+            w.add_(1)  # after staged(): not in the snapshot
+            await handle
+
+    anyio.run(run)
+    assert torch.equal(asyncsave.load(tmp_path / "step_2")["w"], torch.arange(1 << 16, dtype=torch.float32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_state_goes_through_pinned_shared_memory(tmp_path: Path, shm: Path) -> None:
+    state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda").bfloat16()}
+
+    async def run() -> None:
+        async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+            await (await ckpt.save(1, state))
+
+    anyio.run(run)
+    loaded = asyncsave.load(tmp_path / "step_1")
+    assert torch.equal(loaded["w"], state["w"].cpu()) and torch.equal(loaded["b"], state["b"].cpu())
