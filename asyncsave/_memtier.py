@@ -171,6 +171,23 @@ class _Reply:
         self.event.set()
 
 
+class _Handle(SaveHandle):
+    """A save's handle on the trainer's side: whether it is due to persist is
+    known once the saver admitted it (``persisted()`` waits for that)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self._admitted = anyio.Event()
+
+    async def persisted(self, timeout_s: float | None = None) -> CheckpointInfo | None:
+        await self._admitted.wait()
+        return await super().persisted(timeout_s)
+
+    def _fail(self, error: BaseException) -> None:
+        super()._fail(error)
+        self._admitted.set()
+
+
 class MemoryCheckpointer(Checkpointer):
     """The trainer's side of a :class:`~asyncsave.MemoryTier` (see the module
     docstring); made by ``Checkpointer(root, memory=...)`` and used exactly like
@@ -207,16 +224,19 @@ class MemoryCheckpointer(Checkpointer):
         self._coord: Any = None
         self._broken: SaveFailedError | None = None
         self._seq = 0
-        self._handles: dict[int, SaveHandle] = {}
+        self._handles: dict[int, _Handle] = {}  # handed over, not yet committed
+        self._persisting: dict[int, _Handle] = {}  # due to persist, not yet persisted
         self._replies: dict[Any, _Reply] = {}
         self._slots: list[Slot] = []
         self._free: set[int] = set()
         self._changed = anyio.Event()
         self._order = anyio.Semaphore(1)
         self._control = anyio.Lock()
-        self._behind: dict[int, SaveHandle] = {}
+        self._behind: dict[int, _Handle] = {}
         self._resumed: int | None = None
         self._tracked: int | None = None
+        self._last_shape: Any = None  # (tree, refs, spans) of the last accepted save
+        self._last_step = -1
         self.saver_pid: int | None = None
         self.memory_root: Path | None = None
 
@@ -377,6 +397,12 @@ class MemoryCheckpointer(Checkpointer):
         kind = msg[0]
         if kind in ("accepted", "refused"):
             self._answer(("save", msg[1]), msg)
+        elif kind == "admitted":  # a save answered on receipt, now admitted
+            handle = self._handles.get(msg[1])
+            if handle is not None:
+                for category, text in msg[2]:
+                    logger.warning("asyncsave (save of step %d): %s: %s", handle.step, category, text)
+                self._admit(msg[1], handle, msg[3], msg[4])
         elif kind == "free":
             self._free.add(msg[1])
         elif kind == "committed":
@@ -401,10 +427,6 @@ class MemoryCheckpointer(Checkpointer):
         else:  # the answer to the one control request in flight
             self._answer("control", msg)
         self._wake()
-
-    @functools.cached_property
-    def _persisting(self) -> dict[int, SaveHandle]:
-        return {}
 
     def _as_failure(self, exc: Any, step: int | None) -> SaveFailedError:
         if isinstance(exc, SaveFailedError):
@@ -531,7 +553,7 @@ class MemoryCheckpointer(Checkpointer):
             raise
         self._seq += 1
         seq = self._seq
-        handle = SaveHandle(step)
+        handle = _Handle(step)
         handle._progress.total_bytes = packed.nbytes
         if not lazy:
             try:
@@ -566,7 +588,7 @@ class MemoryCheckpointer(Checkpointer):
         step: int,
         index: int,
         packed: Any,
-        handle: SaveHandle,
+        handle: _Handle,
         overwrite: bool,
         training_info: dict[str, Any] | None,
     ) -> list[tuple[str, str]]:
@@ -576,22 +598,35 @@ class MemoryCheckpointer(Checkpointer):
             self._free.add(index)
             raise
         handle._progress.all_staged()
-        msg = ("save", seq, step, index, packed.tree, packed.refs, packed.spans, overwrite, training_info)
+        # The same structure (tree, dtypes, shapes, storages) as the last save
+        # the saver accepted, and a newer step: its save() cannot refuse it, so
+        # the saver answers on receipt and admits it behind (``admitted``).
+        shape = (packed.tree, packed.refs, packed.spans)
+        early = not overwrite and shape == self._last_shape and step > self._last_step
+        msg = ("save", seq, step, index, *shape, overwrite, training_info, early)
         answer = await self._ask(("save", seq), msg)
         if answer[0] == "refused":
             raise answer[2]
+        self._last_shape, self._last_step = shape, max(step, self._last_step)
+        handle._mark_staged()
+        if early:
+            self._handles[seq] = handle
+            return []
         _, _, notes, skipped, due = answer
+        self._admit(seq, handle, skipped, due)
+        return list(notes)
+
+    def _admit(self, seq: int, handle: _Handle, skipped: bool, due: bool) -> None:
         handle.due_to_persist = bool(due)
         if skipped:
             handle.skipped = True
-            handle._mark_staged()
             handle._done.set()
+            self._handles.pop(seq, None)
         else:
-            handle._mark_staged()
             self._handles[seq] = handle
             if due:
                 self._persisting[seq] = handle
-        return list(notes)
+        handle._admitted.set()
 
     async def staged(self) -> None:
         """Wait until every lazy save is in shared memory (see

@@ -169,7 +169,9 @@ class _Server:
     async def save(self, tg: Any, msg: tuple[Any, ...]) -> None:
         from ._slots import unpack
 
-        _, seq, step, index, tree, refs, spans, overwrite, training_info = msg
+        _, seq, step, index, tree, refs, spans, overwrite, training_info, early = msg
+        if early:  # the trainer's save() returns now; its admission follows
+            self.wire.send("accepted", seq)
         try:
             state = unpack(tree, refs, spans, self.slots[index])
             with warnings.catch_warnings(record=True) as caught:
@@ -178,12 +180,13 @@ class _Server:
                     step, state, overwrite=overwrite, training_info=training_info, lazy=True
                 )
         except Exception as exc:
-            self.wire.send("refused", seq, wire_error(exc))
+            self.wire.send("failed" if early else "refused", seq, wire_error(exc))
             self.wire.send("free", index)
             return
         del state
         notes = [(w.category.__name__, str(w.message)) for w in caught]
-        self.wire.send("accepted", seq, notes, handle.skipped, handle.due_to_persist)
+        answer = "admitted" if early else "accepted"
+        self.wire.send(answer, seq, notes, handle.skipped, handle.due_to_persist)
         if handle.skipped:  # step 0 without save_step_zero: nothing to follow
             self.wire.send("free", index)
         else:
