@@ -35,6 +35,7 @@ from ._errors import (
 from ._fsspec import open_root
 from ._handle import SaveHandle
 from ._incremental import Reuse
+from ._jobs import engine_for
 from ._lifecycle import Lifecycle
 from ._options import CheckpointOptions
 from ._paths import LAYOUTS
@@ -154,19 +155,9 @@ class Checkpointer:
         single fields (``Checkpointer(root, budget_bytes=2 << 30)``).
     """
 
-    def __new__(
-        cls,
-        root: str | os.PathLike[str] | None = None,
-        options: CheckpointOptions | None = None,
-        **overrides: Any,
-    ) -> Checkpointer:
-        # A memory tier is another engine behind the same interface: chosen once, here.
-        memory = overrides["memory"] if "memory" in overrides else getattr(options, "memory", None)
-        if cls is Checkpointer and memory is not None:
-            from ._memtier import MemoryCheckpointer
-
-            cls = MemoryCheckpointer
-        return object.__new__(cls)
+    def __new__(cls, *args: Any, **kw: Any) -> Checkpointer:  # its engine: see _jobs.ENGINES
+        options = args[1] if len(args) > 1 else kw.get("options")
+        return object.__new__((cls is Checkpointer and engine_for(options, kw)) or cls)
 
     def __init__(
         self,

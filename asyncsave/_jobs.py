@@ -84,6 +84,7 @@ __all__ = [
     "contains_dtensor",
     "dcp_reader_class",
     "dtensor_job_class",
+    "engine_for",
     "job_for",
     "register_job",
     "manifest_doc",
@@ -1300,6 +1301,22 @@ def job_for(state: Any) -> JobFactory | None:
         if matches(state):
             importlib.import_module(module)  # registers its factory
             return _FACTORIES[module]
+    return None
+
+
+#: The engines other than the core's, by the option that selects them:
+#: ``Checkpointer(root, memory=MemoryTier())`` makes a ``MemoryCheckpointer`` (a
+#: subclass with the same interface, whose engine runs in a saver process).
+ENGINES = {"memory": "asyncsave._memtier:MemoryCheckpointer"}
+
+
+def engine_for(options: Any, overrides: dict[str, Any]) -> Any:
+    """The checkpointer class an option of ``options`` (or of ``overrides``, which
+    replace its fields) selects, imported on first use; ``None``: the core's."""
+    for field, spec in ENGINES.items():
+        value = overrides[field] if field in overrides else getattr(options, field, None)
+        if value is not None:
+            return _named(spec)
     return None
 
 

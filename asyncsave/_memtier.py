@@ -321,9 +321,12 @@ class MemoryCheckpointer(Checkpointer):
             from ._coord import GlooGroup
 
             self._coord = await GlooGroup.create(self.options.dist_timeout_s)
-            port = (await self._recv_start())[1] if rank == 0 else None
-            host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-            where = await self._coord.broadcast("memory-tier-store", (host, port))
+
+            async def served() -> tuple[str, int]:  # saver 0's store, on rank 0
+                host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+                return host, (await self._recv_start())[1]
+
+            where = await self._coord.from_leader("memory-tier-store", None, served)
             if rank != 0:
                 self._conn.send(("store", *where))
         else:

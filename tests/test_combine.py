@@ -212,3 +212,15 @@ async def test_options_together_take_the_mode_of_the_precedence(
     assert info is not None
     loaded = asyncsave.load(info.path)
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_the_tiers_page_holds_the_table_of_what_combines_with_a_memory_tier() -> None:
+    """docs/guides/tiers.md shows ``asyncsave._memtier.ROWS`` as they are, and
+    every refused row is a refusal ``check_options`` or the facade raises
+    (``tests/test_memory_tier.py`` makes each one)."""
+    from asyncsave import _memtier
+
+    page = (DOCS.parent / "tiers.md").read_text()
+    assert _memtier.markdown() in page
+    refused = [o for o, verdict, _ in _memtier.ROWS if verdict == "refused"]
+    assert refused and all(isinstance(_memtier.refusal(o), asyncsave.UnsupportedCombinationError) for o in refused)

@@ -19,6 +19,8 @@ import anyio
 import pytest
 import torch
 from faults import FaultyFS, block, pause
+from hypothesis import given
+from hypothesis import strategies as st
 
 import asyncsave
 
@@ -43,11 +45,13 @@ RetireFS = FaultyFS
 
 @dataclass(frozen=True)
 class Candidate:
-    """A committed checkpoint as a rule's ``keep`` sees it: its ``step`` and the
-    ``training_info`` saved with it (what the engine passes: checked below)."""
+    """A committed checkpoint as a rule's ``keep`` sees it: its ``step``, the
+    ``training_info`` saved with it and its tensor bytes (what the engine passes:
+    checked below)."""
 
     step: int
     training_info: Mapping[str, object]
+    nbytes: int = 0
 
 
 def _cands(*steps: int, **infos: dict[str, Any]) -> list[Any]:
@@ -84,6 +88,31 @@ async def test_a_rule_is_shown_every_committed_checkpoint_sorted_with_its_traini
 def test_keep_last_keeps_the_highest_steps() -> None:
     assert asyncsave.KeepLast(2).keep(_cands(1, 2, 3, 4)) == {3, 4}
     assert asyncsave.KeepLast(9).keep(_cands(1, 2)) == {1, 2}
+
+
+@given(st.lists(st.integers(min_value=0, max_value=100), min_size=1, max_size=12), st.integers(1, 400))
+def test_keep_bytes_keeps_the_newest_within_the_budget(sizes: list[int], budget: int) -> None:
+    cands = [Candidate(step, {}, nbytes) for step, nbytes in enumerate(sizes, start=1)]
+    kept = asyncsave.KeepBytes(budget).keep(cands)
+    newest_first = sorted(kept, reverse=True)
+    # a run of the newest steps, adding up to at most the budget, and the next older would not fit
+    assert newest_first == list(range(len(sizes), len(sizes) - len(kept), -1))
+    assert sum(sizes[s - 1] for s in kept) <= budget
+    older = len(sizes) - len(kept)
+    assert older == 0 or sum(sizes[s - 1] for s in kept) + sizes[older - 1] > budget
+
+
+def test_keep_bytes_sees_each_checkpoints_tensor_bytes(tmp_path: Path) -> None:
+    async def run() -> list[int]:
+        rule = asyncsave.KeepBytes(2 * 4 * 100)  # two saves of 100 float32
+        async with asyncsave.Checkpointer(tmp_path, retention=rule) as ckpt:
+            for step in (1, 2, 3, 4):
+                await (await ckpt.save(step, {"w": torch.zeros(100)}))
+        return sorted(int(p.name.split("_")[1]) for p in tmp_path.glob("step_*"))
+
+    assert anyio.run(run) == [3, 4]
+    with pytest.raises(ValueError, match="KeepBytes"):
+        asyncsave.KeepBytes(0)
 
 
 def test_keep_every_keeps_multiples() -> None:
