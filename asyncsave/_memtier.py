@@ -743,6 +743,12 @@ class MemoryCheckpointer(Checkpointer):
         return sorted({h.step for h in (*self._handles.values(), *self._behind.values())})
 
     @property
+    def slots_pinned(self) -> bool:
+        """Whether the shared-memory slots are registered as pinned memory in
+        this process (CUDA hosts: device-to-host copies go straight into them)."""
+        return bool(self._slots) and all(s.pinned for s in self._slots)
+
+    @property
     def staging_pool(self) -> None:
         """``None``: the staging memory is the saver's shared slots."""
         return None

@@ -224,6 +224,7 @@ def test_round_trip_persist_interval_and_clean_close(tmp_path: Path, shm: Path) 
             for step in range(1, 8):
                 handles.append(await ckpt.save(step, state_for(step)))
             infos = [await h for h in handles]
+            assert ckpt.slots_pinned == torch.cuda.is_available()  # registered on CUDA hosts
             assert [h.due_to_persist for h in handles] == [s % 3 == 0 for s in range(1, 8)]
             assert (await handles[2].persisted()).step == 3
             assert ckpt.tracked_step == 7 and ckpt.pending_steps == []
@@ -379,7 +380,50 @@ def test_cuda_state_goes_through_pinned_shared_memory(tmp_path: Path, shm: Path)
     async def run() -> None:
         async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
             await (await ckpt.save(1, state))
+            assert ckpt.slots_pinned
 
     anyio.run(run)
     loaded = asyncsave.load(tmp_path / "step_1")
     assert torch.equal(loaded["w"], state["w"].cpu()) and torch.equal(loaded["b"], state["b"].cpu())
+
+
+@pytest.fixture
+def full_root(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB tmpfs as the root (root only, as in test_io_faults); unmounted after."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        if os.geteuid() != 0 or "permission" in proc.stderr.lower():
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        raise AssertionError(proc.stderr)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_storage_outage_fails_the_next_save_and_memory_keeps_the_saves(full_root: Path, shm: Path) -> None:
+    def state(step: int) -> dict[str, Any]:
+        return {"w": torch.full((384 * 1024,), float(step))}  # 1.5 MiB: the third does not fit
+
+    async def run() -> None:
+        ckpt = asyncsave.Checkpointer(full_root, memory=MemoryTier(shm_dir=str(shm)))
+        with pytest.raises(asyncsave.SaveFailedError):  # close raises the failed copy too
+            async with ckpt:
+                handles = [await ckpt.save(step, state(step)) for step in (1, 2)]
+                for h in handles:
+                    await h.persisted()
+                third = await ckpt.save(3, state(3))
+                assert (await third).step == 3  # committed in memory
+                with pytest.raises(asyncsave.SaveFailedError) as failed:
+                    await third.persisted()
+                assert "No space left" in repr(failed.value) + repr(failed.value.__cause__)
+                with pytest.raises(asyncsave.SaveFailedError):
+                    await (await ckpt.save(4, state(4)))
+                assert ckpt.memory_root is not None
+                in_memory = asyncsave.load(ckpt.memory_root / "step_3")
+                assert torch.equal(in_memory["w"], state(3)["w"])
+        assert asyncsave.latest(full_root).step == 2
+
+    anyio.run(run)
