@@ -1,8 +1,9 @@
 """A trainer of the memory-tier kill matrices (``tests/test_memory_tier.py``).
 
-``python tests/memtier_child.py ROOT SHM STEP OUT [hold]`` saves ``state_for(STEP)``
-through ``Checkpointer(ROOT, memory=MemoryTier(shm_dir=SHM))``; once ``save()``
-returned it writes ``OUT/returned`` (the saver's pid, as JSON). With ``hold`` it
+``python tests/memtier_child.py ROOT SHM STEPS OUT [hold]`` saves ``state_for(s)``
+for each step of ``STEPS`` (``7,8``) through ``Checkpointer(ROOT,
+memory=MemoryTier(shm_dir=SHM))``; once every ``save()`` returned it writes
+``OUT/returned`` (the saver's pid, as JSON). With ``hold`` it
 then blocks (the test SIGKILLs it); without, it leaves the block (a clean close).
 The 2-rank matrix runs :func:`rank_main` in forked ranks instead.
 """
@@ -50,22 +51,24 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-async def save_one(root: str, shm: str, step: int, out: Path, hold: bool) -> None:
+async def save_steps(root: str, shm: str, steps: list[int], out: Path, hold: bool) -> None:
     tier = asyncsave.MemoryTier(shm_dir=shm)
     async with asyncsave.Checkpointer(root, memory=tier) as ckpt:
-        await ckpt.save(step, state_for(step))
+        for step in steps:
+            await ckpt.save(step, state_for(step))
         (out / "returned").write_text(json.dumps({"saver_pid": ckpt.saver_pid}))
         if hold:
             time.sleep(600)  # the test kills this process
 
 
-def rank_main(rank: int, world_size: int, root: str, shm: str, step: int, out: str) -> None:
-    """One rank of the 2-rank matrix: save ``step`` and hold (killed by the test)."""
+def rank_main(rank: int, world_size: int, root: str, shm: str, steps: list[int], out: str) -> None:
+    """One rank of the 2-rank matrix: save ``steps`` and hold (killed by the test)."""
 
     async def run() -> None:
         tier = asyncsave.MemoryTier(shm_dir=shm)
         async with asyncsave.Checkpointer(root, memory=tier) as ckpt:
-            await ckpt.save(step, state_for(step, rank))
+            for step in steps:
+                await ckpt.save(step, state_for(step, rank))
             Path(out, f"returned{rank}").write_text(json.dumps({"saver_pid": ckpt.saver_pid}))
             time.sleep(600)
 
@@ -73,5 +76,5 @@ def rank_main(rank: int, world_size: int, root: str, shm: str, step: int, out: s
 
 
 if __name__ == "__main__":
-    root, shm, step, out = sys.argv[1:5]
-    anyio.run(save_one, root, shm, int(step), Path(out), sys.argv[5:] == ["hold"])
+    root, shm, steps, out = sys.argv[1:5]
+    anyio.run(save_steps, root, shm, [int(s) for s in steps.split(",")], Path(out), sys.argv[5:] == ["hold"])

@@ -78,28 +78,29 @@ def _wait_file(path: Path, proc: Any = None, timeout_s: float = 120.0) -> None:
         time.sleep(0.02)
 
 
-def _child(root: Path, shm: Path, step: int, out: Path, *, hold: bool, pause: str | None = None) -> Any:
+def _child(root: Path, shm: Path, steps: str, out: Path, *, hold: bool, pause: str | None = None) -> Any:
     env = dict(os.environ)
     env.pop(PAUSE_ENV, None)
     if pause is not None:
         env[PAUSE_ENV] = f"{pause}:{out}"
-    args = [sys.executable, str(CHILD), str(root), str(shm), str(step), str(out)]
+    args = [sys.executable, str(CHILD), str(root), str(shm), steps, str(out)]
     return subprocess.Popen(args + (["hold"] if hold else []), env=env)
 
 
 def _clean_save(root: Path, shm: Path, step: int, tmp: Path) -> None:
     out = tmp / f"clean{step}"
     out.mkdir()
-    proc = _child(root, shm, step, out, hold=False)
+    proc = _child(root, shm, str(step), out, hold=False)
     assert proc.wait(120) == 0
 
 
-def _kill_after_return(root: Path, shm: Path, step: int, tmp: Path, pause: str | None) -> int:
-    """Run a trainer that saves ``step``; SIGKILL it once ``save()`` returned
-    (and its saver reached ``pause``), let the saver go on; its pid."""
-    out = tmp / f"kill{step}-{pause}"
+def _kill_after_return(root: Path, shm: Path, steps: str, tmp: Path, pause: str | None) -> int:
+    """Run a trainer that saves ``steps`` (``"7,8"``); SIGKILL it once every
+    ``save()`` returned (and its saver reached ``pause`` in the first save), let
+    the saver go on; its pid."""
+    out = tmp / f"kill{steps}-{pause}"
     out.mkdir()
-    proc = _child(root, shm, step, out, hold=True, pause=pause)
+    proc = _child(root, shm, steps, out, hold=True, pause=pause)
     try:
         _wait_file(out / "returned", proc)
         if pause is not None:
@@ -126,12 +127,15 @@ def test_a_trainer_killed_after_save_returned_loses_nothing(
 ) -> None:
     root = tmp_path / "root"
     _clean_save(root, shm, 3, tmp_path)
-    _kill_after_return(root, shm, 7, tmp_path, phase)
-    # The saver committed step 7 to memory and persisted it (the newest, at its end).
-    assert asyncsave.latest(root).step == 7
+    # Step 7 stops at the phase; step 8 (the same structure) is answered on receipt.
+    _kill_after_return(root, shm, "7,8", tmp_path, phase)
+    # The saver committed both to memory, persisted both (every save), and the newest at its end.
+    assert sorted(int(p.name.split("_")[1]) for p in root.glob("step_*")) == [3, 7, 8]
+    for step in (7, 8):
+        assert same(asyncsave.load(root / f"step_{step}"), state_for(step))
     restored, memory_root = anyio.run(_resume, root, shm)
-    assert restored.info.step == 7
-    assert same(restored.state, state_for(7))
+    assert restored.info.step == 8
+    assert same(restored.state, state_for(8))
     assert Path(restored.info.path).is_relative_to(memory_root)  # read from memory
     assert restored.state["model"]["emb"].data_ptr() == restored.state["model"]["head"].data_ptr()
     assert not any(shm.iterdir())  # a clean close removes the tier
@@ -192,7 +196,7 @@ def test_two_ranks_killed_after_save_returned_lose_nothing(
     out.mkdir()
     if phase is not None:
         monkeypatch.setenv(PAUSE_ENV, f"{phase}:{out}")
-    ranks = start_ranks(rank_main, 2, tmp_path, str(root), str(shm), 7, str(out), timeout_s=180)
+    ranks = start_ranks(rank_main, 2, tmp_path, str(root), str(shm), [7, 8], str(out), timeout_s=180)
     try:
         for r in range(2):
             _wait_file(out / f"returned{r}")
@@ -208,9 +212,10 @@ def test_two_ranks_killed_after_save_returned_lose_nothing(
     monkeypatch.delenv(PAUSE_ENV, raising=False)
     for r in range(2):
         _gone(json.loads((out / f"returned{r}").read_text())["saver_pid"])
-    assert asyncsave.latest(root).step == 7  # persisted by the savers alone
+    assert asyncsave.latest(root).step == 8  # persisted by the savers alone
     got = values(run_ranks(_resume_rank, 2, tmp_path, str(root), str(shm), timeout_s=180))
-    assert got == [(7, True, True), (7, True, True)]
+    assert got == [(8, True, True), (8, True, True)]
+    asyncsave.verify(root / "step_7")  # step 7 was persisted too, every byte of both ranks
 
 
 def test_round_trip_persist_interval_and_clean_close(tmp_path: Path, shm: Path) -> None:
@@ -271,7 +276,7 @@ def test_modules_and_optimizers_resume_in_place(tmp_path: Path, shm: Path) -> No
 
 def test_resume_takes_the_root_when_it_is_newer_than_memory(tmp_path: Path, shm: Path) -> None:
     root = tmp_path / "root"
-    _kill_after_return(root, shm, 7, tmp_path, None)  # memory keeps step 7
+    _kill_after_return(root, shm, "7", tmp_path, None)  # memory keeps step 7
 
     async def newer() -> None:
         async with asyncsave.Checkpointer(root) as ckpt:  # another run, no memory tier
