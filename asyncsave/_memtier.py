@@ -41,17 +41,16 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
+import math
 import operator
 import os
 import pickle
-import signal
 import socket
-import subprocess
-import sys
+import uuid
 import warnings
-from collections.abc import Iterable, Sequence
-from multiprocessing.connection import Connection
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -59,20 +58,24 @@ from typing import Any
 import anyio
 import torch
 
+from ._atomicity import strategy_for
 from ._engine import Checkpointer
 from ._errors import (
     CheckpointerClosedError,
+    CheckpointTimeoutError,
     CheckpointWarning,
     InvalidStepError,
     SaveFailedError,
     SaverDiedError,
     UnsupportedCombinationError,
+    WaitTimeoutError,
 )
 from ._fsspec import open_root
 from ._handle import SaveHandle
 from ._options import CheckpointOptions, MemoryTier, Tier
 from ._paths import LAYOUTS
 from ._retention import KeepBytes, KeepLast
+from ._saverlink import SaverLink, check_home, unwire
 from ._slots import Slot, copy_into, pack
 from ._types import CheckpointInfo, Restored
 
@@ -81,6 +84,8 @@ __all__ = ["ROWS", "MemoryCheckpointer", "check_options", "markdown", "refusal"]
 logger = logging.getLogger("asyncsave")
 
 _MAX_STEP = 2**62
+#: The file in the root naming the run its memory tiers belong to.
+LINEAGE_FILE = "asyncsave-memory-tier.json"
 _SLOTS = 2
 _GROW = 1.25  # headroom of grown slots
 
@@ -159,28 +164,23 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-class _Reply:
-    """One awaited answer of the saver."""
-
-    def __init__(self) -> None:
-        self.event = anyio.Event()
-        self.value: Any = None
-
-    def set(self, value: Any) -> None:
-        self.value = value
-        self.event.set()
-
-
 class _Handle(SaveHandle):
     """A save's handle on the trainer's side: whether it is due to persist is
-    known once the saver admitted it (``persisted()`` waits for that)."""
+    known once the saver admitted it (``persisted()`` waits for that, within
+    its ``timeout_s``)."""
 
     def __init__(self, step: int) -> None:
         super().__init__(step)
         self._admitted = anyio.Event()
 
     async def persisted(self, timeout_s: float | None = None) -> CheckpointInfo | None:
-        await self._admitted.wait()
+        with anyio.move_on_after(math.inf if timeout_s is None else timeout_s):
+            await self._admitted.wait()
+        if not self._admitted.is_set():
+            raise WaitTimeoutError(
+                f"step {self.step} was not admitted within {timeout_s} s (the save goes on)",
+                step=self.step,
+            )
         return await super().persisted(timeout_s)
 
     def _fail(self, error: BaseException) -> None:
@@ -212,36 +212,37 @@ class MemoryCheckpointer(Checkpointer):
         assert self.options.memory is not None
         self.memory: MemoryTier = self.options.memory
         check_options(self.options)
-        _, self.root = open_root(
+        self._rootfs, self.root = open_root(
             root, filesystem=self.options.filesystem, storage_options=self.options.storage_options
         )
         self.layout = LAYOUTS[self.options.layout]
         self._home = memory_home(self.root, self.memory)
         self._phase = "new"
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._conn: Connection | None = None
-        self._tasks: Any = None
+        self._link = SaverLink(self.root, self._take, self._lose_saver)
         self._coord: Any = None
         self._broken: SaveFailedError | None = None
         self._seq = 0
         self._handles: dict[int, _Handle] = {}  # handed over, not yet committed
         self._persisting: dict[int, _Handle] = {}  # due to persist, not yet persisted
-        self._replies: dict[Any, _Reply] = {}
+        self._answers: dict[int, tuple[Any, ...]] = {}  # saves' answers, by seq
         self._slots: list[Slot] = []
         self._free: set[int] = set()
         self._changed = anyio.Event()
         self._order = anyio.Semaphore(1)
-        self._control = anyio.Lock()
         self._behind: dict[int, _Handle] = {}
         self._resumed: int | None = None
         self._tracked: int | None = None
         self._last_shape: Any = None  # (tree, refs, spans) of the last accepted save
         self._last_step = -1
-        self.saver_pid: int | None = None
         self.memory_root: Path | None = None
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.root)!r}, memory={self.memory!r})"
+
+    @property
+    def saver_pid(self) -> int | None:
+        """The saver process's pid (``None`` before entry)."""
+        return self._link.pid
 
     # -- the saver process ----------------------------------------------------
     def _saver_options(self, world: int) -> CheckpointOptions:
@@ -271,11 +272,10 @@ class MemoryCheckpointer(Checkpointer):
             raise CheckpointerClosedError("a Checkpointer can be entered only once", path=self.root)
         self._phase = "opening"
         rank, world = _world() if self.options.distributed is not False else (0, 1)
-        options = self._saver_options(world)
         hello = {
             "rank": rank,
             "world_size": world,
-            "options": options,
+            "options": self._saver_options(world),
             "memory_home": str(self._home),
             "memory_root": str(self._home / "tier"),
             "slot_dir": str(self._home / f"slots-r{rank}"),
@@ -283,123 +283,75 @@ class MemoryCheckpointer(Checkpointer):
             "dist_timeout_s": self.options.dist_timeout_s,
         }
         try:
-            payload = pickle.dumps(hello)
+            pickle.dumps(hello)
         except Exception as exc:
             raise ValueError(
                 f"the options of Checkpointer({str(self.root)!r}) cannot be sent to the memory "
                 f"tier's saver process (a policy or retention rule that does not pickle?): {exc}"
             ) from exc
-        await anyio.to_thread.run_sync(self._spawn)
         try:
-            await self._start(payload, rank, world)
+            await self._start(hello, rank, world)
         except BaseException:
-            await self._stop_process(kill=True)
+            with anyio.CancelScope(shield=True):
+                self._link.kill()
+                await self._link.stop_process(wait_s=30)
+                if self._coord is not None:
+                    self._coord.close()
             self._phase = "closed"
             raise
         self._phase = "open"
         return self
 
-    def _spawn(self) -> None:
-        """Start the saver process with one end of a socket pair."""
-        self._home.mkdir(parents=True, exist_ok=True, mode=0o700)
-        mine, theirs = socket.socketpair()
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "asyncsave._saverproc", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                start_new_session=True,  # a Ctrl-C of the trainer's terminal is not the saver's
-            )
-        finally:
-            theirs.close()
-        self._conn = Connection(mine.detach())
-        self.saver_pid = self._proc.pid
+    async def _start(self, hello: dict[str, Any], rank: int, world: int) -> None:
+        from ._coord import GlooGroup, Solo
 
-    async def _start(self, payload: bytes, rank: int, world: int) -> None:
-        assert self._conn is not None
-        self._conn.send_bytes(payload)
+        timeout_s = self.memory.start_timeout_s + 60
         if world > 1:
-            from ._coord import GlooGroup
-
             self._coord = await GlooGroup.create(self.options.dist_timeout_s)
+        else:
+            self._coord = Solo()
+        # The run this root holds (rank 0 reads it, or names a new one): a memory
+        # tier of another run of the same path (the root removed, or replaced) is
+        # set aside by the saver, never resumed from nor copied into this root.
+        hello["lineage"] = await self._coord.from_leader("memory-tier-lineage", None, self._lineage)
+        await anyio.to_thread.run_sync(check_home, self._home)
+        await anyio.to_thread.run_sync(self._link.spawn)
+        self._link.send_now(hello)
+        if world > 1:
 
             async def served() -> tuple[str, int]:  # saver 0's store, on rank 0
                 host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-                return host, (await self._recv_start())[1]
+                return host, (await self._link.receive_now(timeout_s, "with its port"))[1]
 
             where = await self._coord.from_leader("memory-tier-store", None, served)
             if rank != 0:
-                self._conn.send(("store", *where))
-        else:
-            from ._coord import Solo
-
-            self._coord = Solo()
-        kind, ready = await self._recv_start()
-        if kind != "ready":
-            raise SaverDiedError(f"the memory tier's saver sent {kind!r} before it was ready")
+                self._link.send_now(("store", *where))
+        _, ready = await self._link.receive_now(timeout_s, "that it is ready")
+        ready = unwire(ready)
         if isinstance(ready, BaseException):
             raise ready
         self.memory_root = Path(ready["memory_root"])
-        self._tasks = anyio.create_task_group()
-        await self._tasks.__aenter__()
-        self._tasks.start_soon(self._read)
+        await self._link.run()
 
-    async def _recv_start(self) -> Any:
-        conn = self._conn
-        assert conn is not None
-        with anyio.move_on_after(self.memory.start_timeout_s + 60):
-            try:
-                return await anyio.to_thread.run_sync(conn.recv, abandon_on_cancel=True)
-            except (EOFError, OSError):
-                raise self._died("while starting") from None
-        raise SaverDiedError(
-            f"the memory tier's saver (pid {self.saver_pid}) did not start within "
-            f"{self.memory.start_timeout_s + 60} s",
-            path=self.root,
-        )
+    async def _lineage(self) -> str:
+        def run() -> str:
+            marker = self.root / LINEAGE_FILE
+            with contextlib.suppress(FileNotFoundError, OSError, ValueError, KeyError):
+                return str(json.loads(self._rootfs.read_bytes(marker))["lineage"])
+            lineage = uuid.uuid4().hex
+            self._rootfs.makedirs(self.root)
+            strategy_for(self._rootfs).replace_file(
+                self._rootfs, marker, json.dumps({"lineage": lineage}).encode()
+            )
+            return lineage
 
-    def _died(self, when: str) -> SaverDiedError:
-        proc = self._proc
-        code = None
-        if proc is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                code = proc.wait(timeout=5)
-        how = (
-            "is still running but closed its socket"
-            if code is None
-            else f"was killed by {signal.Signals(-code).name}"
-            if code < 0
-            else f"exited with code {code}"
-        )
-        return SaverDiedError(
-            f"the memory tier's saver process (pid {self.saver_pid}) {how} {when}; saves it "
-            f"had not committed are lost, committed ones stay loadable under {self.root}",
-            path=self.root,
-        )
+        return await anyio.to_thread.run_sync(run)
 
-    async def _read(self) -> None:
-        conn = self._conn
-        assert conn is not None
-        while True:
-            try:
-                msg = await anyio.to_thread.run_sync(conn.recv, abandon_on_cancel=True)
-            except (EOFError, OSError):
-                if self._phase == "closed":
-                    return
-                self._lose_saver(self._died("during training"))
-                return
-            try:
-                self._take(msg)
-            except Exception as exc:  # a saver of another version, say: never a hang
-                logger.exception("asyncsave: unreadable message from the memory tier's saver")
-                self._lose_saver(
-                    SaverDiedError(f"the memory tier's saver sent {msg[:1]!r}, unreadable: {exc!r}")
-                )
-                return
-
+    # -- messages -----------------------------------------------------------------
     def _take(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
         if kind in ("accepted", "refused"):
-            self._answer(("save", msg[1]), msg)
+            self._answers[msg[1]] = msg
         elif kind == "admitted":  # a save answered on receipt, now admitted
             handle = self._handles.get(msg[1])
             if handle is not None:
@@ -417,7 +369,7 @@ class MemoryCheckpointer(Checkpointer):
                 handle._commit(info)
         elif kind == "failed":
             handle = self._handles.pop(msg[1], None)
-            error = self._as_failure(msg[2], handle.step if handle else None)
+            error = self._as_failure(unwire(msg[2]), handle.step if handle else None)
             if self._broken is None:
                 self._broken = error
             if handle is not None:
@@ -425,66 +377,55 @@ class MemoryCheckpointer(Checkpointer):
         elif kind in ("persisted", "persist_failed"):
             handle = self._persisting.pop(msg[1], None)
             if handle is not None:
-                ok = kind == "persisted"
-                handle._persist_done(msg[2] if ok else None, None if ok else self._as_failure(msg[2], handle.step))
-        else:  # the answer to the one control request in flight
-            self._answer("control", msg)
+                if kind == "persisted":
+                    handle._persist_done(msg[2], None)
+                else:
+                    handle._persist_done(None, self._as_failure(unwire(msg[2]), handle.step))
         self._wake()
 
     def _as_failure(self, exc: Any, step: int | None) -> SaveFailedError:
         if isinstance(exc, SaveFailedError):
             return exc
-        error = SaveFailedError(f"the save of step {step} failed in the memory tier's saver", step=step)
+        error = SaveFailedError(
+            f"the save of step {step} failed in the memory tier's saver: {exc}", step=step
+        )
         error.__cause__ = exc if isinstance(exc, BaseException) else None
         return error
-
-    def _answer(self, key: Any, msg: Any) -> None:
-        reply = self._replies.pop(key, None)
-        if reply is not None:
-            reply.set(msg)
 
     def _wake(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
 
     def _lose_saver(self, error: SaverDiedError) -> None:
-        if self._broken is None or not isinstance(self._broken, SaverDiedError):
+        if not isinstance(self._broken, SaverDiedError):
             self._broken = error
         for handles in (self._handles, self._persisting):
             for handle in handles.values():
                 handle._fail(error)
                 handle._persist_done(None, error)
             handles.clear()
-        for reply in list(self._replies.values()):
-            reply.set(("died", error))
-        self._replies.clear()
         self._wake()
 
-    async def _ask(self, key: Any, msg: tuple[Any, ...] | None) -> tuple[Any, ...]:
-        """Send ``msg`` (if any) and wait for the answer filed under ``key``."""
-        if isinstance(self._broken, SaverDiedError):
-            raise self._broken
-        reply = self._replies[key] = _Reply()
-        if msg is not None:
-            self._send(msg)
-        await reply.event.wait()
-        answer = reply.value
-        if answer[0] == "died":
-            raise answer[1]
-        return answer
+    async def _until(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait until ``ready()``, woken by each message, within ``save_timeout_s``.
 
-    def _send(self, msg: tuple[Any, ...]) -> None:
-        assert self._conn is not None
-        try:
-            self._conn.send(msg)
-        except OSError:
-            self._lose_saver(self._died("before a message reached it"))
-            assert self._broken is not None
-            raise self._broken from None
-
-    async def _control_call(self, *msg: Any) -> Any:
-        async with self._control:
-            return (await self._ask("control", msg))[1]
+        :raises SaverDiedError: the saver died meanwhile.
+        :raises CheckpointTimeoutError: not ready in time (the checkpointer then
+            refuses further saves: the saver is stuck).
+        """
+        with anyio.move_on_after(self.options.save_timeout_s):
+            while not ready():
+                if self._link.lost is not None:
+                    raise self._link.lost
+                await self._changed.wait()
+            return
+        error = CheckpointTimeoutError(
+            f"the memory tier's saver (pid {self.saver_pid}) did not answer {what} within "
+            f"save_timeout_s={self.options.save_timeout_s}",
+            path=self.root,
+        )
+        self._broken = self._broken or error
+        raise error
 
     # -- saving -----------------------------------------------------------------
     def _check_open(self) -> None:
@@ -505,7 +446,7 @@ class MemoryCheckpointer(Checkpointer):
             if not self._slots or (self._slots[0].capacity < nbytes and len(self._free) == _SLOTS):
                 await self._make_slots(nbytes)
                 continue
-            await self._changed.wait()
+            await self._until(lambda: bool(self._free) or self._broken is not None, "with a free slot")
 
     async def _make_slots(self, nbytes: int) -> None:
         old = self._slots[0].capacity if self._slots else 0
@@ -514,7 +455,9 @@ class MemoryCheckpointer(Checkpointer):
         for s in self._slots:
             s.close()
         self._slots, self._free = [], set()
-        paths = await self._control_call("slots", _SLOTS, capacity)
+        paths = await self._link.ask(
+            "slots", _SLOTS, capacity, timeout_s=self.options.save_timeout_s, what="with slots"
+        )
         if isinstance(paths, BaseException):
             raise SaveFailedError(
                 f"the memory tier cannot make {_SLOTS} slots of {capacity} bytes in "
@@ -537,9 +480,13 @@ class MemoryCheckpointer(Checkpointer):
         once the snapshot is in shared memory and the saver has accepted it (eager),
         or once it is planned (``lazy``; :meth:`staged` waits for the copy).
         Refusals of the saver (a bad step, an unstorable leaf, a protected
-        overwrite) are raised here, as without a memory tier.
+        overwrite) are raised here, as without a memory tier (a lazy save's by
+        its handle). The state is pickled and copied in worker threads;
+        ``state_dict()`` of ``Stateful`` objects is called on this thread.
 
         :raises SaverDiedError: the saver process died.
+        :raises CheckpointTimeoutError: the saver did not answer within
+            ``save_timeout_s``.
         """
         self._check_open()
         if type(step) is not int and not isinstance(step, bool):
@@ -549,7 +496,11 @@ class MemoryCheckpointer(Checkpointer):
             raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
         await self._order.acquire()
         try:
-            packed = pack(state)
+
+            def on_loop(func: Callable[[], Any]) -> Any:
+                return anyio.from_thread.run_sync(func)
+
+            packed = await anyio.to_thread.run_sync(functools.partial(pack, state, call=on_loop))
             index = await self._slot(packed.nbytes)
         except BaseException:
             self._order.release()
@@ -574,15 +525,16 @@ class MemoryCheckpointer(Checkpointer):
                 notes = await self._hand_over(seq, step, index, packed, handle, overwrite, training_info)
                 for category, text in notes:
                     logger.warning("asyncsave (lazy save of step %d): %s: %s", step, category, text)
-            except BaseException as exc:
-                handle._fail(exc if isinstance(exc, SaveFailedError) else self._as_failure(exc, step))
-                if self._broken is None:
-                    self._broken = handle._error  # type: ignore[assignment]
+            except SaveFailedError as exc:  # the saver broke: so does the checkpointer
+                handle._fail(exc)
+                self._broken = self._broken or exc
+            except Exception as exc:  # refused (a bad leaf): this save only
+                handle._fail(exc)
             finally:
                 self._order.release()
                 self._behind.pop(seq, None)
 
-        self._tasks.start_soon(behind)
+        self._link.start_soon(behind)
         return handle
 
     async def _hand_over(
@@ -606,14 +558,21 @@ class MemoryCheckpointer(Checkpointer):
         # the saver answers on receipt and admits it behind (``admitted``).
         shape = (packed.tree, packed.refs, packed.spans)
         early = not overwrite and shape == self._last_shape and step > self._last_step
-        msg = ("save", seq, step, index, *shape, overwrite, training_info, early)
-        answer = await self._ask(("save", seq), msg)
+        if early:  # registered first: its admission may come right behind the answer
+            self._handles[seq] = handle
+        self._link.post("save", seq, step, index, *shape, overwrite, training_info, early)
+        try:
+            await self._until(lambda: seq in self._answers, f"the save of step {step}")
+        except BaseException:
+            self._handles.pop(seq, None)
+            raise
+        answer = self._answers.pop(seq)
         if answer[0] == "refused":
-            raise answer[2]
+            self._handles.pop(seq, None)
+            raise unwire(answer[2])
         self._last_shape, self._last_step = shape, max(step, self._last_step)
         handle._mark_staged()
         if early:
-            self._handles[seq] = handle
             return []
         _, _, notes, skipped, due = answer
         self._admit(seq, handle, skipped, due)
@@ -640,10 +599,11 @@ class MemoryCheckpointer(Checkpointer):
             raise self._broken
 
     async def wait(self) -> None:
-        """Wait until every save handed to the saver has committed or failed.
+        """Wait until every save handed to the saver has committed or failed
+        (within ``save_timeout_s``).
 
         :raises SaveFailedError: a save failed (:class:`SaverDiedError` if the
-            saver died).
+            saver died; :class:`CheckpointTimeoutError` if it did not answer).
         :raises CheckpointerClosedError: not open.
         """
         if self._phase != "open":
@@ -651,7 +611,7 @@ class MemoryCheckpointer(Checkpointer):
                 f"wait() needs an open Checkpointer (this one is {self._phase})", path=self.root
             )
         await self.staged()
-        error = await self._control_call("wait")
+        error = await self._link.ask("wait", timeout_s=self.options.save_timeout_s, what="wait()")
         if self._broken is not None:
             raise self._broken
         if error is not None:
@@ -694,8 +654,9 @@ class MemoryCheckpointer(Checkpointer):
 
         if self._phase != "open":
             raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=self.root)
-        required = list(required)
-        found = await self._control_call("load", fallback, required)
+        found = await self._link.ask(
+            "load", fallback, list(required), timeout_s=self.options.save_timeout_s, what="load_latest()"
+        )
         if isinstance(found, BaseException):
             raise found
         if found is None:
@@ -773,7 +734,9 @@ class MemoryCheckpointer(Checkpointer):
     async def aclose(self) -> None:
         """Flush (the saver commits and persists every save it has, the newest
         one persisted whatever ``persist`` says), remove this rank's memory tier,
-        stop the saver. Idempotent.
+        stop the saver. Idempotent. Shielded from cancellation and bounded by
+        ``close_timeout_s``: past it, close raises :class:`CheckpointTimeoutError`
+        and the saver goes on alone (it finishes its saves and exits).
 
         :raises SaveFailedError: a save failed (:class:`SaverDiedError`: the
             saver died).
@@ -788,25 +751,33 @@ class MemoryCheckpointer(Checkpointer):
             return None
         self._phase = "closing"
         error: BaseException | None = None
-        try:
-            with anyio.fail_after(self.options.close_timeout_s):
-                while self._behind:
-                    await next(iter(self._behind.values()))._staged.wait()
-                if not isinstance(self._broken, SaverDiedError):
-                    answer = await self._ask("control", ("close",))
-                    error = answer[1]
-        except TimeoutError:
-            from ._errors import CheckpointTimeoutError
-
-            error = CheckpointTimeoutError(
-                f"the memory tier's saver did not close within close_timeout_s="
-                f"{self.options.close_timeout_s}",
-                path=self.root,
-            )
-        except SaverDiedError as exc:
-            error = exc
-        self._phase = "closed"
-        await self._stop_process(kill=error is not None and not isinstance(error, SaveFailedError))
+        waited = True
+        with anyio.CancelScope(shield=True):
+            try:
+                with anyio.fail_after(self.options.close_timeout_s):
+                    while self._behind:
+                        await next(iter(self._behind.values()))._staged.wait()
+                    if self._link.lost is None:
+                        error = await self._link.ask(
+                            "close", timeout_s=math.inf, what="close"
+                        )
+            except TimeoutError:
+                waited = False
+                error = CheckpointTimeoutError(
+                    f"the memory tier's saver did not close within close_timeout_s="
+                    f"{self.options.close_timeout_s}; it goes on alone and exits once its "
+                    "saves are committed and persisted",
+                    path=self.root,
+                )
+            except SaveFailedError as exc:
+                error = exc
+            self._phase = "closed"
+            await self._link.stop_process(wait_s=30 if waited else 0)
+            for s in self._slots:
+                s.close()
+            if self._coord is not None:
+                self._coord.close()
+        await self._link.end_tasks()  # a cancellation of this task goes on from here
         for handle in [*self._handles.values(), *self._persisting.values()]:
             closed = CheckpointerClosedError("the checkpointer closed first", path=self.root)
             handle._fail(closed)
@@ -814,39 +785,13 @@ class MemoryCheckpointer(Checkpointer):
         failure = self._broken or error
         if failure is not None and not isinstance(failure, SaveFailedError):
             wrapped = SaveFailedError(f"closing the memory tier failed: {failure!r}", path=self.root)
-            wrapped.__cause__ = failure
+            wrapped.__cause__ = failure if isinstance(failure, BaseException) else None
             failure = wrapped
         return failure
 
-    async def _stop_process(self, *, kill: bool) -> None:
-        if self._tasks is not None:
-            self._tasks.cancel_scope.cancel()
-            with contextlib.suppress(BaseException):
-                await self._tasks.__aexit__(None, None, None)
-            self._tasks = None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-        for s in self._slots:
-            s.close()
-        proc = self._proc
-        if proc is None:
-            return
-        if kill:
-            proc.kill()
-        try:
-            await anyio.to_thread.run_sync(functools.partial(proc.wait, 60))
-        except subprocess.TimeoutExpired:
-            logger.error("the memory tier's saver (pid %d) did not exit; killing it", proc.pid)
-            proc.kill()
-            await anyio.to_thread.run_sync(proc.wait)
-        if self._coord is not None:
-            self._coord.close()
-
     def __del__(self) -> None:
         # The saver sees the socket's end, commits what it has and exits.
-        conn = getattr(self, "_conn", None)
-        if conn is not None:
+        link = getattr(self, "_link", None)
+        if link is not None and link.conn is not None:
             with contextlib.suppress(Exception):
-                conn.close()
-
+                link.conn.close()

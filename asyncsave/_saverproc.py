@@ -27,7 +27,7 @@ import contextlib
 import functools
 import logging
 import os
-import pickle
+import re
 import shutil
 import socket
 import sys
@@ -40,6 +40,8 @@ from typing import Any
 
 import anyio
 
+from ._saverlink import wire_error
+
 logger = logging.getLogger("asyncsave")
 
 #: Environment variable of the kill matrices (``tests/test_memory_tier.py``):
@@ -47,17 +49,6 @@ logger = logging.getLogger("asyncsave")
 #: ``asyncsave.testing.PHASES``), creates ``DIR/reached`` when it stops there,
 #: and lets it go on once ``DIR/release`` exists.
 PAUSE_ENV = "ASYNCSAVE_SAVER_PAUSE"
-
-
-def wire_error(exc: BaseException) -> BaseException:
-    """``exc`` if it survives a pickle round trip, else a ``RuntimeError`` that
-    names it (with its cause's text)."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        cause = f" (caused by {exc.__cause__!r})" if exc.__cause__ is not None else ""
-        return RuntimeError(f"{exc!r}{cause}")
 
 
 class _Wire:
@@ -136,10 +127,61 @@ async def _open(hello: dict[str, Any], pause: Any) -> Any:
         try:
             await ckpt.__aenter__()
             return ckpt
-        except RootInUseError:
-            if time.monotonic() > deadline:
+        except RootInUseError as exc:
+            # The saver of a trainer that died finishes its commits first; any
+            # other holder (a live trainer's saver, a plain checkpointer) is refused now.
+            if time.monotonic() > deadline or not _orphaned_saver(str(exc)):
                 raise
             await anyio.sleep(0.2)
+
+
+def _orphaned_saver(holder: str) -> bool:
+    """Whether the lock holder named in ``holder`` ("pid 4242 on host node7") is
+    a saver process on this host whose trainer is gone (Linux ``/proc``)."""
+    match = re.search(r"pid (\d+) on host (\S+)", holder)
+    if match is None or match.group(2).rstrip(")") != socket.gethostname():
+        return False
+    pid = int(match.group(1))
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    if b"asyncsave._saverproc" not in cmdline:
+        return False
+    try:
+        parent = Path(f"/proc/{ppid}/cmdline").read_bytes()
+    except OSError:
+        return True  # its trainer is gone
+    return ppid == 1 or b"asyncsave._saverproc" in parent or not parent
+
+
+def _set_aside_other_runs(hello: dict[str, Any]) -> None:
+    """Move this rank's memory tier aside if it belongs to another run of the
+    root than ``hello["lineage"]`` (the root was removed or replaced since): it
+    must never be resumed from, nor copied into the new run's root. Then record
+    the lineage. Nothing is deleted (a reboot clears ``/dev/shm``)."""
+    home, rank = Path(hello["memory_home"]), hello["rank"]
+    mine = Path(hello["memory_root"])
+    if hello["world_size"] > 1:
+        mine = mine / f"rank{rank}"
+    marker = home / f"lineage-r{rank}"
+    try:
+        old = marker.read_text().strip()
+    except FileNotFoundError:
+        old = None
+    if old != hello["lineage"] and mine.is_dir() and any(mine.iterdir()):
+        aside = home / f"other-run-r{rank}-{old or 'unknown'}-{int(time.time())}"
+        os.rename(mine, aside)
+        logger.warning(
+            "the memory tier %s belongs to another run of this root (the root was removed or "
+            "replaced): moved aside to %s, not resumed from; remove it to free the memory",
+            mine,
+            aside,
+        )
+    tmp = marker.with_name(marker.name + ".tmp")
+    tmp.write_text(hello["lineage"])
+    os.replace(tmp, marker)
 
 
 class _Server:
@@ -210,7 +252,15 @@ class _Server:
             else:
                 self.wire.send("persisted", seq, pinfo)
 
-    async def load(self, fallback: bool, required: list[Any]) -> None:
+    async def wait(self, rid: int) -> None:
+        try:
+            await self.ckpt.wait()
+        except Exception as exc:
+            self.wire.send("waited", rid, wire_error(exc))
+        else:
+            self.wire.send("waited", rid, None)
+
+    async def load(self, rid: int, fallback: bool, required: list[Any]) -> None:
         """Resume as the checkpointer does (nearest tier first, every byte
         verified, agreed by every rank, damaged copies moved aside), and tell the
         trainer which checkpoint to read: the bytes it reads are the ones just
@@ -218,49 +268,48 @@ class _Server:
         try:
             restored = await self.ckpt.load_latest(None, fallback=fallback, required=required)
         except Exception as exc:
-            self.wire.send("loaded", wire_error(exc))
+            self.wire.send("loaded", rid, wire_error(exc))
             return
         if restored is None:
-            self.wire.send("loaded", None)
+            self.wire.send("loaded", rid, None)
             return
         info = restored.info
         del restored
         # A part of the memory tier is a checkpoint of one rank (its own); a
         # persistent checkpoint of several ranks is read by rank.
         whole = Path(info.path).is_relative_to(self.ckpt.root)
-        self.wire.send("loaded", {"info": info, "whole": whole})
+        self.wire.send("loaded", rid, {"info": info, "whole": whole})
 
-    async def serve(self) -> bool:
-        """Take messages until ``close`` (``True``) or the trainer's end (``False``)."""
+    async def serve(self) -> int | None:
+        """Take messages until ``close`` (its request id) or the trainer's end
+        (``None``). Saves are taken in order; ``wait`` and ``load`` run as tasks,
+        so that the socket is read meanwhile (the trainer's sends never block on
+        a saver busy answering one of them)."""
         async with anyio.create_task_group() as tg:
             while True:
                 try:
                     msg = await anyio.to_thread.run_sync(self.conn.recv, abandon_on_cancel=True)
                 except (EOFError, OSError):
                     self.wire.gone = True
-                    return False
+                    return None
                 kind = msg[0]
                 if kind == "save":
                     await self.save(tg, msg)
                 elif kind == "slots":
                     try:
-                        self.wire.send("slots", self.make_slots(msg[1], msg[2]))
+                        paths = await anyio.to_thread.run_sync(self.make_slots, msg[2], msg[3])
+                        self.wire.send("slots", msg[1], paths)
                     except OSError as exc:
-                        self.wire.send("slots", wire_error(exc))
+                        self.wire.send("slots", msg[1], wire_error(exc))
                 elif kind == "wait":
-                    try:
-                        await self.ckpt.wait()
-                    except Exception as exc:
-                        self.wire.send("waited", wire_error(exc))
-                    else:
-                        self.wire.send("waited", None)
+                    tg.start_soon(self.wait, msg[1])
                 elif kind == "load":
-                    await self.load(*msg[1:])
+                    tg.start_soon(self.load, *msg[1:])
                 elif kind == "close":
-                    return True
+                    return int(msg[1])
                 else:  # a trainer of another version: say so, go on
                     logger.error("asyncsave saver: unknown message %r", kind)
-        return False  # not reached: the loop returns
+        return None  # not reached: the loop returns
 
 
 async def _main(conn: Connection) -> int:
@@ -274,16 +323,18 @@ async def _main(conn: Connection) -> int:
     await anyio.to_thread.run_sync(functools.partial(slot_dir.mkdir, parents=True, exist_ok=True))
     with _pause_from_env() as pause:
         try:
+            await anyio.to_thread.run_sync(_set_aside_other_runs, hello)
             ckpt = await _open(hello, pause)
         except Exception as exc:
             wire.send("ready", wire_error(exc))
             return 1
         server = _Server(wire, conn, ckpt, slot_dir)
         wire.send("ready", {"pid": os.getpid(), "memory_root": str(ckpt.root)})
-        closing = False
+        close_id: int | None = None
         error: BaseException | None = None
         try:
-            closing = await server.serve()
+            close_id = await server.serve()
+            closing = close_id is not None
             if not closing:
                 logger.warning(
                     "asyncsave saver %d: the trainer is gone; committing the saves it "
@@ -301,10 +352,13 @@ async def _main(conn: Connection) -> int:
             error = error or exc
         for s in server.slots:
             s.close()
+        closing = close_id is not None
         tier = ckpt.root if closing and error is None else None
         await anyio.to_thread.run_sync(_tidy, hello, slot_dir, tier)
         if closing:
-            wire.send("closed", None if error is None else wire_error(error))
+            wire.send("closed", close_id, None if error is None else wire_error(error))
+        elif error is not None:  # nobody else will hear of it
+            logger.error("the saves handed over by the dead trainer did not all end well: %r", error)
     if hello["world_size"] > 1:
         import torch.distributed as dist
 
@@ -322,6 +376,8 @@ def _tidy(hello: dict[str, Any], slot_dir: Path, tier: Path | None) -> None:
     if tier is None:
         return
     shutil.rmtree(tier, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        (Path(hello["memory_home"]) / f"lineage-r{hello['rank']}").unlink()
     for folder in (hello["memory_root"], hello["memory_home"]):
         with contextlib.suppress(OSError):
             Path(folder).rmdir()

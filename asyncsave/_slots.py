@@ -32,6 +32,7 @@ import io
 import mmap
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -123,9 +124,10 @@ class Slot:
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: Any) -> None:
+    def __init__(self, file: Any, call: Callable[[Callable[[], Any]], Any] | None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
+        self.call = call
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -135,7 +137,8 @@ class _Pickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, type) and is_stateful(obj):
-            return (_same, (obj.state_dict(),))
+            sd = obj.state_dict() if self.call is None else self.call(obj.state_dict)
+            return (_same, (sd,))
         return NotImplemented
 
 
@@ -156,9 +159,11 @@ def _refuse(t: torch.Tensor, i: int) -> UnsupportedTensorError:
     )
 
 
-def pack(state: Any) -> Packed:
+def pack(state: Any, *, call: Callable[[Callable[[], Any]], Any] | None = None) -> Packed:
     """Pickle ``state`` with its tensors as slot references (see the module
-    docstring). Called on the caller's thread (``state_dict()`` runs here).
+    docstring). Run in a worker thread with ``call`` running each ``Stateful``
+    object's ``state_dict()`` back on the caller's thread (the event loop's), as
+    the core engine's planner does.
     One pass of Python per tensor (a few attribute reads): the state of a
     mixture of experts holds 100,000 of them.
 
@@ -168,7 +173,7 @@ def pack(state: Any) -> Packed:
         tensor.
     """
     buf = io.BytesIO()
-    p = _Pickler(buf)
+    p = _Pickler(buf, call)
     try:
         p.dump(state)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:

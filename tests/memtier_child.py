@@ -22,6 +22,13 @@ import torch
 import asyncsave
 
 
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    """Write ``doc`` whole or not at all (the test reads it as soon as it exists)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(path)
+
+
 def state_for(step: int, rank: int = 0) -> dict[str, Any]:
     """The state a trainer of ``rank`` holds at ``step``: tied weights, a bf16
     tensor, a view, optimizer-like moments and plain counters, all a function of
@@ -56,7 +63,7 @@ async def save_steps(root: str, shm: str, steps: list[int], out: Path, hold: boo
     async with asyncsave.Checkpointer(root, memory=tier) as ckpt:
         for step in steps:
             await ckpt.save(step, state_for(step))
-        (out / "returned").write_text(json.dumps({"saver_pid": ckpt.saver_pid}))
+        _write(out / "returned", {"saver_pid": ckpt.saver_pid})
         if hold:
             time.sleep(600)  # the test kills this process
 
@@ -69,7 +76,7 @@ def rank_main(rank: int, world_size: int, root: str, shm: str, steps: list[int],
         async with asyncsave.Checkpointer(root, memory=tier) as ckpt:
             for step in steps:
                 await ckpt.save(step, state_for(step, rank))
-            Path(out, f"returned{rank}").write_text(json.dumps({"saver_pid": ckpt.saver_pid}))
+            _write(Path(out, f"returned{rank}"), {"saver_pid": ckpt.saver_pid})
             time.sleep(600)
 
     anyio.run(run)

@@ -13,6 +13,9 @@ newer), refusals, bad input, lazy saves, CUDA sources.
 
 from __future__ import annotations
 
+import datetime
+import errno
+import hashlib
 import json
 import os
 import shutil
@@ -423,12 +426,128 @@ def test_a_storage_outage_fails_the_next_save_and_memory_keeps_the_saves(full_ro
                 assert (await third).step == 3  # committed in memory
                 with pytest.raises(asyncsave.SaveFailedError) as failed:
                     await third.persisted()
-                assert "No space left" in repr(failed.value) + repr(failed.value.__cause__)
+                # the original error crossed the socket as the cause
+                assert isinstance(failed.value.__cause__, OSError)
+                assert failed.value.__cause__.errno == errno.ENOSPC
                 with pytest.raises(asyncsave.SaveFailedError):
                     await (await ckpt.save(4, state(4)))
                 assert ckpt.memory_root is not None
                 in_memory = asyncsave.load(ckpt.memory_root / "step_3")
                 assert torch.equal(in_memory["w"], state(3)["w"])
         assert asyncsave.latest(full_root).step == 2
+
+    anyio.run(run)
+
+
+# -- what a review broke (each test fails on the code before its fix) ----------------
+
+
+def test_a_cancelled_exit_still_flushes_and_the_cancellation_propagates(tmp_path: Path, shm: Path) -> None:
+    async def run() -> bool:
+        with anyio.CancelScope() as scope:
+            async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+                for step in (1, 2, 3):
+                    await ckpt.save(step, state_for(step))
+                scope.cancel()  # a deadline, or a failed sibling task
+                await anyio.sleep(60)  # cancelled here: leaving the block must still flush
+        return scope.cancelled_caught
+
+    assert anyio.run(run)
+    assert asyncsave.latest(tmp_path).step == 3
+    assert same(asyncsave.load(tmp_path / "step_3"), state_for(3))
+    assert not any(shm.iterdir())
+
+
+def test_an_answer_given_up_on_never_answers_another_request(
+    tmp_path: Path, shm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(PAUSE_ENV, f"writing:{tmp_path}")
+
+    async def run() -> None:
+        async with asyncsave.Checkpointer(tmp_path / "root", memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+            handle = await ckpt.save(1, state_for(1))
+            with anyio.move_on_after(0.5):
+                await ckpt.wait()  # its answer comes late, after the pause
+            (tmp_path / "release").touch()
+            await handle
+            restored = await ckpt.load_latest()
+            assert restored is not None and restored.info.step == 1
+
+    anyio.run(run)
+    assert asyncsave.latest(tmp_path / "root").step == 1
+
+
+def test_a_stalled_saver_is_a_timeout_not_a_hang(tmp_path: Path, shm: Path) -> None:
+    async def run() -> None:
+        ckpt = asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm)), save_timeout_s=2)
+        with anyio.fail_after(60), pytest.raises(SaverDiedError):  # a guard: the bound is 2 s
+            async with ckpt:
+                assert ckpt.saver_pid is not None
+                os.kill(ckpt.saver_pid, signal.SIGSTOP)
+                try:
+                    with pytest.raises(asyncsave.CheckpointTimeoutError, match="save_timeout_s"):
+                        await ckpt.save(1, state_for(1))
+                    with pytest.raises(asyncsave.CheckpointTimeoutError):
+                        await ckpt.save(2, state_for(2))  # the checkpointer refuses from now on
+                finally:
+                    os.kill(ckpt.saver_pid, signal.SIGKILL)
+
+    anyio.run(run)
+
+
+def test_a_memory_tier_of_a_removed_root_is_never_resumed_nor_copied_back(
+    tmp_path: Path, shm: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "root"
+    _kill_after_return(root, shm, "7", tmp_path, None)  # memory keeps step 7
+    shutil.rmtree(root)  # the user starts over
+
+    async def run() -> Any:
+        async with asyncsave.Checkpointer(root, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+            restored = await ckpt.load_latest()
+            await (await ckpt.save(1, state_for(1)))
+        return restored
+
+    assert anyio.run(run) is None
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_1"]
+    assert [p.name for p in shm.glob("asyncsave-*/other-run-r0-*")]  # set aside, not deleted
+
+
+def test_a_planted_memory_directory_is_refused(tmp_path: Path, shm: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o777)
+    (shm / f"asyncsave-{os.getuid()}-{digest}").symlink_to(elsewhere)
+
+    async def run() -> None:
+        async with asyncsave.Checkpointer(root, memory=MemoryTier(shm_dir=str(shm))):
+            pass
+
+    with pytest.raises(PermissionError, match="not a private directory"):
+        anyio.run(run)
+    assert not any(elsewhere.iterdir())
+
+
+def test_a_refused_lazy_save_fails_its_handle_only(tmp_path: Path, shm: Path) -> None:
+    async def run() -> None:
+        async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+            bad = await ckpt.save(1, {"w": torch.ones(2), "when": datetime.date(2026, 12, 3)}, lazy=True)
+            with pytest.raises(asyncsave.UnsupportedTypeError, match="when"):
+                await bad
+            assert (await (await ckpt.save(2, {"w": torch.ones(2)}))).step == 2
+
+    anyio.run(run)
+    assert asyncsave.latest(tmp_path).step == 2
+
+
+def test_a_second_checkpointer_of_the_root_is_refused_at_once(tmp_path: Path, shm: Path) -> None:
+    async def run() -> None:
+        tier = MemoryTier(shm_dir=str(shm), start_timeout_s=600)
+        async with asyncsave.Checkpointer(tmp_path, memory=tier):
+            with anyio.fail_after(60), pytest.raises(asyncsave.RootInUseError):  # not after 600 s
+                async with asyncsave.Checkpointer(tmp_path, memory=tier):
+                    pass
 
     anyio.run(run)
