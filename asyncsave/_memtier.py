@@ -352,7 +352,7 @@ class MemoryCheckpointer(Checkpointer):
         kind = msg[0]
         if kind in ("accepted", "refused"):
             self._answers[msg[1]] = msg
-        elif kind == "admitted":  # a save answered on receipt, now admitted
+        elif kind == "admitted":  # an early save (in the saver's socket), now admitted
             handle = self._handles.get(msg[1])
             if handle is not None:
                 for category, text in msg[2]:
@@ -554,13 +554,28 @@ class MemoryCheckpointer(Checkpointer):
             raise
         handle._progress.all_staged()
         # The same structure (tree, dtypes, shapes, storages) as the last save
-        # the saver accepted, and a newer step: its save() cannot refuse it, so
-        # the saver answers on receipt and admits it behind (``admitted``).
+        # the saver accepted, and a newer step: see below.
         shape = (packed.tree, packed.refs, packed.spans)
         early = not overwrite and shape == self._last_shape and step > self._last_step
-        if early:  # registered first: its admission may come right behind the answer
+        msg = ("save", seq, step, index, *shape, overwrite, training_info, early)
+        if early:
+            # The saver's save() cannot refuse it: once the message is in the
+            # saver's socket (delivered even if this process dies now), the save
+            # is the saver's; it is admitted behind (``admitted``).
             self._handles[seq] = handle
-        self._link.post("save", seq, step, index, *shape, overwrite, training_info, early)
+            try:
+                await self._link.deliver(
+                    *msg, timeout_s=self.options.save_timeout_s, what=f"the save of step {step}"
+                )
+            except BaseException as exc:
+                self._handles.pop(seq, None)
+                if isinstance(exc, SaveFailedError):
+                    self._broken = self._broken or exc
+                raise
+            self._last_step = max(step, self._last_step)
+            handle._mark_staged()
+            return []
+        self._link.post(*msg)
         try:
             await self._until(lambda: seq in self._answers, f"the save of step {step}")
         except BaseException:
@@ -572,8 +587,6 @@ class MemoryCheckpointer(Checkpointer):
             raise unwire(answer[2])
         self._last_shape, self._last_step = shape, max(step, self._last_step)
         handle._mark_staged()
-        if early:
-            return []
         _, _, notes, skipped, due = answer
         self._admit(seq, handle, skipped, due)
         return list(notes)

@@ -180,11 +180,35 @@ class SaverLink:
 
         self._tasks.start_soon(shielded)
 
-    def post(self, *msg: Any) -> None:
-        """Queue ``msg`` for the saver; it is sent whole, in order."""
+    def post(self, *msg: Any, sent: anyio.Event | None = None) -> None:
+        """Queue ``msg`` for the saver; it is sent whole, in order. ``sent`` is
+        set once the whole message is in the saver's socket (what the kernel
+        delivers even if this process dies the next instant)."""
         if self.lost is not None:
             raise self.lost
-        self._outbox_in.send_nowait(msg)
+        self._outbox_in.send_nowait((msg, sent))
+
+    async def deliver(self, *msg: Any, timeout_s: float, what: str) -> None:
+        """:meth:`post` ``msg`` and wait until it is in the saver's socket.
+
+        :raises SaverDiedError: the saver is gone.
+        :raises CheckpointTimeoutError: not sent within ``timeout_s`` (the
+            saver stopped reading).
+        """
+        sent = anyio.Event()
+        self.post(*msg, sent=sent)
+        with anyio.move_on_after(timeout_s):
+            while not sent.is_set():
+                if self.lost is not None:
+                    raise self.lost
+                with anyio.move_on_after(0.05):
+                    await sent.wait()
+            return
+        raise CheckpointTimeoutError(
+            f"the memory tier's saver (pid {self.pid}) did not take {what} within "
+            f"save_timeout_s={timeout_s}",
+            path=self.root,
+        )
 
     async def ask(self, kind: str, *args: Any, timeout_s: float, what: str) -> Any:
         """Send the request ``(kind, id, *args)`` and return the saver's answer
@@ -224,12 +248,14 @@ class SaverLink:
         conn = self.conn
         assert conn is not None
         async with self._outbox:
-            async for msg in self._outbox:
+            async for msg, sent in self._outbox:
                 try:
                     await anyio.to_thread.run_sync(conn.send, msg, abandon_on_cancel=True)
                 except OSError:
                     self._lose(await self.died("before a message reached it"))
                     return
+                if sent is not None:
+                    sent.set()
 
     async def _read(self) -> None:
         with anyio.CancelScope(shield=True) as scope:  # as _send

@@ -212,8 +212,8 @@ class _Server:
         from ._slots import unpack
 
         _, seq, step, index, tree, refs, spans, overwrite, training_info, early = msg
-        if early:  # the trainer's save() returns now; its admission follows
-            self.wire.send("accepted", seq)
+        # An early save: the trainer's save() returned once this message was in
+        # the socket; its admission (or failure) follows.
         try:
             state = unpack(tree, refs, spans, self.slots[index])
             with warnings.catch_warnings(record=True) as caught:
