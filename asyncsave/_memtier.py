@@ -4,7 +4,9 @@
 the trainer's side of the tier. On entry it starts its saver process
 (``asyncsave._saverproc``); ``save()`` copies the snapshot into a slot of shared
 memory that the saver owns (``asyncsave._slots``) and returns once the saver
-answered (the save accepted, or refused with the saver's typed error); the saver
+answered (the save accepted, or refused with the saver's typed error), or, for a
+save of an unchanged structure at a newer step, once it is in the saver's socket;
+the saver
 commits it to the memory tier (a tmpfs root), persists it to ``root`` (its
 ``persistent`` tier) and reports each commit back. Everything past the copy runs
 in the saver: if the trainer dies, the saver still commits every save it
