@@ -54,7 +54,6 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -197,6 +196,13 @@ class MemoryCheckpointer(Checkpointer):
     with``). A subclass of :class:`~asyncsave.Checkpointer` that shares its
     interface, not its engine (the engine runs in the saver): every public
     method is its own.
+
+    Leaving the block (or ``aclose()``) flushes: the saver commits and persists
+    every save it has (the newest persisted whatever ``persist`` says), removes
+    this rank's memory tier and exits. Shielded from cancellation and bounded by
+    ``close_timeout_s``: past it, close raises :class:`CheckpointTimeoutError`
+    and the saver goes on alone (it finishes its saves and exits). Exceptions
+    chain as without a memory tier (the inherited ``__aexit__``).
 
     :raises UnsupportedCombinationError: an option :data:`ROWS` refuses.
     :raises ValueError: an option that cannot be sent to the saver process (a
@@ -730,36 +736,6 @@ class MemoryCheckpointer(Checkpointer):
         return None
 
     # -- closing ----------------------------------------------------------------
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool:
-        error = await self._shutdown()
-        if exc is not None:
-            if error is not None and error is not exc:
-                exc.add_note(f"asyncsave: a checkpoint save also failed during shutdown: {error!r}")
-                logger.error("checkpoint flush failed while %r was propagating", exc, exc_info=error)
-            return False
-        if error is not None:
-            raise error
-        return False
-
-    async def aclose(self) -> None:
-        """Flush (the saver commits and persists every save it has, the newest
-        one persisted whatever ``persist`` says), remove this rank's memory tier,
-        stop the saver. Idempotent. Shielded from cancellation and bounded by
-        ``close_timeout_s``: past it, close raises :class:`CheckpointTimeoutError`
-        and the saver goes on alone (it finishes its saves and exits).
-
-        :raises SaveFailedError: a save failed (:class:`SaverDiedError`: the
-            saver died).
-        """
-        error = await self._shutdown()
-        if error is not None:
-            raise error
-
     async def _shutdown(self) -> SaveFailedError | None:
         if self._phase in ("closed", "new"):
             self._phase = "closed"

@@ -373,14 +373,9 @@ class Persister:
             return None
         if newest <= max(self.copier.committed, default=-1):
             return None
-        assert self._slots is not None and self.saver.tg is not None
+        assert self._slots is not None
         await self._slots.acquire()
-        path = self.saver.root / self.layout.dir_name(newest)
-        handle = SaveHandle.resolved(newest, _bare_info(newest, path))
-        handle.due_to_persist = True
-        self.saver.held[newest] = handle
-        turn = self._turns.take()
-        self.saver.tg.start_soon(self._persist, newest, handle, turn, False, True)
+        self._queue_committed(newest)
         logger.info("persisting the newest local step %d before the saver ends", newest)
         return newest
 
@@ -400,18 +395,25 @@ class Persister:
             for s in sorted(self.saver.committed)
             if s > newest and (policy is None or policy.should_save(s))
         ][-self.tier.queue_size :]
-        assert self._slots is not None and self.saver.tg is not None
+        assert self._slots is not None
         for step in due:
             self._slots.acquire_nowait()
-            path = self.saver.root / self.layout.dir_name(step)
-            handle = SaveHandle.resolved(step, _bare_info(step, path))
-            handle.due_to_persist = True
-            self.saver.held[step] = handle
-            turn = self._turns.take()
-            self.saver.tg.start_soon(self._persist, step, handle, turn, False, True)
+            self._queue_committed(step)
         if due:
             logger.info("persisting local steps %s left unpersisted by an earlier run", due)
         return due
+
+    def _queue_committed(self, step: int) -> None:
+        """Copy the committed local checkpoint of ``step`` behind, its queue slot
+        taken by the caller; held from retention until it is persisted, checked
+        against a persistent step of the same number (``check``)."""
+        assert self.saver.tg is not None
+        path = self.saver.root / self.layout.dir_name(step)
+        handle = SaveHandle.resolved(step, _bare_info(step, path))
+        handle.due_to_persist = True
+        self.saver.held[step] = handle
+        turn = self._turns.take()
+        self.saver.tg.start_soon(self._persist, step, handle, turn, False, True)
 
     async def _open_root(self) -> tuple[list[int], int | None]:
         def run() -> tuple[list[int], int | None]:

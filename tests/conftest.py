@@ -304,3 +304,24 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(COUNTS, f, indent=1, sort_keys=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Any:
+    """A real 4 MiB tmpfs mounted for the test (root only; skips elsewhere, as a
+    disk-full test cannot run without it), unmounted afterwards."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        if os.geteuid() != 0 or "permission" in proc.stderr.lower():
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        raise AssertionError(proc.stderr)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)

@@ -25,7 +25,6 @@ import errno
 import functools
 import logging
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -274,26 +273,6 @@ async def test_a_retention_delete_that_fails_keeps_the_save_and_retries(
 
 
 # -- a real full file system ------------------------------------------------------
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Any:
-    """A 4 MiB tmpfs mounted for the test (root only); unmounted afterwards."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        if os.geteuid() != 0 or "permission" in proc.stderr.lower():
-            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
-        raise AssertionError(proc.stderr)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def big_state(step: int) -> dict[str, Any]:
