@@ -158,6 +158,13 @@ class Job:
     #: writing the manifest (``_types.release_in_chunks``).
     owns_manifest_rows: bool = False
 
+    @property
+    def owns_manifest_tree(self) -> bool:
+        """Whether the manifest's ``tree`` is the job's own as its rows are (see
+        :attr:`owns_manifest_rows`); not where the plan shares nodes with the
+        planner's template (``Plan.shares_tree``), which must stay whole."""
+        return self.owns_manifest_rows
+
     def eager_copies(self) -> str:
         """Where a lazy save's :meth:`snapshot_eager` runs: ``"loop"`` (on the
         caller's thread: CUDA clones stay on the caller's stream), ``"thread"``
@@ -224,6 +231,10 @@ class PlainJob(Job):
     mode = "whole"
     per_rank_root = True
     owns_manifest_rows = True
+
+    @property
+    def owns_manifest_tree(self) -> bool:
+        return not self.plan.shares_tree
 
     def __init__(self, plan: Plan, layouts: list[FileLayout], nbytes: int) -> None:
         self.plan = plan
@@ -429,8 +440,10 @@ class PlainJob(Job):
         # loop when the pipeline drops the job (~100 ms of deallocation per
         # 100,000 tensors), a slice at a time (release_in_chunks). The tree
         # lives on in ``doc`` (freed after writing).
+        # Entries a planner lent from its pool go back to it (Plan.recycle).
         entries, leaves = self.plan.entries, self.plan.leaves
-        self.plan.entries, self.plan.leaves, self.plan.tree = [], [], {}
+        self.plan.leaves, self.plan.tree = [], {}
+        self.plan.recycle()
         release_in_chunks(entries)
         release_in_chunks(leaves)
         return doc

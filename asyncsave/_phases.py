@@ -354,7 +354,9 @@ class Pipeline:
         # Encoding is CPU work (about 60 ms for 10,000 tensors): in
         # the worker thread with the write, never on the event loop.
         rows = parts if job.owns_manifest_rows else []
-        await saver.run(_write_manifest, saver.fs, tmp / MANIFEST_NAME, doc, rows)
+        await saver.run(
+            _write_manifest, saver.fs, tmp / MANIFEST_NAME, doc, rows, job.owns_manifest_tree
+        )
 
     async def _hear_commit(self, outcome: Outcome) -> Outcome:
         """Every rank hears the leader's outcome."""
@@ -532,7 +534,7 @@ def as_save_error(exc: Exception, step: int, tmp: Path | None, timeout_s: float)
 
 
 def _write_manifest(
-    fs: Any, path: Path, manifest: dict[str, Any], parts: list[dict[str, Any]]
+    fs: Any, path: Path, manifest: dict[str, Any], parts: list[dict[str, Any]], own_tree: bool
 ) -> None:
     write_bytes(fs, path, encode_manifest(manifest))
     # Emptied here, in the worker (the pipeline does not read them again): their
@@ -542,7 +544,9 @@ def _write_manifest(
     # are the plan template's, and are only let go).
     owned: list[Any] = []
     if parts:
-        owned = [manifest.get("entries"), manifest.get("tree")]
+        owned = [manifest.get("entries")]
+        if own_tree:  # not a tree sharing the planner's template (Job.owns_manifest_tree)
+            owned.append(manifest.get("tree"))
         owned += [part.get("entries") for part in parts]
     manifest.clear()
     parts.clear()

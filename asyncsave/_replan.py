@@ -61,6 +61,7 @@ from ._plan import (
     group_plan,
     tensor_signature,
 )
+from ._skeleton import Matched, Skeleton, leaf_fast_signatures
 from ._stream import Piece, plan_rounds
 from ._types import release_in_chunks
 
@@ -83,6 +84,10 @@ logger = logging.getLogger(__name__)
 # storage, length in bytes)
 _PartRef = tuple[int, int, int, int]
 
+
+# Entry lists a template keeps for reuse (Plan.recycle): two saves in flight
+# (one writing while the next stages) reuse theirs.
+POOLED_ENTRY_SETS = 2
 
 # Signature tuples compared per C call in same_signature: one comparison of
 # 100,000 tuples held the GIL for 40 ms (measured).
@@ -133,6 +138,15 @@ class _Template:
     # Typed views of the staging arena, one per entry, keyed by the arena's
     # (address, length): built once per plan and arena (see _stage).
     views: ViewCache = dataclasses.field(default_factory=ViewCache)
+    # The tree prepared for matching the next save without flattening it
+    # (None: a leaf kind the skeleton does not match, such as a NumPy array).
+    skeleton: Skeleton | None = None
+    # The leaves without their tensors (kind, key, requires_grad), shared by
+    # the plans bound through the skeleton.
+    bare_leaves: list[TensorLeaf] = dataclasses.field(default_factory=list)
+    # Entry lists handed back by finished saves (Plan.recycle), bound again
+    # instead of copied: at most POOLED_ENTRY_SETS.
+    free: list[list[Entry]] = dataclasses.field(default_factory=list)
 
 
 def _bare(e: Entry) -> Entry:
@@ -183,6 +197,7 @@ def _template(
             )
             refs.append((offset, owner, int(part.storage_offset()), part.numel()))
         blobs.append((j, refs))
+    fast = leaf_fast_signatures(plan.leaves)
     return _Template(
         signature=sig,
         entries=[_bare(e) for e in plan.entries],
@@ -192,6 +207,8 @@ def _template(
         lone=lone,
         blobs=blobs,
         key=key,
+        skeleton=None if fast is None else Skeleton(plan.tree, fast),
+        bare_leaves=[TensorLeaf(x.key, None, x.kind, x.requires_grad) for x in plan.leaves],
     )
 
 
@@ -253,6 +270,13 @@ class Planner:
         last = self._last
         if last is None or last.key != _key(rank, max_files) or not _small_plain_tree(state):
             return None
+        if last.skeleton is not None:
+            matched = last.skeleton.match(state)  # a plain tree: no state_dict() to call
+            if matched is None:
+                return None
+            self.reused += 1
+            self.payload_bytes = last.payload
+            return self._bind_matched(last, matched), last.layouts, last.nbytes
         sig: list[tuple[Any, ...]] = []
         flat = flatten(state, allow_pickle=allow_pickle, signature=sig)
         if not same_signature(last.signature, sig):
@@ -269,10 +293,18 @@ class Planner:
         max_files: int,
         call: Callable[[Callable[[], Any]], Any] | None,
     ) -> tuple[Plan, list[FileLayout], int]:
-        sig: list[tuple[Any, ...]] = []
-        flat = flatten(state, allow_pickle=allow_pickle, call=call, signature=sig)
         key = _key(rank, max_files)
         last = self._last
+        states: dict[int, Any] = {}
+        if last is not None and last.key == key and last.skeleton is not None:
+            matched = last.skeleton.match(state, call=call)
+            if matched is not None:
+                self.reused += 1
+                self.payload_bytes = last.payload
+                return self._bind_matched(last, matched), last.layouts, last.nbytes
+            states = last.skeleton.take_states()  # no state_dict() called twice
+        sig: list[tuple[Any, ...]] = []
+        flat = flatten(state, allow_pickle=allow_pickle, call=call, signature=sig, states=states)
         if last is not None and last.key == key and same_signature(last.signature, sig):
             release_in_chunks(sig)  # 100,000s of tuples: not freed in one call
             self.reused += 1
@@ -291,6 +323,8 @@ class Planner:
         self._last.smallest_entry = plan.remember_smallest_entry()
         self.payload_bytes = self._last.payload = plan.nbytes
         plan.staging_views = self._last.views
+        # The skeleton matches later saves against this tree: kept whole.
+        plan.shares_tree = self._last.skeleton is not None
         return plan, layouts, nbytes
 
     def rounds(self, plan: Plan, layouts: list[FileLayout], budget: int) -> list[list[Piece]]:
@@ -305,35 +339,72 @@ class Planner:
 
     @staticmethod
     def _bind(t: _Template, flat: Plan) -> Plan:
-        """A plan of this save's tensors on the template's entries."""
+        """A plan of this save's tensors (flattened) on the template's entries."""
+        tensors = [leaf.tensor for leaf in flat.leaves]
         entries = [_copy(e) for e in t.entries]
-        leaves = flat.leaves
-        for j, i in t.lone:
-            entries[j].source = leaves[i].tensor
-        for j, refs in t.blobs:
-            e = entries[j]
-            parts: list[tuple[int, torch.Tensor]] = []
-            for offset, i, start, length in refs:
-                src = leaves[i].tensor
-                assert src is not None
-                part = torch.empty(0, dtype=torch.uint8, device=src.device).set_(
-                    src.untyped_storage(), start, (length,), (1,)
-                )
-                parts.append((offset, part))
-            e.parts = tuple(parts)
-            e.source = parts[0][1]
-        plan = Plan(
-            tree=flat.tree,
-            leaves=leaves,
-            entries=entries,
-            records=t.records,
-            buffer_storages=flat.buffer_storages,
-            staging_views=t.views,
-            _devices=set(t.devices),  # equal signatures: the same devices
-        )
-        if t.smallest_entry is not None:  # equal signatures: the same entry sizes
-            plan.remember_smallest_entry(t.smallest_entry)
+        _attach(t, entries, tensors)  # type: ignore[arg-type]
+        return _bound(t, entries, flat.tree, flat.leaves, flat.buffer_storages)
+
+    @staticmethod
+    def _bind_matched(t: _Template, m: Matched) -> Plan:
+        """A plan of this save's tensors (matched by the skeleton) on entries
+        the template lends from its pool (or copies), handed back by
+        :meth:`Plan.recycle` once the save is done with them: a steady run of
+        saves makes no Python object per tensor."""
+        pooled = t.free.pop() if t.free else [_copy(e) for e in t.entries]
+        _attach(t, pooled, m.tensors)
+        plan = _bound(t, list(pooled), m.tree, list(t.bare_leaves), m.buffer_storages)
+        plan.shares_tree = m.shares_tree
+        plan._give_back = functools.partial(_give_back, t, pooled)
         return plan
+
+
+def _give_back(t: _Template, pooled: list[Entry]) -> None:
+    """Return ``pooled`` to ``t``'s pool, its per-save fields cleared (a pass
+    over the entries: call it in a worker thread)."""
+    for e in pooled:
+        e.source, e.parts, e.digest = None, (), ""
+    if len(t.free) < POOLED_ENTRY_SETS:
+        t.free.append(pooled)
+
+
+def _attach(t: _Template, entries: list[Entry], tensors: list[torch.Tensor]) -> None:
+    """Point ``entries`` (the template's, bound to one save) at ``tensors``,
+    the save's leaf tensors in leaf order."""
+    for j, i in t.lone:
+        entries[j].source = tensors[i]
+    for j, refs in t.blobs:
+        e = entries[j]
+        parts: list[tuple[int, torch.Tensor]] = []
+        for offset, i, start, length in refs:
+            src = tensors[i]
+            part = torch.empty(0, dtype=torch.uint8, device=src.device).set_(
+                src.untyped_storage(), start, (length,), (1,)
+            )
+            parts.append((offset, part))
+        e.parts = tuple(parts)
+        e.source = parts[0][1]
+
+
+def _bound(
+    t: _Template,
+    entries: list[Entry],
+    tree: dict[str, Any],
+    leaves: list[TensorLeaf],
+    buffer_storages: set[tuple[str, int]],
+) -> Plan:
+    plan = Plan(
+        tree=tree,
+        leaves=leaves,
+        entries=entries,
+        records=t.records,
+        buffer_storages=buffer_storages,
+        staging_views=t.views,
+        _devices=set(t.devices),  # equal signatures: the same devices
+    )
+    if t.smallest_entry is not None:  # equal signatures: the same entry sizes
+        plan.remember_smallest_entry(t.smallest_entry)
+    return plan
 
 
 async def plan_off_loop(

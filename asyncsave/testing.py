@@ -705,7 +705,9 @@ def planning(fn: Callable[[str], None]) -> Iterator[None]:
     while the block runs: ``what`` is ``"flatten"`` (a walk of the state tree into
     its leaves, made at every save: in a worker thread, or on the event loop for a
     small plain tree of the last save's structure, see
-    :data:`INLINE_PLAN_MAX_NODES`) or ``"group"`` (the grouping of the tensors
+    :data:`INLINE_PLAN_MAX_NODES`; a save matched against the last plan's tree
+    walks it once, one that does not match walks it twice: the match, then the
+    flatten) or ``"group"`` (the grouping of the tensors
     into entries and files, the costly part of a plan, skipped when the last
     save's plan is reused), called before the step runs. What ``fn`` raises
     fails that ``save()``.
@@ -716,18 +718,25 @@ def planning(fn: Callable[[str], None]) -> Iterator[None]:
         raise TypeError(f"fn={fn!r} must be callable")
     replan = importlib.import_module("asyncsave._replan")
     plan = importlib.import_module("asyncsave._plan")
+    skeleton = importlib.import_module("asyncsave._skeleton")
     real_flatten, real_group = replan.flatten, plan._group
+    real_match = skeleton.Skeleton.match
     patches = _Patches()
 
     def flatten(*args: Any, **kwargs: Any) -> Any:
         fn("flatten")
         return real_flatten(*args, **kwargs)
 
+    def match(*args: Any, **kwargs: Any) -> Any:
+        fn("flatten")
+        return real_match(*args, **kwargs)
+
     def group(*args: Any, **kwargs: Any) -> Any:
         fn("group")
         return real_group(*args, **kwargs)
 
     patches.set(replan, "flatten", flatten)
+    patches.set(skeleton.Skeleton, "match", match)
     patches.set(plan, "_group", group)
     try:
         yield

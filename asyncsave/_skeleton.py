@@ -1,0 +1,312 @@
+"""Match a save's state against the last plan's tree, with no Python object per tensor.
+
+A training run saves one structure again and again: a MoE rank's 100,000 expert
+matrices and their AdamW moments, a replay buffer of fixed size. The
+:class:`~asyncsave._replan.Planner` reuses the last plan's entries and layout when
+the structure holds; before this module, finding that out cost a full flatten: a
+key string, a ``TensorLeaf``, two tree lists and a signature tuple per tensor, about
+3 us a tensor and 400,000 young objects at 100,000 tensors, whose one collector
+pass when the plan ended held the GIL for 300-500 ms (measured:
+``docs/decisions.md``, "Many-tensor states at MoE scale").
+
+:class:`Skeleton` walks the state beside the last plan's JSON tree instead:
+
+- a dict whose values were all tensors is matched by one comparison of its key
+  list (in C) and contributes ``list(d.values())`` (in C): no Python step per key;
+- other containers are walked item by item (their items are few), a scalar leaf
+  is encoded again (its value may have changed), a ``Stateful`` object's
+  ``state_dict()`` is called (through ``call``, as the flattener does);
+- every node whose encoding is unchanged is the last tree's own object, so the
+  new tree shares all of it but the changed scalars and the containers above them.
+
+What the walk does not check, :func:`tensor_signatures` does, in one list
+comprehension over the tensors: type, ``requires_grad``, dtype, shape, strides,
+device, layout, the conjugate and negative bits, the offset in the storage and the
+storage's address and length: everything the flattener validates and the plan
+depends on. Equal signatures and a matched tree mean the flattener would have made
+the last plan's tree, leaves and entries: the template is reused. Any difference
+(a key, a type, a shape, a storage re-allocated, a leaf kind this walk does not
+handle: NumPy arrays, pickled leaves, TensorDicts) makes :meth:`Skeleton.match`
+return ``None``, and the planner flattens as before (which raises the typed
+error where the state is invalid).
+
+The shared nodes must never be changed in place: the tree of a matched save is
+marked (:attr:`Matched.shares_tree`), and the manifest writer only lets go of it
+instead of emptying its long lists (``_types.release_nested``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ._plan import TensorLeaf, _Flattener, _scalar_node, is_stateful, storage_key
+from ._types import Tagged
+
+__all__ = ["Matched", "Skeleton", "leaf_fast_signatures", "tensor_signatures"]
+
+# The signature of one tensor as :func:`tensor_signatures` builds it.
+Signature = tuple[Any, ...]
+
+_SCALARS = frozenset(
+    {"none", "bool", "int", "bigint", "float", "str", "bytes", "dtype", "device", "size"}
+)
+
+
+def tensor_signatures(tensors: list[torch.Tensor]) -> list[Signature]:
+    """One tuple per tensor: ``type``, ``requires_grad``, dtype, shape, strides,
+    device, layout, ``is_conj()``, ``is_neg()``, storage offset (elements), the
+    storage's address and length (bytes). About 1.2 us per tensor on a 2-core
+    host (one list comprehension: 120 ms at 100,000 tensors).
+
+    :raises Exception: whatever torch raises for a tensor that has no strides or
+        storage (sparse, nested, a non-tensor): the caller treats it as no match.
+    """
+    return [
+        (
+            type(t),
+            t.requires_grad,
+            t.dtype,
+            t.shape,
+            t.stride(),
+            t.device,
+            t.layout,
+            t.is_conj(),
+            t.is_neg(),
+            t.storage_offset(),
+            (s := t.untyped_storage()).data_ptr(),
+            s.nbytes(),
+        )
+        for t in tensors
+    ]
+
+
+def leaf_fast_signatures(leaves: list[TensorLeaf]) -> list[Signature] | None:
+    """What :func:`tensor_signatures` gives for the tensors the flattener turned
+    into ``leaves`` (read from the leaves' detached tensors and kinds), or
+    ``None`` when a leaf is not a plain tensor or parameter (a NumPy array, a
+    pickled leaf: those structures are always flattened)."""
+    out: list[Signature] = []
+    for leaf in leaves:
+        t = leaf.tensor
+        if t is None or leaf.kind not in ("tensor", "parameter"):
+            return None
+        s = t.untyped_storage()
+        out.append(
+            (
+                torch.nn.Parameter if leaf.kind == "parameter" else torch.Tensor,
+                leaf.requires_grad,
+                t.dtype,
+                t.shape,
+                t.stride(),
+                t.device,
+                torch.strided,
+                False,
+                False,
+                t.storage_offset(),
+                s.data_ptr(),
+                s.nbytes(),
+            )
+        )
+    return out
+
+
+@dataclasses.dataclass
+class Matched:
+    """A state matched against a skeleton: its JSON tree (sharing the last
+    tree's unchanged nodes), its tensors in leaf order (detached where they
+    require grad) and the storages of its modules' buffers."""
+
+    tree: dict[str, Any]
+    tensors: list[torch.Tensor]
+    buffer_storages: set[tuple[str, int]]
+    shares_tree: bool = True
+
+
+class _Mismatch(Exception):
+    """The state's structure is not the skeleton's (internal: ends the walk)."""
+
+
+class Skeleton:
+    """The last plan's tree, prepared for matching (see the module docstring).
+
+    :param tree: the plan's JSON tree (shared with the plan, never changed here).
+    :param signatures: :func:`leaf_fast_signatures` of the plan's leaves.
+    """
+
+    def __init__(self, tree: dict[str, Any], signatures: list[Signature]) -> None:
+        self.tree = tree
+        self.signatures = signatures
+        # Leaves that are detached before staging (the flattener's rule).
+        self.grad = [i for i, s in enumerate(signatures) if s[1]]
+        # id(dict node) -> its keys, for dict nodes whose values are all tensors.
+        self._tensor_dicts: dict[int, list[Any]] = {}
+        self._key_types: dict[int, set[type]] = {}
+        self._prepare(tree)
+
+    def _prepare(self, node: dict[str, Any]) -> None:
+        kind = node.get("type")
+        if kind == "dict":
+            items = node["items"]
+            if items and all(child.get("type") == "tensor" for _, child in items):
+                if all(key[0] == "s" or key[0] == "i" for key, _ in items):
+                    self._tensor_dicts[id(node)] = [key[1] for key, _ in items]
+                    self._key_types[id(node)] = {str if key[0] == "s" else int for key, _ in items}
+            for _, child in items:
+                self._prepare(child)
+        elif kind in ("list", "tuple"):
+            for child in node["items"]:
+                self._prepare(child)
+        elif kind == "stateful":
+            self._prepare(node["state"])
+        elif kind == "tagged":
+            self._prepare(node["value"])
+
+    def match(
+        self, state: Any, *, call: Callable[[Callable[[], Any]], Any] | None = None
+    ) -> Matched | None:
+        """The state's tree and tensors if its structure is the skeleton's and
+        every tensor's signature is the last plan's; ``None`` otherwise (flatten
+        it). ``call`` runs a ``Stateful`` object's ``state_dict`` (as for
+        :func:`~asyncsave._plan.flatten`); each is called once, and what it
+        returned is kept in ``self.states`` for a flatten that follows a
+        mismatch (:meth:`take_states`)."""
+        self._states: dict[int, Any] = {}
+        self._call = call
+        tensors: list[torch.Tensor] = []
+        buffers: set[tuple[str, int]] = set()
+        try:
+            tree = self._node(state, self.tree, tensors, buffers)
+            if len(tensors) != len(self.signatures):
+                return None
+            if tensor_signatures(tensors) != self.signatures:
+                return None
+        except _Mismatch:
+            return None
+        except Exception:  # a tensor torch cannot describe: the flatten says why
+            return None
+        for i in self.grad:
+            tensors[i] = tensors[i].detach()
+        return Matched(tree, tensors, buffers)
+
+    def take_states(self) -> dict[int, Any]:
+        """The ``state_dict()`` results the last :meth:`match` obtained, by the
+        ``id`` of their objects (handed to the flattener after a mismatch, so
+        that no object's ``state_dict()`` is called twice for one save)."""
+        states, self._states = self._states, {}
+        return states
+
+    def _node(
+        self,
+        obj: Any,
+        tn: dict[str, Any],
+        tensors: list[torch.Tensor],
+        buffers: set[tuple[str, int]],
+    ) -> dict[str, Any]:
+        kind = tn.get("type")
+        if kind == "tensor":
+            tensors.append(obj)  # its type and everything else: the signature's
+            return tn
+        if kind in _SCALARS:
+            node = _scalar_node(obj, type(obj))
+            if node is None:
+                raise _Mismatch
+            return tn if node == tn else node
+        if kind == "dict":
+            return self._dict(obj, tn, tensors, buffers)
+        if kind in ("list", "tuple"):
+            if type(obj) is not (list if kind == "list" else tuple):
+                raise _Mismatch
+            items = tn["items"]
+            if len(obj) != len(items):
+                raise _Mismatch
+            out = [self._node(v, child, tensors, buffers) for v, child in zip(obj, items, strict=True)]
+            if all(a is b for a, b in zip(out, items, strict=True)):
+                return tn
+            return {"type": kind, "items": out}
+        if kind == "stateful":
+            return self._stateful(obj, tn, tensors, buffers)
+        if kind == "tagged":
+            if type(obj) is not Tagged or obj.kind != tn["kind"]:
+                raise _Mismatch
+            value = self._node(obj.value, tn["value"], tensors, buffers)
+            return tn if value is tn["value"] else {**tn, "value": value}
+        raise _Mismatch  # NumPy, pickled, TensorDict leaves: flattened
+
+    def _dict(
+        self,
+        obj: Any,
+        tn: dict[str, Any],
+        tensors: list[torch.Tensor],
+        buffers: set[tuple[str, int]],
+    ) -> dict[str, Any]:
+        if type(obj) is not (OrderedDict if tn.get("ordered") else dict):
+            raise _Mismatch
+        items = tn["items"]
+        keys = self._tensor_dicts.get(id(tn))
+        if keys is not None:
+            # Keys compared in C and values taken in C. The key types are
+            # compared too: True == 1 and 1.0 == 1, but the tree encodes str and
+            # int keys apart and refuses others.
+            if (
+                len(obj) != len(keys)
+                or list(obj) != keys
+                or set(map(type, obj)) != self._key_types[id(tn)]
+            ):
+                raise _Mismatch
+            tensors.extend(obj.values())
+            out = tn
+        else:
+            if len(obj) != len(items):
+                raise _Mismatch
+            new: list[Any] = []
+            changed = False
+            for (k, v), item in zip(obj.items(), items, strict=True):
+                key, child = item
+                if type(k) is str:
+                    if key[0] != "s" or key[1] != k:
+                        raise _Mismatch
+                elif type(k) is int:
+                    if key[0] != "i" or key[1] != k:
+                        raise _Mismatch
+                else:
+                    raise _Mismatch  # other keys: the flattener says why
+                node = self._node(v, child, tensors, buffers)
+                if node is not child:
+                    changed = True
+                    item = [key, node]
+                new.append(item)
+            out = {**tn, "items": new} if changed else tn
+        if "metadata" in tn:
+            meta = getattr(obj, "_metadata", None)
+            found = None if meta is None else _Flattener(allow_pickle=False).node(meta, (), 0)
+            if found != tn["metadata"]:
+                raise _Mismatch
+        elif getattr(obj, "_metadata", None) is not None and tn.get("ordered"):
+            raise _Mismatch
+        return out
+
+    def _stateful(
+        self,
+        obj: Any,
+        tn: dict[str, Any],
+        tensors: list[torch.Tensor],
+        buffers: set[tuple[str, int]],
+    ) -> dict[str, Any]:
+        t = type(obj)
+        if not is_stateful(obj) or f"{t.__module__}.{t.__qualname__}" != tn["class"]:
+            raise _Mismatch
+        try:
+            sd = obj.state_dict() if self._call is None else self._call(obj.state_dict)
+        except Exception as exc:  # the object's own code: the flattener raises it, named
+            self._states[id(obj)] = exc
+            raise _Mismatch from None
+        self._states[id(obj)] = sd
+        if isinstance(obj, torch.nn.Module):
+            buffers.update(storage_key(b) for b in obj.buffers())
+        state = self._node(sd, tn["state"], tensors, buffers)
+        return tn if state is tn["state"] else {**tn, "state": state}

@@ -1,0 +1,292 @@
+"""A save matched against the last plan's tree (``_skeleton``, issue 30) is the
+save a fresh checkpointer makes of the same state.
+
+The planner reuses its last plan when the new state's tree walks like the last
+one's and every tensor's signature is the same; the new tree shares the last
+tree's unchanged nodes and the entries come from a pool. The property: whatever
+changed between two saves (a scalar's value or type, a key's type, a container's
+type, a tensor's shape, dtype, strides, storage, kind or ``requires_grad``, a
+tie made or broken, a module's version metadata), the second save writes the
+manifest and the bytes a checkpointer that never saw the first one writes, or
+both refuse the state with the same typed error.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import weakref
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import asyncsave
+from asyncsave.testing import planning
+
+# Manifest fields that differ between any two saves of one state.
+_VOLATILE = ("created_unix_s", "costs", "training_info", "manifest_xxh3_64")
+
+
+class _Counter:
+    """A Stateful object: its ``state_dict()`` is a dict of a tensor and a count."""
+
+    def __init__(self, t: torch.Tensor, n: Any) -> None:
+        self.t, self.n = t, n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t, "n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.t, self.n = sd["t"], sd["n"]
+
+
+def _base(seed: int, width: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randn(32, generator=g)
+    experts = {f"experts.{i}.w": torch.randn(2, 3, generator=g) for i in range(width)}
+    return {
+        "experts": experts,  # a dict of tensors only: matched by its key list
+        "ints": {i: torch.randn(2, generator=g).to(torch.bfloat16) for i in range(3)},
+        "view": shared[4:12],
+        "whole": shared,
+        "tied_a": (tied := torch.randn(4, generator=g)),
+        "tied_b": tied,
+        "param": torch.nn.Parameter(torch.randn(3, generator=g)),
+        "list": [torch.randn(2, generator=g), 1, "s", None, 2.5],
+        "tuple": (True, torch.Size([2, 3]), torch.float16, torch.device("cpu")),
+        "tagged": asyncsave.Tagged(torch.arange(3), "rng"),
+        "counter": _Counter(torch.randn(2, generator=g), 7),
+        "module": torch.nn.BatchNorm1d(2),
+        "ordered": OrderedDict(a=torch.zeros(2), b=3),
+        "step": 10,
+    }
+
+
+def _set(state: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    node = state
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+
+
+# Each change: (name, function of (state, generator)). Every one is a member of
+# the kind "the state differs from the last save's"; some keep the plan, most
+# do not, a few make the state invalid.
+_CHANGES: dict[str, Any] = {
+    "new values only": lambda s, g: [t.add_(1) for t in s["experts"].values()],
+    "an int's value": lambda s, g: _set(s, ("step",), 11),
+    "an int becomes a float": lambda s, g: _set(s, ("step",), 10.0),
+    "an int becomes a bool": lambda s, g: _set(s, ("step",), True),
+    "a str in a list": lambda s, g: _set(s, ("list", 2), "t"),
+    "None becomes 0": lambda s, g: _set(s, ("list", 3), 0),
+    "a float's value": lambda s, g: _set(s, ("list", 4), 3.5),
+    "a tuple's dtype": lambda s, g: _set(
+        s, ("tuple",), (True, torch.Size([2, 3]), torch.float32, torch.device("cpu"))
+    ),
+    "a tuple's Size": lambda s, g: _set(
+        s, ("tuple",), (True, torch.Size([3, 2]), torch.float16, torch.device("cpu"))
+    ),
+    "a tuple becomes a list": lambda s, g: _set(s, ("tuple",), list(s["tuple"])),
+    "a list becomes a tuple": lambda s, g: _set(s, ("list",), tuple(s["list"])),
+    "a dict becomes an OrderedDict": lambda s, g: _set(s, ("experts",), OrderedDict(s["experts"])),
+    "an OrderedDict becomes a dict": lambda s, g: _set(s, ("ordered",), dict(s["ordered"])),
+    "an OrderedDict gains metadata": lambda s, g: setattr(
+        s["ordered"], "_metadata", {"": {"version": 2}}
+    ),
+    "an int key becomes a str key": lambda s, g: _set(
+        s, ("ints",), {str(k): v for k, v in s["ints"].items()}
+    ),
+    "an int key becomes a bool key": lambda s, g: _set(
+        s, ("ints",), {bool(k) if k < 2 else k: v for k, v in s["ints"].items()}
+    ),
+    "an int key becomes a float key": lambda s, g: _set(
+        s, ("ints",), {float(k): v for k, v in s["ints"].items()}
+    ),
+    "a str key is renamed": lambda s, g: s["experts"].__setitem__(
+        "other", s["experts"].pop("experts.0.w")
+    ),
+    "keys in another order": lambda s, g: _set(
+        s, ("experts",), dict(reversed(list(s["experts"].items())))
+    ),
+    "a key added": lambda s, g: s["experts"].__setitem__("extra", torch.zeros(1)),
+    "a key removed": lambda s, g: s["experts"].pop("experts.0.w"),
+    "a tensor's shape": lambda s, g: _set(
+        s, ("experts", "experts.0.w"), torch.randn(3, 2, generator=g)
+    ),
+    "a tensor's dtype": lambda s, g: _set(
+        s, ("experts", "experts.0.w"), s["experts"]["experts.0.w"].double()
+    ),
+    "a tensor's strides": lambda s, g: _set(
+        s, ("experts", "experts.0.w"), torch.randn(3, 2, generator=g).t()
+    ),
+    "a tensor reallocated": lambda s, g: _set(
+        s, ("experts", "experts.0.w"), s["experts"]["experts.0.w"].clone()
+    ),
+    "a tensor becomes a parameter": lambda s, g: _set(
+        s, ("experts", "experts.0.w"), torch.nn.Parameter(s["experts"]["experts.0.w"])
+    ),
+    "a parameter stops requiring grad": lambda s, g: s["param"].requires_grad_(False),
+    "a tensor tied to another": lambda s, g: _set(
+        s, ("experts", "experts.1.w"), s["experts"]["experts.0.w"]
+    ),
+    "a tie broken": lambda s, g: _set(s, ("tied_b",), s["tied_a"].clone()),
+    "a view moved in its storage": lambda s, g: _set(s, ("view",), s["whole"][5:13]),
+    "a conjugated tensor": lambda s, g: _set(
+        s, ("experts", "experts.0.w"), torch.randn(2, 3, dtype=torch.complex64, generator=g).conj()
+    ),
+    "a tensor becomes an int": lambda s, g: _set(s, ("experts", "experts.0.w"), 3),
+    "a tensor becomes a sparse tensor": lambda s, g: _set(
+        s, ("experts", "experts.0.w"), torch.eye(2).to_sparse()
+    ),
+    "a tensor becomes a meta tensor": lambda s, g: _set(
+        s, ("experts", "experts.0.w"), torch.empty(2, 3, device="meta")
+    ),
+    "a Tagged kind": lambda s, g: _set(s, ("tagged",), asyncsave.Tagged(torch.arange(3), "other")),
+    "a Stateful's count": lambda s, g: setattr(s["counter"], "n", 8),
+    "a Stateful's tensor reshaped": lambda s, g: setattr(
+        s["counter"], "t", torch.randn(3, generator=g)
+    ),
+    "a module's buffer replaced": lambda s, g: setattr(s["module"], "running_mean", torch.ones(2)),
+    "a module's version": lambda s, g: setattr(s["module"], "_version", 99),
+    "a Stateful replaced by a dict": lambda s, g: _set(
+        s, ("counter",), {"t": torch.zeros(2), "n": 7}
+    ),
+    "an unsupported leaf": lambda s, g: _set(s, ("list", 1), object()),
+}
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    doc = json.loads((path / "manifest.json").read_bytes())
+    for k in _VOLATILE:
+        doc.pop(k, None)
+    return doc
+
+
+def _save(ckpt: asyncsave.SyncCheckpointer, step: int, state: Any) -> BaseException | None:
+    try:
+        ckpt.save(step, state).result()
+    except (asyncsave.CheckpointError, TypeError, ValueError) as exc:
+        return exc
+    return None
+
+
+def _same_save(root: Path, first: dict[str, Any], second_of: Any, seed: int) -> None:
+    """Save ``first`` then the changed state through one checkpointer, and the
+    changed state alone through another; the two second saves must agree."""
+    with asyncsave.SyncCheckpointer(root / "a") as a:
+        assert _save(a, 1, first) is None
+        second = second_of()
+        err_a = _save(a, 2, second)
+    with asyncsave.SyncCheckpointer(root / "b") as b:
+        err_b = _save(b, 2, second)
+    assert type(err_a) is type(err_b), (err_a, err_b)
+    if err_a is not None:
+        assert str(err_a) == str(err_b)
+        return
+    assert _manifest(root / "a" / "step_2") == _manifest(root / "b" / "step_2")
+    for name in (root / "b" / "step_2").iterdir():
+        if name.name != "manifest.json":
+            assert (root / "a" / "step_2" / name.name).read_bytes() == name.read_bytes(), name.name
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+@pytest.mark.parametrize("width", [4, 200])  # inline on the loop / in a worker
+def test_a_matched_save_writes_what_a_fresh_checkpointer_writes(
+    tmp_path: Path, change: str, width: int
+) -> None:
+    state = _base(0, width)
+    g = torch.Generator().manual_seed(1)
+
+    def changed() -> dict[str, Any]:
+        _CHANGES[change](state, g)
+        return state
+
+    _same_save(tmp_path, state, changed, 0)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    changes=st.lists(st.sampled_from(sorted(_CHANGES)), min_size=0, max_size=4),
+    width=st.sampled_from([3, 150]),
+    seed=st.integers(0, 3),
+)
+def test_any_changes_between_saves_write_what_a_fresh_checkpointer_writes(
+    changes: list[str], width: int, seed: int
+) -> None:
+    state = _base(seed, width)
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def changed() -> dict[str, Any]:
+        for c in changes:
+            try:
+                _CHANGES[c](state, g)
+            except (KeyError, IndexError, TypeError, AttributeError, RuntimeError):
+                pass  # an earlier change removed what this one changes
+        return state
+
+    with tempfile.TemporaryDirectory() as d:
+        _same_save(Path(d), state, changed, seed)
+
+
+def test_an_unchanged_structure_is_matched_without_a_flatten(tmp_path: Path) -> None:
+    """The second and third saves of one structure are matched (one walk each,
+    no grouping), whatever their values; the checkpoints hold each save's values."""
+    state = _base(0, 300)
+    seen: list[str] = []
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt, planning(seen.append):
+        for step in (1, 2, 3):
+            for t in state["experts"].values():
+                t.fill_(step)
+            state["step"] = step
+            ckpt.save(step, state).result()
+    assert seen == ["flatten", "group", "flatten", "flatten"]
+    for step in (1, 2, 3):
+        out = asyncsave.load(tmp_path / f"step_{step}", allow_pickle=False)
+        assert out["step"] == step
+        assert all(bool((t == step).all()) for t in out["experts"].values())
+
+
+def test_pooled_entries_keep_no_tensor_of_a_finished_save(tmp_path: Path) -> None:
+    """Entries lent by the planner's pool are handed back without the save's
+    tensors: a tensor the caller drops after a save is freed, not kept alive
+    by the pool for the next save."""
+    state = {f"w{i}": torch.randn(4) for i in range(300)}
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, state).result()
+        for step in (2, 3):
+            state["w0"] = torch.randn(4)  # reallocated: replanned, then matched
+            ckpt.save(step, state).result()
+        probe = weakref.ref(state["w5"])
+        state["w5"] = state["w5"].clone()
+        ckpt.save(4, state).result()
+        old = state.pop("w5")
+        del old
+        ckpt.save(5, {**state, "w5": torch.randn(4)}).result()
+        assert probe() is None
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("overlap_writes", [None, True])
+async def test_saves_in_flight_each_keep_their_own_pooled_entries(
+    tmp_path: Path, overlap_writes: bool | None
+) -> None:
+    """Several saves of one structure in flight at once (each staged while the
+    earlier ones write) take distinct entries from the pool: every checkpoint
+    holds its own step's bytes."""
+    state = {f"w{i}": torch.zeros(64) for i in range(300)}
+    async with asyncsave.Checkpointer(tmp_path, overlap_writes=overlap_writes) as ckpt:
+        handles = []
+        for step in range(1, 9):
+            for t in state.values():
+                t.fill_(step)
+            handles.append(await ckpt.save(step, state))
+        for h in handles:
+            await h
+    for step in range(1, 9):
+        out = asyncsave.load(tmp_path / f"step_{step}", allow_pickle=False)
+        assert all(bool((t == step).all()) for t in out.values()), step
