@@ -353,10 +353,8 @@ class Pipeline:
             )
         # Encoding is CPU work (about 60 ms for 10,000 tensors): in
         # the worker thread with the write, never on the event loop.
-        rows = parts if job.owns_manifest_rows else []
-        await saver.run(
-            _write_manifest, saver.fs, tmp / MANIFEST_NAME, doc, rows, job.owns_manifest_tree
-        )
+        rows, tree = (parts if job.owns_manifest_rows else []), job.owns_manifest_tree
+        await saver.run(_write_manifest, saver.fs, tmp / MANIFEST_NAME, doc, rows, tree)
 
     async def _hear_commit(self, outcome: Outcome) -> Outcome:
         """Every rank hears the leader's outcome."""

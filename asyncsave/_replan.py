@@ -9,9 +9,15 @@ replay buffer of fixed size), so the :class:`Planner` keeps the last plan's
 *template*: its entries and records without the caller's tensors, its layouts,
 staging size and streamed rounds.
 
-A save still flattens its tree (the values of plain leaves change, ``Stateful``
-objects return new dicts); then each tensor leaf's *signature* is compared with
-the template's: key, kind, ``requires_grad``, dtype, shape, strides, device, the
+A save is first matched against the template's tree (:mod:`asyncsave._skeleton`):
+a walk beside it that takes a dict of tensors by its key list, shares every
+unchanged node, and compares one signature tuple per tensor; a match binds the
+template's entries, lent from a pool (:meth:`Plan.recycle` hands them back), to
+the save's tensors: no Python object per tensor at 100,000 tensors. A save that
+does not match (or a template with NumPy or pickled leaves) is flattened as
+before (the values of plain leaves change, ``Stateful`` objects return new
+dicts: each one's ``state_dict()`` is still called once); then each tensor
+leaf's *signature* is compared with the template's: key, kind, ``requires_grad``, dtype, shape, strides, device, the
 tensor's offset in its storage and its storage's address and length (built by
 ``flatten`` in the same pass as the leaf, compared as tuples in C). Equal signatures mean
 every tensor covers the same bytes of the same memory as last time, so tensors
@@ -61,7 +67,7 @@ from ._plan import (
     group_plan,
     tensor_signature,
 )
-from ._skeleton import Matched, Skeleton, leaf_fast_signatures
+from ._skeleton import Matched, Skeleton, leaf_fast_signatures, same_signature
 from ._stream import Piece, plan_rounds
 from ._types import release_in_chunks
 
@@ -88,20 +94,6 @@ _PartRef = tuple[int, int, int, int]
 # Entry lists a template keeps for reuse (Plan.recycle): two saves in flight
 # (one writing while the next stages) reuse theirs.
 POOLED_ENTRY_SETS = 2
-
-# Signature tuples compared per C call in same_signature: one comparison of
-# 100,000 tuples held the GIL for 40 ms (measured).
-_COMPARE_CHUNK = 4096
-
-
-def same_signature(old: list[tuple[Any, ...]], new: list[tuple[Any, ...]]) -> bool:
-    """``old == new``, compared :data:`_COMPARE_CHUNK` tuples per C call, so the
-    interpreter can hand the GIL to the event loop between calls."""
-    if len(old) != len(new):
-        return False
-    step = _COMPARE_CHUNK
-    return all(old[i : i + step] == new[i : i + step] for i in range(0, len(old), step))
-
 
 def leaf_signature(leaves: list[TensorLeaf]) -> list[tuple[Any, ...]]:
     """One tuple per tensor leaf naming everything the plan depends on (see

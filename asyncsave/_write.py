@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -281,7 +282,7 @@ def _write_hashing_apart(
                 end,
                 order,
                 entries,
-                lambda chunk, pos: None,
+                _yield_gil,
                 with_pos=True,
                 known=known,
             )
@@ -304,6 +305,15 @@ def _write_hashing_apart(
         raise box["error"]
     digests: dict[int, str] = box["digests"]
     return digests
+
+
+def _yield_gil(chunk: memoryview, pos: int) -> None:
+    """The hashing helper's sink: nothing to write, but the GIL is let go
+    after each chunk's entries are hashed (about 1 ms of Python per 8 MiB of
+    small entries). Without it the helper ran the whole file's hashing loop
+    between forced switches, and with two files hashed at once the event loop
+    waited 15-22 ms for the GIL at a time (a save of 100,000 tensors, 2 cores)."""
+    time.sleep(0)
 
 
 def write_bytes(fs: LocalFileSystem, path: Path, data: bytes) -> None:
