@@ -45,6 +45,11 @@ class _Counter:
         self.t, self.n = sd["t"], sd["n"]
 
 
+def _versioned(m: torch.nn.Module, version: Any) -> torch.nn.Module:
+    m._version = version
+    return m
+
+
 def _base(seed: int, width: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     shared = torch.randn(32, generator=g)
@@ -62,6 +67,8 @@ def _base(seed: int, width: int) -> dict[str, Any]:
         "tagged": asyncsave.Tagged(torch.arange(3), "rng"),
         "counter": _Counter(torch.randn(2, generator=g), 7),
         "module": torch.nn.BatchNorm1d(2),
+        "linear": torch.nn.Linear(2, 2),  # version 1: True == 1, 1.0 == 1
+        "floaty": _versioned(torch.nn.Linear(1, 1), 0.0),  # 0.0 == -0.0
         "ordered": OrderedDict(a=torch.zeros(2), b=3),
         "step": 10,
     }
@@ -153,6 +160,11 @@ _CHANGES: dict[str, Any] = {
     ),
     "a module's buffer replaced": lambda s, g: setattr(s["module"], "running_mean", torch.ones(2)),
     "a module's version": lambda s, g: setattr(s["module"], "_version", 99),
+    "a module's version becomes a bool": lambda s, g: setattr(s["linear"], "_version", True),
+    "a module's version becomes a float": lambda s, g: setattr(s["linear"], "_version", 1.0),
+    "a float version's sign": lambda s, g: setattr(s["floaty"], "_version", -0.0),
+    "a float scalar becomes -0.0": lambda s, g: _set(s, ("list", 4), -0.0),
+    "a module gains a submodule": lambda s, g: s["linear"].add_module("extra", torch.nn.Identity()),
     "a Stateful replaced by a dict": lambda s, g: _set(
         s, ("counter",), {"t": torch.zeros(2), "n": 7}
     ),
@@ -175,29 +187,35 @@ def _save(ckpt: asyncsave.SyncCheckpointer, step: int, state: Any) -> BaseExcept
     return None
 
 
-def _same_save(root: Path, first: dict[str, Any], second_of: Any, seed: int) -> None:
-    """Save ``first`` then the changed state through one checkpointer, and the
-    changed state alone through another; the two second saves must agree."""
+def _same_save(root: Path, first: dict[str, Any], second_of: Any, before: int = 1) -> None:
+    """Save ``first`` ``before`` times (a second save of it is matched, which
+    keeps what matching needs from it), then the changed state, through one
+    checkpointer, and the changed state alone through another; the two last
+    saves must agree."""
+    last = before + 1
     with asyncsave.SyncCheckpointer(root / "a") as a:
-        assert _save(a, 1, first) is None
+        for step in range(1, last):
+            assert _save(a, step, first) is None
         second = second_of()
-        err_a = _save(a, 2, second)
+        err_a = _save(a, last, second)
     with asyncsave.SyncCheckpointer(root / "b") as b:
-        err_b = _save(b, 2, second)
+        err_b = _save(b, last, second)
     assert type(err_a) is type(err_b), (err_a, err_b)
     if err_a is not None:
         assert str(err_a) == str(err_b)
         return
-    assert _manifest(root / "a" / "step_2") == _manifest(root / "b" / "step_2")
-    for name in (root / "b" / "step_2").iterdir():
+    mine, fresh = root / "a" / f"step_{last}", root / "b" / f"step_{last}"
+    assert _manifest(mine) == _manifest(fresh)
+    for name in fresh.iterdir():
         if name.name != "manifest.json":
-            assert (root / "a" / "step_2" / name.name).read_bytes() == name.read_bytes(), name.name
+            assert (mine / name.name).read_bytes() == name.read_bytes(), name.name
 
 
 @pytest.mark.parametrize("change", list(_CHANGES))
 @pytest.mark.parametrize("width", [4, 200])  # inline on the loop / in a worker
+@pytest.mark.parametrize("before", [1, 2])  # saves of the state before the change
 def test_a_matched_save_writes_what_a_fresh_checkpointer_writes(
-    tmp_path: Path, change: str, width: int
+    tmp_path: Path, change: str, width: int, before: int
 ) -> None:
     state = _base(0, width)
     g = torch.Generator().manual_seed(1)
@@ -206,7 +224,7 @@ def test_a_matched_save_writes_what_a_fresh_checkpointer_writes(
         _CHANGES[change](state, g)
         return state
 
-    _same_save(tmp_path, state, changed, 0)
+    _same_save(tmp_path, state, changed, before)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -214,9 +232,10 @@ def test_a_matched_save_writes_what_a_fresh_checkpointer_writes(
     changes=st.lists(st.sampled_from(sorted(_CHANGES)), min_size=0, max_size=4),
     width=st.sampled_from([3, 150]),
     seed=st.integers(0, 3),
+    before=st.integers(1, 2),
 )
 def test_any_changes_between_saves_write_what_a_fresh_checkpointer_writes(
-    changes: list[str], width: int, seed: int
+    changes: list[str], width: int, seed: int, before: int
 ) -> None:
     state = _base(seed, width)
     g = torch.Generator().manual_seed(seed + 1)
@@ -230,7 +249,7 @@ def test_any_changes_between_saves_write_what_a_fresh_checkpointer_writes(
         return state
 
     with tempfile.TemporaryDirectory() as d:
-        _same_save(Path(d), state, changed, seed)
+        _same_save(Path(d), state, changed, before)
 
 
 def test_an_unchanged_structure_is_matched_without_a_flatten(tmp_path: Path) -> None:
