@@ -242,10 +242,19 @@ class Planner:
         :raises InvalidStateError: (or a subclass) naming the key, as
             :func:`~asyncsave._plan.make_plan`.
         """
-        # The cyclic GC paused for this call (see make_plan): its passes over the
-        # 100,000s of objects a large plan makes would cost more than the plan.
-        with gc_paused():
-            out = self._plan(state, allow_pickle, rank, max_files, call)
+        # A match first, the collector running: what it makes per tensor is the
+        # callers' own (their state_dict()s' tensors and dicts), left to the
+        # collector's usual small passes, where a pause ended by one young pass
+        # over 100,000 of them (a model and its AdamW passed as objects) held
+        # the GIL for 0.5 s. The signature check inside is paused (Skeleton.match).
+        matched = self._match(state, rank, max_files, call)
+        if matched is not None:
+            out = matched
+        else:
+            # The cyclic GC paused for the plan (see make_plan): its passes over
+            # the 100,000s of objects a large plan makes would cost more than it.
+            with gc_paused():
+                out = self._plan(state, allow_pickle, rank, max_files, call)
         plan = out[0]
         plan.devices  # noqa: B018  (computed here, in the worker, and kept)
         return out
@@ -287,14 +296,8 @@ class Planner:
     ) -> tuple[Plan, list[FileLayout], int]:
         key = _key(rank, max_files)
         last = self._last
-        states: dict[int, Any] = {}
-        if last is not None and last.key == key and last.skeleton is not None:
-            matched = last.skeleton.match(state, call=call)
-            if matched is not None:
-                self.reused += 1
-                self.payload_bytes = last.payload
-                return self._bind_matched(last, matched), last.layouts, last.nbytes
-            states = last.skeleton.take_states()  # no state_dict() called twice
+        # What a failed match obtained: no state_dict() called twice.
+        states = {} if last is None or last.skeleton is None else last.skeleton.take_states()
         sig: list[tuple[Any, ...]] = []
         flat = flatten(state, allow_pickle=allow_pickle, call=call, signature=sig, states=states)
         if last is not None and last.key == key and same_signature(last.signature, sig):
@@ -318,6 +321,24 @@ class Planner:
         # The skeleton matches later saves against this tree: kept whole.
         plan.shares_tree = self._last.skeleton is not None
         return plan, layouts, nbytes
+
+    def _match(
+        self,
+        state: Any,
+        rank: int,
+        max_files: int,
+        call: Callable[[Callable[[], Any]], Any] | None,
+    ) -> tuple[Plan, list[FileLayout], int] | None:
+        """The last template bound to ``state`` if the skeleton matches it."""
+        last = self._last
+        if last is None or last.key != _key(rank, max_files) or last.skeleton is None:
+            return None
+        matched = last.skeleton.match(state, call=call)
+        if matched is None:
+            return None
+        self.reused += 1
+        self.payload_bytes = last.payload
+        return self._bind_matched(last, matched), last.layouts, last.nbytes
 
     def rounds(self, plan: Plan, layouts: list[FileLayout], budget: int) -> list[list[Piece]]:
         """The streamed rounds of ``plan`` for ``budget`` (made once per template)."""

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from ._plan import TensorLeaf, _Flattener, _scalar_node, is_stateful, storage_key
-from ._types import Tagged, release_in_chunks
+from ._types import Tagged, gc_paused, release_in_chunks
 
 __all__ = [
     "Matched",
@@ -188,6 +188,8 @@ class Skeleton:
         self._key_types: dict[int, set[type]] = {}
         # id(OrderedDict node) -> the raw _metadata that encoded as its "metadata".
         self._raw_metadata: dict[int, Any] = {}
+        self._states: dict[int, Any] = {}  # see take_states
+        self._call: Callable[[Callable[[], Any]], Any] | None = None
         self._prepare(tree)
 
     def _prepare(self, node: dict[str, Any]) -> None:
@@ -214,10 +216,11 @@ class Skeleton:
         """The state's tree and tensors if its structure is the skeleton's and
         every tensor's signature is the last plan's; ``None`` otherwise (flatten
         it). ``call`` runs a ``Stateful`` object's ``state_dict`` (as for
-        :func:`~asyncsave._plan.flatten`); each is called once, and what it
-        returned is kept in ``self.states`` for a flatten that follows a
-        mismatch (:meth:`take_states`)."""
-        self._states: dict[int, Any] = {}
+        :func:`~asyncsave._plan.flatten`); each is called once, and after a
+        mismatch what it returned is kept for the flatten that follows
+        (:meth:`take_states`). The walk runs with the collector as it is (the
+        objects it meets are the callers'); the signature check pauses it."""
+        self._states = {}
         self._call = call
         tensors: list[torch.Tensor] = []
         buffers: set[tuple[str, int]] = set()
@@ -225,9 +228,12 @@ class Skeleton:
             tree = self._node(state, self.tree, tensors, buffers)
             if len(tensors) != len(self.signatures):
                 return None
-            sig = tensor_signatures(tensors)
-            same = same_signature(self.signatures, sig)
-            release_in_chunks(sig)  # 100,000s of tuples: not freed in one call
+            # Paused: 100,000s of signature tuples (and their shapes) would be
+            # promoted by the young passes and trigger full ones.
+            with gc_paused():
+                sig = tensor_signatures(tensors)
+                same = same_signature(self.signatures, sig)
+                release_in_chunks(sig)  # not freed in one call
             if not same:
                 return None
         except _Mismatch:
@@ -236,6 +242,7 @@ class Skeleton:
             return None
         for i in self.grad:
             tensors[i] = tensors[i].detach()
+        self._states = {}  # matched: nothing for a flatten, nothing kept alive
         return Matched(tree, tensors, buffers)
 
     def take_states(self) -> dict[int, Any]:

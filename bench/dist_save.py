@@ -36,8 +36,15 @@ files with ``O_DIRECT`` (``direct_io=True``, the default) and the references
 through the page cache; ``--buffered`` makes asyncsave write as they do. The 2
 cores are shared with other work, so figures are noisy; compare within one run.
 
+``--many N`` gives each rank a many-tensor state instead (``bench/many_tensors.py``'s
+mix: N float32 and bfloat16 tensors of 256 B..64 KiB, as a MoE rank's experts and
+moments) and runs the per-rank rows, each checkpointer saving once before the
+rounds (the rows are then second and later saves: the plan reused); the
+reference ``foreach_copy_`` is one ``torch._foreach_copy_`` of the rank's tensors
+into preallocated, touched tensors (issue 30's floor for a blocked eager save).
+
 usage: python bench/dist_save.py [--world 2] [--mib 256] [--repeats 3] [--rows all|per-rank]
-                                 [--buffered] [--dir DIR] [--out FILE]
+                                 [--many N] [--buffered] [--dir DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -154,9 +161,22 @@ def _rank_file_sizes(checkpoint: Path, rank: int) -> list[int]:
 
 
 def _bench(
-    rank: int, world: int, mib: int, repeats: int, base: str, rows: str, direct_io: bool
+    rank: int,
+    world: int,
+    mib: int,
+    repeats: int,
+    base: str,
+    rows: str,
+    direct_io: bool,
+    many: int = 0,
 ) -> dict[str, Any]:
-    if rows == "per-rank":  # no DTensor: each rank makes only its own shard
+    if many:  # a MoE rank's many small tensors, its own values per rank
+        from many_tensors import moe_state
+
+        torch.manual_seed(rank)
+        local = moe_state(many)
+        sharded: dict[str, Any] = {}
+    elif rows == "per-rank":  # no DTensor: each rank makes only its own shard
         world_rows = 1024 // world
         numel = mib * (1 << 20) // 4 // N_TENSORS // 1024 * world_rows
         g = torch.Generator().manual_seed(rank)
@@ -164,7 +184,7 @@ def _bench(
             f"t{i}": torch.randn(world_rows, numel // world_rows, generator=g)
             for i in range(N_TENSORS)
         }
-        sharded: dict[str, Any] = {}
+        sharded = {}
     else:
         sharded, local = _state(mib)
     local_bytes = sum(t.numel() * t.element_size() for t in local.values())
@@ -174,8 +194,12 @@ def _bench(
         "raw_write_fsync_s": [],
         "raw_same_files_s": [],
         "raw_same_files_direct_s": [],
+        "foreach_copy_s": [],
     }
-    flat = torch.cat([t.reshape(-1) for t in local.values()]).view(torch.uint8)
+    srcs = list(local.values())
+    dsts = [torch.empty_like(t) for t in srcs]
+    torch._foreach_copy_(dsts, srcs)  # touched
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in local.values()])
     dst = torch.empty_like(flat)
     sizes: list[int] = []
 
@@ -230,6 +254,10 @@ def _bench(
         t0 = time.perf_counter()
         dst.copy_(flat)
         ref["host_memcpy_s"].append(_slowest(time.perf_counter() - t0))
+        dist.barrier()
+        t0 = time.perf_counter()
+        torch._foreach_copy_(dsts, srcs)
+        ref["foreach_copy_s"].append(_slowest(time.perf_counter() - t0))
 
     def reference(key: str, measure: Any, step: int) -> None:
         dist.barrier()
@@ -253,6 +281,11 @@ def _bench(
             ) as c_ov,
         ):
             steps = {id(c_dt): 0, id(c_pl): 0, id(c_ov): 0}
+            if many:  # the rows are second and later saves (the plan reused)
+                for ckpt in (c_pl, c_ov):
+                    steps[id(ckpt)] += 1
+                    dist.barrier()
+                    await (await ckpt.save(steps[id(ckpt)], local))
 
             async def save(name: str, ckpt: Any, state: Any, lazy: bool) -> None:
                 steps[id(ckpt)] += 1  # in call order: the turns reorder eager and lazy
@@ -262,7 +295,7 @@ def _bench(
                 blocked = time.perf_counter() - t0
                 info = await handle
                 record(name, blocked, time.perf_counter() - t0)
-                if not sizes and state is local:
+                if not sizes and state is local and not lazy:
                     assert info is not None
                     sizes.extend(_rank_file_sizes(info.path, rank))
 
@@ -313,6 +346,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rows", choices=("all", "per-rank"), default="all")
+    ap.add_argument("--many", type=int, default=0, help="tensors per rank (many-tensor mix)")
     ap.add_argument(
         "--buffered",
         action="store_true",
@@ -332,8 +366,9 @@ def main() -> None:
                 args.mib,
                 args.repeats,
                 str(base),
-                args.rows,
+                "per-rank" if args.many else args.rows,
                 not args.buffered,
+                args.many,
                 timeout_s=1800,
             )
         )[0]
@@ -342,15 +377,17 @@ def main() -> None:
     med = statistics.median
     ref = {k: med(v) for k, v in r0["reference"].items()}
     rows = {name: {k: med(v) for k, v in r.items()} for name, r in r0["results"].items()}
+    what = f"{args.many:,} tensors per rank" if args.many else f"{args.mib} MiB in total"
     print(
-        f"{args.world} ranks, {args.mib} MiB in total "
+        f"{args.world} ranks, {what} "
         f"({r0['local_bytes'] / 2**20:.0f} MiB per rank), "
         f"median of {args.repeats}, slower rank"
     )
     raw, same = ref["raw_write_fsync_s"], ref["raw_same_files_s"]
     direct = ref["raw_same_files_direct_s"]
     print(
-        f"  reference: host memcpy {ref['host_memcpy_s']:.3f} s, raw write+fsync {raw:.3f} s, "
+        f"  reference: host memcpy {ref['host_memcpy_s']:.3f} s, "
+        f"foreach_copy_ {ref['foreach_copy_s']:.3f} s, raw write+fsync {raw:.3f} s, "
         f"raw same files {same:.3f} s, the same with O_DIRECT {direct:.3f} s "
         f"({len(r0['files'])} files per rank; every rank at once)"
     )
@@ -366,6 +403,10 @@ def main() -> None:
         )
     eager, lazy = rows["asyncsave per-rank"], rows["asyncsave per-rank lazy"]
     print(f"  lazy blocked / eager blocked: {lazy['blocked_s'] / eager['blocked_s']:.3f}")
+    print(
+        f"  eager blocked / foreach_copy_: {eager['blocked_s'] / ref['foreach_copy_s']:.2f}"
+        f" (target <= 1.2 x + 10 ms: {1.2 * ref['foreach_copy_s'] + 0.010:.3f} s)"
+    )
     # The disk's mood drifts between rounds: the ratio within each round, then
     # the median over rounds, is steadier than a ratio of medians.
     per_round: dict[str, float] = {}
@@ -381,6 +422,7 @@ def main() -> None:
         "mib_total": args.mib,
         "repeats": args.repeats,
         "rows": args.rows,
+        "many_tensors_per_rank": args.many,
         "direct_io": not args.buffered,
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
@@ -390,6 +432,8 @@ def main() -> None:
         "raw": r0,
     }
     suffix = ("" if args.mib == 256 else f"_{args.mib}mib") + ("_buffered" if args.buffered else "")
+    if args.many:
+        suffix = f"_many{args.many}" + ("_buffered" if args.buffered else "")
     out = Path(args.out or f"bench/results/dist_save_cpu_{args.world}ranks{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1))

@@ -20,7 +20,13 @@ replay buffer lay them out. For each count, in one run, medians of ``--repeats``
 - ``raw_write_fsync_s``: the same bytes, concatenated beforehand, written in 8 MiB
   writes and fsynced (the disk's limit for these bytes);
 - ``load_s`` / ``safetensors_load_s``: cold (pages dropped) verified
-  ``asyncsave.load`` against ``safetensors.torch.load_file``.
+  ``asyncsave.load`` against ``safetensors.torch.load_file``;
+- ``stateful_*``: the same count through the ``Stateful`` path (issue 30, point
+  5): a model of ``n / 16`` experts (4 parameters each, float32, 64..2,048
+  elements) and its ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq``
+  per parameter: 4 tensors per parameter in all), passed as objects, so each
+  save calls their ``state_dict()``: eager ``save()`` blocked, the largest
+  heartbeat gap, and one ``_foreach_copy_`` of the same tensors.
 
 Run alone (``python bench/many_tensors.py --counts 1000,10000``) or from
 ``bench/harness.py`` (``--many-tensors``). Writes ``bench/results/many_tensors.json``,
@@ -65,6 +71,34 @@ def moe_state(n: int) -> dict[str, torch.Tensor]:
         dtype = torch.float32 if (i // len(_NUMELS)) % 2 == 0 else torch.bfloat16
         out[f"experts.{i // 4}.w{i % 4}"] = torch.randn(numel, generator=g).to(dtype)
     return out
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        a, b = 8 << (i % 3), 8 << ((i + 1) % 3)  # 8..32
+        self.w1 = torch.nn.Parameter(torch.randn(a, b))
+        self.w2 = torch.nn.Parameter(torch.randn(b, a))
+        self.b1 = torch.nn.Parameter(torch.randn(a))
+        self.b2 = torch.nn.Parameter(torch.randn(b))
+
+
+def stateful_state(n: int) -> dict[str, Any]:
+    """A MoE-like model of ``n // 16`` experts and its AdamW after one step:
+    ``n`` tensors in their state dicts (parameters, steps and two moments)."""
+    torch.manual_seed(n)
+    model = torch.nn.ModuleList(_Expert(i) for i in range(max(1, n // 16)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return {"model": model, "optim": opt}
+
+
+def _stateful_tensors(state: dict[str, Any]) -> list[torch.Tensor]:
+    model, opt = state["model"], state["optim"]
+    moments = [t for s in opt.state_dict()["state"].values() for t in s.values()]
+    return list(model.state_dict().values()) + moments
 
 
 def _median(xs: list[float]) -> float:
@@ -188,6 +222,8 @@ async def bench_count(
             )
             st_path.unlink()
             (root / "raw.bin").unlink()
+        del state, dst
+        row_stateful = await _bench_stateful(n, root / "stateful", repeats, hb)
     shutil.rmtree(root, ignore_errors=True)
     row: dict[str, Any] = {
         "num_tensors": n,
@@ -197,7 +233,30 @@ async def bench_count(
         **first,
     }
     row.update({k: _median(v) for k, v in samples.items()})
+    row.update(row_stateful)
     return row
+
+
+async def _bench_stateful(n: int, root: Path, repeats: int, hb: Heartbeat) -> dict[str, Any]:
+    """The ``stateful_*`` figures (see the module docstring)."""
+    state = stateful_state(n)
+    src = _stateful_tensors(state)
+    dst = [torch.empty_like(t) for t in src]
+    torch._foreach_copy_(dst, src)  # touched
+    samples: dict[str, list[float]] = {}
+    async with asyncsave.Checkpointer(root) as ckpt:
+        await _save(ckpt, 1, state, hb, lazy=False)
+        for r in range(repeats):
+            t0 = time.perf_counter()
+            await anyio.to_thread.run_sync(torch._foreach_copy_, dst, src)
+            samples.setdefault("stateful_foreach_copy_s", []).append(time.perf_counter() - t0)
+            s = await _save(ckpt, r + 2, state, hb, lazy=False)
+            samples.setdefault("stateful_blocked_s", []).append(s["blocked_s"])
+            samples.setdefault("stateful_hb_max_ms", []).append(s["hb_max_ms"])
+    shutil.rmtree(root, ignore_errors=True)
+    out: dict[str, Any] = {"stateful_tensors": len(src)}
+    out.update({k: _median(v) for k, v in samples.items()})
+    return out
 
 
 def targets(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -218,6 +277,12 @@ def targets(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
             row["eager_durable_s"], 0.5 * row["safetensors_durable_s"]
         ),
         "cold verified load <= safetensors.load_file": t(row["load_s"], row["safetensors_load_s"]),
+        "Stateful model + AdamW: eager blocked <= 1.2 x foreach_copy_ + 10 ms": t(
+            row["stateful_blocked_s"], 1.2 * row["stateful_foreach_copy_s"] + 0.010
+        ),
+        "Stateful model + AdamW: largest heartbeat gap <= 10 ms": t(
+            row["stateful_hb_max_ms"], 10.0
+        ),
     }
 
 
@@ -234,6 +299,9 @@ def markdown(result: dict[str, Any]) -> str:
         ("load (cold, verified)", "load_s"),
         ("safetensors load", "safetensors_load_s"),
         ("lazy blocked", "lazy_blocked_s"),
+        ("Stateful: foreach_copy_", "stateful_foreach_copy_s"),
+        ("Stateful: eager blocked", "stateful_blocked_s"),
+        ("Stateful: heartbeat max (ms)", "stateful_hb_max_ms"),
     ]
     loads = ", ".join(f"{r.get('load_avg_1min', float('nan')):.1f}" for r in result["rows"])
     lines = [
