@@ -41,7 +41,7 @@ mix: N float32 and bfloat16 tensors of 256 B..64 KiB, as a MoE rank's experts an
 moments) and runs the per-rank rows, each checkpointer saving once before the
 rounds (the rows are then second and later saves: the plan reused); the
 reference ``foreach_copy_`` is one ``torch._foreach_copy_`` of the rank's tensors
-into preallocated, touched tensors (issue 30's floor for a blocked eager save).
+into preallocated, touched tensors (the floor for a blocked eager save).
 
 usage: python bench/dist_save.py [--world 2] [--mib 256] [--repeats 3] [--rows all|per-rank]
                                  [--many N] [--buffered] [--dir DIR] [--out FILE]

@@ -21,9 +21,8 @@ replay buffer lay them out. For each count, in one run, medians of ``--repeats``
   writes and fsynced (the disk's limit for these bytes);
 - ``load_s`` / ``safetensors_load_s``: cold (pages dropped) verified
   ``asyncsave.load`` against ``safetensors.torch.load_file``;
-- ``stateful_*``: the same count through the ``Stateful`` path (issue 30, point
-  5): a model of ``n / 16`` experts (4 parameters each, float32, 64..2,048
-  elements) and its ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq``
+- ``stateful_*``: the same count through the ``Stateful`` path: a model of
+  ``n / 16`` experts (4 parameters each, float32, 8..1,024 elements) and its ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq``
   per parameter: 4 tensors per parameter in all), passed as objects, so each
   save calls their ``state_dict()``: eager ``save()`` blocked, the largest
   heartbeat gap, and one ``_foreach_copy_`` of the same tensors.

@@ -1,4 +1,4 @@
-"""A save matched against the last plan's tree (``_skeleton``, issue 30) is the
+"""A save matched against the last plan's tree (``_skeleton``) is the
 save a fresh checkpointer makes of the same state.
 
 The planner reuses its last plan when the new state's tree walks like the last
