@@ -264,7 +264,7 @@ def flatten(
     allow_pickle: bool,
     call: Callable[[Callable[[], Any]], Any] | None = None,
     signature: list[tuple[Any, ...]] | None = None,
-    states: dict[int, Any] | None = None,
+    states: dict[int, list[Any]] | None = None,
 ) -> Plan:
     """Flatten and validate ``state``: a plan with its tree and leaves, no entries
     yet (see :func:`group_plan`).
@@ -276,8 +276,9 @@ def flatten(
         leaf order, naming everything a plan depends on (see
         :func:`leaf_signature`), built in the same pass as the leaf.
     :param states: what ``state_dict()`` already returned for this save, by the
-        ``id`` of its object (or the exception it raised): used instead of a
-        second call (``_skeleton.Skeleton.take_states``).
+        ``id`` of its object, one result (or the exception raised) per occurrence
+        in walk order: used instead of calling again
+        (``_skeleton.Skeleton.take_states``).
     :raises InvalidStateError: (or a subclass) naming the offending key path.
     """
     # A state of 10,000 tensors makes 100,000s of small objects: the cyclic GC's
@@ -315,7 +316,7 @@ class _Flattener:
         allow_pickle: bool,
         call: Callable[[Callable[[], Any]], Any] | None = None,
         signature: list[tuple[Any, ...]] | None = None,
-        states: dict[int, Any] | None = None,
+        states: dict[int, list[Any]] | None = None,
     ) -> None:
         self.allow_pickle = allow_pickle
         self.call = call
@@ -342,11 +343,7 @@ class _Flattener:
         if _is_numpy_array(obj):
             return self.ndarray(obj, path)
         if _is_numpy_scalar(obj):
-            return {
-                "type": "np_scalar",
-                "dtype": obj.dtype.str,
-                "v": base64.b64encode(obj.tobytes()).decode("ascii"),
-            }
+            return np_scalar_node(obj)
         if t is Tagged:
             return {
                 "type": "tagged",
@@ -374,7 +371,9 @@ class _Flattener:
         t = type(obj)
         cls = f"{t.__module__}.{t.__qualname__}"
         try:
-            sd = self.states.pop(id(obj), _UNSET)
+            # One result per occurrence: an object reached twice was called twice.
+            got = self.states.get(id(obj))
+            sd = got.pop(0) if got else _UNSET
             if isinstance(sd, Exception):
                 raise sd
             if sd is _UNSET:
@@ -604,6 +603,16 @@ def _scalar_node(obj: Any, t: type) -> dict[str, Any] | None:
 def _is_numpy_array(obj: Any) -> bool:
     np = sys.modules.get("numpy")
     return np is not None and type(obj) is np.ndarray
+
+
+def np_scalar_node(obj: Any) -> dict[str, Any]:
+    """The tree node of a NumPy scalar: its dtype and its bytes (so
+    ``np.float64(-0.0)`` and ``np.float32(0.1)`` come back exactly)."""
+    return {
+        "type": "np_scalar",
+        "dtype": obj.dtype.str,
+        "v": base64.b64encode(obj.tobytes()).decode("ascii"),
+    }
 
 
 def _is_numpy_scalar(obj: Any) -> bool:

@@ -199,7 +199,7 @@ def _template(
         lone=lone,
         blobs=blobs,
         key=key,
-        skeleton=None if fast is None else Skeleton(plan.tree, fast),
+        skeleton=Skeleton.of(plan.tree, fast),
         bare_leaves=[TensorLeaf(x.key, None, x.kind, x.requires_grad) for x in plan.leaves],
     )
 
@@ -305,6 +305,12 @@ class Planner:
             self.reused += 1
             self.payload_bytes = last.payload
             plan = self._bind(last, flat)
+            if last.skeleton is not None:
+                # The tree changed, not the tensors (a scalar's type, a module's
+                # metadata, a class): later saves are matched against this tree,
+                # not walked twice against the old one.
+                last.skeleton = Skeleton.of(flat.tree, last.skeleton.signatures)
+                plan.shares_tree = last.skeleton is not None
             return plan, last.layouts, last.nbytes
         self.made += 1
         if last is not None:

@@ -25,10 +25,10 @@ device, layout, the conjugate and negative bits, the offset in the storage and t
 storage's address and length: everything the flattener validates and the plan
 depends on. Equal signatures and a matched tree mean the flattener would have made
 the last plan's tree, leaves and entries: the template is reused. Any difference
-(a key, a type, a shape, a storage re-allocated, a leaf kind this walk does not
-handle: NumPy arrays, pickled leaves, TensorDicts) makes :meth:`Skeleton.match`
+(a key, a type, a shape, a storage re-allocated) makes :meth:`Skeleton.match`
 return ``None``, and the planner flattens as before (which raises the typed
-error where the state is invalid).
+error where the state is invalid). A tree this walk could never match (NumPy
+arrays, pickled leaves, TensorDicts) gets no skeleton (:meth:`Skeleton.of`).
 
 The shared nodes must never be changed in place: the tree of a matched save is
 marked (:attr:`Matched.shares_tree`), and the manifest writer only lets go of it
@@ -37,7 +37,6 @@ instead of emptying its long lists (``_types.release_nested``).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
@@ -45,7 +44,15 @@ from typing import Any
 
 import torch
 
-from ._plan import TensorLeaf, _Flattener, _scalar_node, is_stateful, storage_key
+from ._plan import (
+    TensorLeaf,
+    _Flattener,
+    _is_numpy_scalar,
+    _scalar_node,
+    is_stateful,
+    np_scalar_node,
+    storage_key,
+)
 from ._types import Tagged, gc_paused, release_in_chunks
 
 __all__ = [
@@ -148,23 +155,66 @@ class Matched:
     shares_tree: bool = True
 
 
+# Leaf and key types whose equality (same type, ``==``) is equality of the
+# encoding. Not float (``-0.0 == 0.0``: compared by ``hex()``), not any other type
+# (a NumPy scalar, a Tagged, a subclass: their ``==`` may hold where the encoding
+# differs, so metadata holding one is encoded at every save instead).
+_PLAIN = (str, int, bool, type(None))
+
+
+def _plain_copy(value: Any) -> tuple[bool, Any]:
+    """``(True, a copy)`` if ``value`` holds only dicts (no ``_metadata`` of
+    their own), lists, tuples, floats and :data:`_PLAIN` values, with
+    :data:`_PLAIN` keys; ``(False, None)`` otherwise."""
+    t = type(value)
+    if t in _PLAIN or t is float:
+        return True, value
+    if t is dict or t is OrderedDict:
+        if getattr(value, "_metadata", None) is not None:
+            return False, None
+        out = t()
+        for k, v in value.items():
+            ok, c = _plain_copy(v)
+            if type(k) not in _PLAIN or not ok:
+                return False, None
+            out[k] = c
+        return True, out
+    if t is list or t is tuple:
+        items = []
+        for v in value:
+            ok, c = _plain_copy(v)
+            if not ok:
+                return False, None
+            items.append(c)
+        return True, t(items)
+    return False, None
+
+
 def _strictly_equal(a: Any, b: Any) -> bool:
-    """``a == b`` with the same type at every node and floats equal bit for bit
-    (``-0.0`` is not ``0.0``; the encoding keeps the sign): ``b`` holds plain
-    values only (it was encoded), so ``a`` then encodes exactly as ``b`` does."""
+    """Whether ``a`` encodes as ``b`` does, where ``b`` is a :func:`_plain_copy`:
+    the same type at every node (``True`` is not ``1``), floats equal bit for
+    bit (``-0.0`` is not ``0.0``; the encoding keeps the sign), no dict with a
+    ``_metadata`` of its own. Anything else in ``a`` is not equal."""
     t = type(a)
     if t is not type(b):
         return False
     if t is dict or t is OrderedDict:
-        return len(a) == len(b) and all(
-            type(ka) is type(kb) and ka == kb and _strictly_equal(va, vb)
-            for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
+        return (
+            getattr(a, "_metadata", None) is None
+            and len(a) == len(b)
+            and all(
+                type(ka) is type(kb) and ka == kb and _strictly_equal(va, vb)
+                for (ka, va), (kb, vb) in zip(a.items(), b.items(), strict=True)
+            )
         )
     if t is list or t is tuple:
         return len(a) == len(b) and all(_strictly_equal(x, y) for x, y in zip(a, b, strict=True))
     if t is float:
         return bool(a.hex() == b.hex())
-    return bool(a == b)
+    return t in _PLAIN and bool(a == b)
+
+
+_NOT_PLAIN = object()  # no raw metadata kept for a node
 
 
 class _Mismatch(Exception):
@@ -173,10 +223,26 @@ class _Mismatch(Exception):
 
 class Skeleton:
     """The last plan's tree, prepared for matching (see the module docstring).
+    Made by :meth:`of`, which refuses trees this walk could never match.
 
     :param tree: the plan's JSON tree (shared with the plan, never changed here).
     :param signatures: :func:`leaf_fast_signatures` of the plan's leaves.
+    :raises ValueError: the tree holds a node kind the walk does not match
+        (use :meth:`of`).
     """
+
+    @classmethod
+    def of(cls, tree: dict[str, Any], signatures: list[Signature] | None) -> Skeleton | None:
+        """The skeleton of a plan's tree, or ``None`` where no later save could
+        match it (``signatures`` is ``None``: a NumPy array or pickled leaf; or
+        the tree holds a TensorDict): such structures are flattened every time,
+        never walked twice."""
+        if signatures is None:
+            return None
+        try:
+            return cls(tree, signatures)
+        except ValueError:
+            return None
 
     def __init__(self, tree: dict[str, Any], signatures: list[Signature]) -> None:
         self.tree = tree
@@ -188,12 +254,14 @@ class Skeleton:
         self._key_types: dict[int, set[type]] = {}
         # id(OrderedDict node) -> the raw _metadata that encoded as its "metadata".
         self._raw_metadata: dict[int, Any] = {}
-        self._states: dict[int, Any] = {}  # see take_states
+        self._states: dict[int, list[Any]] = {}  # see take_states
         self._call: Callable[[Callable[[], Any]], Any] | None = None
         self._prepare(tree)
 
     def _prepare(self, node: dict[str, Any]) -> None:
         kind = node.get("type")
+        if kind == "tensor" or kind == "np_scalar" or kind in _SCALARS:
+            return
         if kind == "dict":
             items = node["items"]
             if items and all(child.get("type") == "tensor" for _, child in items):
@@ -209,6 +277,8 @@ class Skeleton:
             self._prepare(node["state"])
         elif kind == "tagged":
             self._prepare(node["value"])
+        else:  # a TensorDict and what only it holds
+            raise ValueError(f"a tree node of type {kind!r} is not matched")
 
     def match(
         self, state: Any, *, call: Callable[[Callable[[], Any]], Any] | None = None
@@ -245,10 +315,11 @@ class Skeleton:
         self._states = {}  # matched: nothing for a flatten, nothing kept alive
         return Matched(tree, tensors, buffers)
 
-    def take_states(self) -> dict[int, Any]:
+    def take_states(self) -> dict[int, list[Any]]:
         """The ``state_dict()`` results the last :meth:`match` obtained, by the
-        ``id`` of their objects (handed to the flattener after a mismatch, so
-        that no object's ``state_dict()`` is called twice for one save)."""
+        ``id`` of their objects, one per occurrence in walk order (handed to the
+        flattener after a mismatch, so that no ``state_dict()`` is called more
+        often for one save than the flatten alone would call it)."""
         states, self._states = self._states, {}
         return states
 
@@ -284,12 +355,19 @@ class Skeleton:
             return {"type": kind, "items": out}
         if kind == "stateful":
             return self._stateful(obj, tn, tensors, buffers)
+        if kind == "np_scalar":
+            # What the flattener checks before a NumPy scalar: a float64 is a
+            # float, but not of type float, so only a NumPy scalar gets here.
+            if not _is_numpy_scalar(obj):
+                raise _Mismatch
+            node = np_scalar_node(obj)
+            return tn if node == tn else node
         if kind == "tagged":
             if type(obj) is not Tagged or obj.kind != tn["kind"]:
                 raise _Mismatch
             value = self._node(obj.value, tn["value"], tensors, buffers)
             return tn if value is tn["value"] else {**tn, "value": value}
-        raise _Mismatch  # NumPy, pickled, TensorDict leaves: flattened
+        raise _Mismatch  # unreachable: Skeleton.of refuses other trees
 
     def _dict(
         self,
@@ -342,22 +420,25 @@ class Skeleton:
     def _metadata(self, meta: Any, tn: dict[str, Any]) -> None:
         """Raise :class:`_Mismatch` unless ``meta`` (an ``OrderedDict``'s
         ``_metadata``: ``nn.Module.state_dict()`` versions every submodule there)
-        encodes as the last tree's. Encoded once; after that compared with the
-        raw metadata that encoded so, type for type (2,500 modules: 3 ms instead
-        of the 47 ms of encoding them again)."""
+        encodes as the last tree's. Encoded once; after that compared with a
+        copy of the raw metadata that encoded so, type for type (2,500 modules:
+        3 ms instead of the 47 ms of encoding them again), where it holds plain
+        values only (:func:`_plain_copy`); other metadata is encoded every time."""
         want = tn.get("metadata")
         if meta is None or want is None:
             if meta is not want:
                 raise _Mismatch
             return
-        seen = self._raw_metadata.get(id(tn))
-        if seen is not None:
+        seen = self._raw_metadata.get(id(tn), _NOT_PLAIN)
+        if seen is not _NOT_PLAIN:
             if not _strictly_equal(meta, seen):
                 raise _Mismatch
             return
         if _Flattener(allow_pickle=False).node(meta, (), 0) != want:
             raise _Mismatch
-        self._raw_metadata[id(tn)] = copy.deepcopy(meta)
+        plain, raw = _plain_copy(meta)
+        if plain:
+            self._raw_metadata[id(tn)] = raw
 
     def _stateful(
         self,
@@ -372,9 +453,9 @@ class Skeleton:
         try:
             sd = obj.state_dict() if self._call is None else self._call(obj.state_dict)
         except Exception as exc:  # the object's own code: the flattener raises it, named
-            self._states[id(obj)] = exc
+            self._states.setdefault(id(obj), []).append(exc)
             raise _Mismatch from None
-        self._states[id(obj)] = sd
+        self._states.setdefault(id(obj), []).append(sd)
         if isinstance(obj, torch.nn.Module):
             buffers.update(storage_key(b) for b in obj.buffers())
         state = self._node(sd, tn["state"], tensors, buffers)

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -50,6 +51,29 @@ def _versioned(m: torch.nn.Module, version: Any) -> torch.nn.Module:
     return m
 
 
+def _with_metadata() -> OrderedDict[str, Any]:
+    """An OrderedDict whose ``_metadata`` holds values whose ``==`` is not
+    equality of their encoding: a NumPy scalar (0.0 == -0.0), a Tagged list
+    (1 == True), a nested OrderedDict with a ``_metadata`` of its own, a list."""
+    inner: OrderedDict[str, Any] = OrderedDict(a=1)
+    inner._metadata = {"x": 1}  # type: ignore[attr-defined]
+    od: OrderedDict[str, Any] = OrderedDict(w=torch.zeros(2))
+    od._metadata = {  # type: ignore[attr-defined]
+        "": {
+            "version": 1,
+            "np": np.float64(0.0),
+            "tag": asyncsave.Tagged([1], "k"),
+            "inner": inner,
+            "list": [1, 2],
+        }
+    }
+    return od
+
+
+def _meta(state: dict[str, Any]) -> dict[str, Any]:
+    return state["meta"]._metadata[""]  # type: ignore[no-any-return]
+
+
 def _base(seed: int, width: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     shared = torch.randn(32, generator=g)
@@ -70,6 +94,8 @@ def _base(seed: int, width: int) -> dict[str, Any]:
         "linear": torch.nn.Linear(2, 2),  # version 1: True == 1, 1.0 == 1
         "floaty": _versioned(torch.nn.Linear(1, 1), 0.0),  # 0.0 == -0.0
         "ordered": OrderedDict(a=torch.zeros(2), b=3),
+        "meta": _with_metadata(),
+        "lr": np.float32(0.1),
         "step": 10,
     }
 
@@ -169,6 +195,22 @@ _CHANGES: dict[str, Any] = {
         s, ("counter",), {"t": torch.zeros(2), "n": 7}
     ),
     "an unsupported leaf": lambda s, g: _set(s, ("list", 1), object()),
+    "metadata's NumPy 0.0 becomes -0.0": lambda s, g: _meta(s).__setitem__(
+        "np", np.float64(-0.0)
+    ),
+    "metadata's NumPy float64 becomes a float": lambda s, g: _meta(s).__setitem__("np", 0.0),
+    "metadata's Tagged 1 becomes True": lambda s, g: _meta(s).__setitem__(
+        "tag", asyncsave.Tagged([True], "k")
+    ),
+    "metadata's nested OrderedDict's own metadata": lambda s, g: setattr(
+        _meta(s)["inner"], "_metadata", {"x": 2}
+    ),
+    "metadata's list appended in place": lambda s, g: _meta(s)["list"].append(3),
+    "metadata's int becomes a bool": lambda s, g: _meta(s).__setitem__("version", True),
+    "a NumPy scalar's value": lambda s, g: _set(s, ("lr",), np.float32(0.2)),
+    "a NumPy scalar's dtype": lambda s, g: _set(s, ("lr",), np.float64(0.1)),
+    "a NumPy scalar becomes a float": lambda s, g: _set(s, ("lr",), 0.1),
+    "a float becomes a NumPy scalar": lambda s, g: _set(s, ("list", 4), np.float64(2.5)),
 }
 
 
@@ -268,6 +310,112 @@ def test_an_unchanged_structure_is_matched_without_a_flatten(tmp_path: Path) -> 
         out = asyncsave.load(tmp_path / f"step_{step}", allow_pickle=False)
         assert out["step"] == step
         assert all(bool((t == step).all()) for t in out["experts"].values())
+
+
+# Changes of the tree alone (every tensor's signature stays the last plan's),
+# with the walks of the save that makes them: a scalar leaf's new value or type
+# is matched (1); a container's type or a module's metadata fails the match and
+# the flatten follows (2).
+_TREE_ONLY = {
+    "an int becomes a float": 1,
+    "a NumPy scalar's dtype": 1,
+    "a Stateful's count": 1,
+    "a tuple becomes a list": 2,
+    "a module's version becomes a float": 2,
+    "metadata's NumPy 0.0 becomes -0.0": 2,
+    "metadata's nested OrderedDict's own metadata": 2,
+    "metadata's list appended in place": 2,
+}
+
+
+@pytest.mark.parametrize("change", list(_TREE_ONLY))
+def test_after_a_tree_only_change_later_saves_are_matched_in_one_walk(
+    tmp_path: Path, change: str
+) -> None:
+    """A save whose tree changed but whose tensors did not keeps the plan's
+    layout (no "group"), walking once or twice (see ``_TREE_ONLY``); the saves
+    after it are matched in one walk each, never walked twice again."""
+    state = _base(0, 200)
+    g = torch.Generator().manual_seed(1)
+    seen: list[str] = []
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt, planning(seen.append):
+        for step in (1, 2):
+            ckpt.save(step, state).result()
+        assert seen == ["flatten", "group", "flatten"]
+        seen.clear()
+        _CHANGES[change](state, g)
+        ckpt.save(3, state).result()
+        assert seen == ["flatten"] * _TREE_ONLY[change]  # no "group": layout kept
+        seen.clear()
+        for step in (4, 5, 6):
+            ckpt.save(step, state).result()
+        assert seen == ["flatten"] * 3
+    fresh = tmp_path / "fresh"
+    with asyncsave.SyncCheckpointer(fresh) as ckpt:
+        ckpt.save(6, state).result()
+    assert _manifest(tmp_path / "step_6") == _manifest(fresh / "step_6")
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    [
+        pytest.param(lambda: np.zeros(3, dtype=np.float32), id="numpy-array"),
+        pytest.param(
+            lambda: __import__("tensordict").TensorDict({"a": torch.zeros(2)}, batch_size=[]),
+            id="tensordict",
+        ),
+    ],
+)
+def test_a_structure_the_skeleton_cannot_match_is_walked_once_per_save(
+    tmp_path: Path, leaf: Any
+) -> None:
+    """A state holding a leaf kind the skeleton never matches (a NumPy array,
+    a TensorDict) is flattened once per save, with no match tried first."""
+    state = {**{f"w{i}": torch.zeros(4) for i in range(200)}, "x": leaf()}
+    seen: list[str] = []
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt, planning(seen.append):
+        for step in (1, 2, 3):
+            ckpt.save(step, state).result()
+    assert seen == ["flatten", "group", "flatten", "flatten"]
+
+
+class _Tally:
+    """A Stateful object that counts its ``state_dict()`` calls."""
+
+    def __init__(self) -> None:
+        self.t = torch.zeros(3)
+        self.calls = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        self.calls += 1
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.t = sd["t"]
+
+
+@pytest.mark.parametrize("width", [4, 200])
+def test_a_stateful_object_reached_twice_is_called_once_per_occurrence(
+    tmp_path: Path, width: int
+) -> None:
+    """One object under two keys: its ``state_dict()`` runs twice per save,
+    as a flatten alone would call it, whether the save is matched or the match
+    fails and the flatten reuses what the match obtained."""
+    obj = _Tally()
+    state = {"x": obj, "y": obj, "w": {f"e{i}": torch.zeros(4) for i in range(width)}}
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
+        counts = []
+        for step, change in enumerate([None, None, "shape", None, "count"], start=1):
+            if change == "shape":
+                obj.t = torch.zeros(5)  # the match fails at the signature check
+            elif change == "count":
+                state["w"]["extra"] = torch.zeros(1)  # fails in the walk
+            obj.calls = 0
+            ckpt.save(step, state).result()
+            counts.append(obj.calls)
+    assert counts == [2] * 5
+    out = asyncsave.load(tmp_path / "step_5", allow_pickle=True)
+    assert out["x"]["t"].shape == (5,)
 
 
 def test_pooled_entries_keep_no_tensor_of_a_finished_save(tmp_path: Path) -> None:
