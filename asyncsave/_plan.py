@@ -137,6 +137,10 @@ class ViewCache(dict[tuple[int, int], list[torch.Tensor]]):
 
     __hash__ = object.__hash__  # type: ignore[assignment]  # by identity (a weak set holds them)
 
+    # Whether every entry of the structure is one tensor of a plain dtype
+    # (``_stage``: found once, then the views are the copy's destinations).
+    all_plain: bool | None = None
+
     def __eq__(self, other: object) -> bool:
         return self is other
 
