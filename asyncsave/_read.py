@@ -44,6 +44,7 @@ import xxhash
 
 from ._errors import ChecksumMismatchError, CorruptCheckpointError
 from ._manifest import CHECKSUM, Manifest
+from ._types import gc_paused
 
 __all__ = ["BOUNCE_BYTES", "read_entries"]
 
@@ -130,6 +131,22 @@ def read_entries(
     :raises CorruptCheckpointError: an entry past the end of its file, or a header
         that disagrees; :class:`ChecksumMismatchError` for altered bytes.
     """
+    # Paused (see gc_paused): the manifest just parsed is 100,000s of young
+    # objects and each entry read makes a tensor; a full pass over them landed
+    # in this call (100,000 tensors: loads 4.6 -> 3.5 s, medians of 5).
+    with gc_paused():
+        return _read_entries(path, manifest, verify, device, only, check_header, progress)
+
+
+def _read_entries(
+    path: Path,
+    manifest: Manifest,
+    verify: bool,
+    device: torch.device,
+    only: Iterable[int] | None,
+    check_header: Any,
+    progress: Callable[[int], None] | None,
+) -> list[torch.Tensor | None]:
     out: list[torch.Tensor | None] = [None] * len(manifest.entries)
     per_file, counts = _by_file(manifest, only)
 

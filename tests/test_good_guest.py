@@ -302,3 +302,29 @@ def test_long_lists_inside_a_tree_are_emptied_and_shared_objects_kept() -> None:
     release_in_chunks(one)
     assert one == []
     release_in_chunks(None)  # nothing to free
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_reading_a_checkpoint_pauses_the_collector_and_restores_it(
+    tmp_path: Path, collector_on: bool
+) -> None:
+    """The reading threads of a load (here ``verify``, whose progress callback
+    runs in them) make a tensor per entry right after the manifest's 100,000s
+    of objects were parsed: the collector is paused while they read (a full
+    pass landed there: loads of 100,000 tensors 4.6 -> 3.5 s), and the load
+    returns with it as the caller left it."""
+    state = _state(_MANY)
+    with asyncsave.SyncCheckpointer(tmp_path) as ckpt:
+        ckpt.save(1, state).result()
+    seen: list[bool] = []
+    if not collector_on:
+        gc.disable()
+    try:
+        asyncsave.verify(tmp_path / "step_1", progress=lambda n: seen.append(gc.isenabled()))
+        assert seen and not any(seen)
+        assert gc.isenabled() is collector_on
+        out = asyncsave.load(tmp_path / "step_1")
+        assert gc.isenabled() is collector_on
+        assert all(torch.equal(out[k], v) for k, v in state.items())
+    finally:
+        gc.enable()
