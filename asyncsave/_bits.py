@@ -9,9 +9,11 @@ and the DCP writer make of a source tensor goes through these functions.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
-__all__ = ["as_bits", "clone_bits", "flat_bytes"]
+__all__ = ["as_bits", "clone_bits", "flat_bytes", "host_bytes"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -51,6 +53,24 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
             t.untyped_storage(), t.storage_offset() * size, (t.numel() * size,), (1,)
         )
     return as_bits(_resolved(t)).contiguous().reshape(-1).view(torch.uint8)
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` (a 1-D contiguous ``uint8`` CPU tensor, such as
+    :func:`flat_bytes` gives) as a memoryview over its memory, for hashing in
+    place. Not through ``t.numpy()``: that marks the storage non-resizable for
+    good, and a caller's ``resize_()`` of a tensor a save only read would then
+    fail (and leave it with a shape its storage does not hold). The view does
+    not keep ``t`` alive: hold ``t`` while it is used.
+
+    :raises ValueError: ``t`` is not a contiguous 1-D ``uint8`` CPU tensor.
+    """
+    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"host_bytes needs a contiguous 1-D uint8 CPU tensor, not {t!r:.80}")
+    n = t.numel()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 def _resolved(t: torch.Tensor) -> torch.Tensor:

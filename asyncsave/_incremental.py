@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ._bits import flat_bytes
+from ._bits import flat_bytes, host_bytes
 from ._catalog import read_checkpoint, scan_steps
 from ._errors import CheckpointError
 from ._format import FileLayout, layout_buckets
@@ -803,4 +803,5 @@ def _hash_source(e: Entry) -> str:
     src = e.source
     assert src is not None
     raw = flat_bytes(src.detach())
-    return xxhash.xxh3_64_hexdigest(memoryview(raw.numpy()))  # type: ignore[arg-type]
+    # Not raw.numpy(): the storage is the caller's (see host_bytes).
+    return xxhash.xxh3_64_hexdigest(host_bytes(raw))

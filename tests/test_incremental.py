@@ -560,3 +560,42 @@ async def test_reused_plans_keep_every_tensor_after_a_chunked_one(
         got = asyncsave.load(tmp_path / f"step_{step}")
         assert_equal_tree(got, want)
     assert any("chunks" in t for t in manifest(tmp_path / "step_6")["tensors"])
+
+
+@pytest.mark.parametrize(
+    ("options", "lazy"),
+    [
+        ({"incremental": True}, False),
+        ({"incremental": True, "overlap_writes": True}, False),
+        ({"incremental": True}, True),
+        ({}, False),
+        ({}, True),
+        ({"overlap_writes": True}, False),
+        ({"budget_bytes": 4096}, False),
+    ],
+)
+def test_saves_leave_the_callers_storages_resizable(
+    tmp_path: Path, options: dict[str, Any], lazy: bool
+) -> None:
+    """A save only reads the caller's tensors: afterwards every storage is as
+    resizable as before, and ``resize_()`` works. (Incremental saves hashed the
+    caller's bytes through ``.numpy()``, which marks a storage non-resizable for
+    good: ``resize_()`` then failed and left the tensor with a shape its
+    storage does not hold.)"""
+    base = torch.randn(64)
+    state = {
+        "plain": torch.randn(300),
+        "view": base[8:40],
+        "param": torch.nn.Parameter(torch.randn(16)),
+        "bf16": torch.randn(50).to(torch.bfloat16),
+        "rows": torch.randn(40, 8),
+    }
+    with asyncsave.SyncCheckpointer(tmp_path, **options) as ckpt:
+        for step in (1, 2, 3):
+            state["plain"][0] = step  # one entry changed, the others linked
+            ckpt.save(step, state, lazy=lazy).result()
+    for key, t in state.items():
+        assert t.untyped_storage().resizable(), key
+    state["plain"].resize_(600)
+    base.resize_(128)
+    assert state["plain"].shape == (600,) and base.untyped_storage().nbytes() == 512
