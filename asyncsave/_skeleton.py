@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from ._errors import InvalidStateError
 from ._plan import (
     TensorLeaf,
     _Flattener,
@@ -296,19 +297,23 @@ class Skeleton:
         buffers: set[tuple[str, int]] = set()
         try:
             tree = self._node(state, self.tree, tensors, buffers)
-            if len(tensors) != len(self.signatures):
-                return None
+        except (_Mismatch, InvalidStateError):  # (metadata refused: the flatten names its key)
+            return None
+        # Anything else raised in the walk is the callers' code failing (a
+        # state_dict() that changes the dict being walked): raised here as the
+        # flatten would raise it, not hidden by a flatten of what it left behind.
+        if len(tensors) != len(self.signatures):
+            return None
+        try:
             # Paused: 100,000s of signature tuples (and their shapes) would be
             # promoted by the young passes and trigger full ones.
             with gc_paused():
                 sig = tensor_signatures(tensors)
                 same = same_signature(self.signatures, sig)
                 release_in_chunks(sig)  # not freed in one call
-            if not same:
-                return None
-        except _Mismatch:
-            return None
         except Exception:  # a tensor torch cannot describe: the flatten says why
+            return None
+        if not same:
             return None
         for i in self.grad:
             tensors[i] = tensors[i].detach()
@@ -347,9 +352,11 @@ class Skeleton:
             items = tn["items"]
             if len(obj) != len(items):
                 raise _Mismatch
-            out = [
-                self._node(v, child, tensors, buffers) for v, child in zip(obj, items, strict=True)
-            ]
+            # Not strict: a list grown while walked (by a state_dict() below it)
+            # is no match, and the flatten walks it as it then is.
+            out = [self._node(v, child, tensors, buffers) for v, child in zip(obj, items, strict=False)]
+            if len(obj) != len(items):
+                raise _Mismatch
             if all(a is b for a, b in zip(out, items, strict=True)):
                 return tn
             return {"type": kind, "items": out}
@@ -386,8 +393,8 @@ class Skeleton:
             # int keys apart and refuses others.
             if (
                 len(obj) != len(keys)
-                or list(obj) != keys
                 or set(map(type, obj)) != self._key_types[id(tn)]
+                or list(obj) != keys  # str and int keys only here: no callers' __eq__
             ):
                 raise _Mismatch
             tensors.extend(obj.values())
@@ -434,11 +441,26 @@ class Skeleton:
             if not _strictly_equal(meta, seen):
                 raise _Mismatch
             return
-        if _Flattener(allow_pickle=False).node(meta, (), 0) != want:
+        # Through the same call as the state's Stateful objects (a Stateful in
+        # metadata: its state_dict() on the loop, its result kept for a flatten).
+        if _Flattener(allow_pickle=False, call=self._calling).node(meta, (), 0) != want:
             raise _Mismatch
         plain, raw = _plain_copy(meta)
         if plain:
             self._raw_metadata[id(tn)] = raw
+
+    def _calling(self, state_dict: Callable[[], Any]) -> Any:
+        """``state_dict()`` through ``call``; its result (or the exception it
+        raised) kept for the flatten that follows a mismatch, one per call."""
+        owner = getattr(state_dict, "__self__", None)
+        kept = self._states.setdefault(id(owner), []) if owner is not None else []
+        try:
+            sd = state_dict() if self._call is None else self._call(state_dict)
+        except Exception as exc:
+            kept.append(exc)
+            raise
+        kept.append(sd)
+        return sd
 
     def _stateful(
         self,
@@ -451,11 +473,9 @@ class Skeleton:
         if not is_stateful(obj) or f"{t.__module__}.{t.__qualname__}" != tn["class"]:
             raise _Mismatch
         try:
-            sd = obj.state_dict() if self._call is None else self._call(obj.state_dict)
-        except Exception as exc:  # the object's own code: the flattener raises it, named
-            self._states.setdefault(id(obj), []).append(exc)
+            sd = self._calling(obj.state_dict)
+        except Exception:  # the object's own code: the flattener raises it, named
             raise _Mismatch from None
-        self._states.setdefault(id(obj), []).append(sd)
         if isinstance(obj, torch.nn.Module):
             buffers.update(storage_key(b) for b in obj.buffers())
         state = self._node(sd, tn["state"], tensors, buffers)

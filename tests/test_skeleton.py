@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import threading
 import weakref
 from collections import OrderedDict
 from pathlib import Path
@@ -416,6 +417,102 @@ def test_a_stateful_object_reached_twice_is_called_once_per_occurrence(
     assert counts == [2] * 5
     out = asyncsave.load(tmp_path / "step_5", allow_pickle=True)
     assert out["x"]["t"].shape == (5,)
+
+
+class _Grower:
+    """A Stateful object whose ``state_dict()`` adds an item to the container
+    it is walked in, at its ``at``-th call (the callers' code changing the
+    state while it is walked)."""
+
+    def __init__(self, parent: Any, at: int) -> None:
+        self.parent, self.at, self.calls = parent, at, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        self.calls += 1
+        if self.calls == self.at:
+            if isinstance(self.parent, dict):
+                self.parent["extra"] = 1
+            else:
+                self.parent.append(1)
+        return {"n": 1}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("container", ["dict", "list"])
+@pytest.mark.parametrize("width", [4, 200])
+def test_a_state_changed_while_walked_saves_or_fails_as_a_fresh_save(
+    tmp_path: Path, container: str, width: int
+) -> None:
+    """A ``state_dict()`` that grows the container being walked, during the
+    save that is matched: the save writes what a fresh checkpointer writes of
+    the same state at the same call, or raises what it raises (a dict changed
+    during iteration; a grown list is walked as it then is). The match does not
+    hide the error behind a flatten of what the walk left behind."""
+
+    def make(calls: int) -> dict[str, Any]:
+        root: dict[str, Any] = {"w": {f"e{i}": torch.zeros(2) for i in range(width)}}
+        parent: Any = root if container == "dict" else [0]
+        grower = _Grower(parent, at=2)
+        grower.calls = calls
+        if container == "dict":
+            root["x"] = grower
+        else:
+            parent.append(grower)
+            root["x"] = parent
+        root["z"] = 0
+        return root
+
+    def outcome(ckpt: asyncsave.SyncCheckpointer, root: Path, step: int, state: Any) -> Any:
+        try:
+            ckpt.save(step, state).result()
+        except Exception as exc:  # compared below
+            return (type(exc), str(exc))
+        return _manifest(root / f"step_{step}")
+
+    a_state = make(0)
+    with asyncsave.SyncCheckpointer(tmp_path / "a") as a:
+        assert isinstance(outcome(a, tmp_path / "a", 1, a_state), dict)
+        mine = outcome(a, tmp_path / "a", 2, a_state)  # matched, grown at the 2nd call
+    with asyncsave.SyncCheckpointer(tmp_path / "b") as b:
+        fresh = outcome(b, tmp_path / "b", 2, make(1))  # grown at its first call here
+    assert mine == fresh
+
+
+class _Witness:
+    """A Stateful object that records the thread of each ``state_dict()``."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        self.threads.append(threading.current_thread().name)
+        return {"v": 1}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+@pytest.mark.anyio
+async def test_a_stateful_in_metadata_is_called_on_the_loop_once_per_save(
+    tmp_path: Path,
+) -> None:
+    """A ``Stateful`` object inside an ``OrderedDict``'s ``_metadata``: its
+    ``state_dict()`` runs on the event loop's thread once per save, whether the
+    save is the first, matched, or a failed match followed by a flatten."""
+    witness = _Witness()
+    od: OrderedDict[str, Any] = OrderedDict(w=torch.zeros(2))
+    od._metadata = {"s": witness}  # type: ignore[attr-defined]
+    state = {"od": od, "many": {f"e{i}": torch.zeros(2) for i in range(200)}}
+    loop_thread = threading.current_thread().name
+    async with asyncsave.Checkpointer(tmp_path) as ckpt:
+        for step in (1, 2, 3):
+            witness.threads.clear()
+            if step == 3:
+                state["many"]["e0"] = torch.zeros(3)  # the match fails
+            await (await ckpt.save(step, state))
+            assert witness.threads == [loop_thread], step
 
 
 def test_pooled_entries_keep_no_tensor_of_a_finished_save(tmp_path: Path) -> None:
