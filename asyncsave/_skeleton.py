@@ -38,6 +38,7 @@ instead of emptying its long lists (``_types.release_nested``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -216,6 +217,36 @@ def _strictly_equal(a: Any, b: Any) -> bool:
 
 
 _NOT_PLAIN = object()  # no raw metadata kept for a node
+_INT = {int}
+_DICT = {dict}
+
+
+@dataclasses.dataclass
+class _Nested:
+    """A dict node whose values are all plain dicts of tensors (an optimizer's
+    state), matched whole in C: its keys and their types, each child's keys,
+    and the type of every child key in order."""
+
+    keys: list[Any]
+    key_types: set[type]
+    child_keys: list[list[Any]]
+    child_key_types: list[type]
+
+    def take(self, obj: Any, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``obj`` (a dict) has this structure, its tensors then added
+        to ``tensors`` in the flattener's order. ``False`` is no verdict: the
+        dict is walked item by item."""
+        if len(obj) != len(self.keys) or set(map(type, obj)) != self.key_types:
+            return False
+        if list(obj) != self.keys:  # str and int keys only: no callers' __eq__
+            return False
+        values = list(obj.values())
+        if set(map(type, values)) != _DICT or list(map(list, values)) != self.child_keys:
+            return False
+        if list(map(type, itertools.chain.from_iterable(values))) != self.child_key_types:
+            return False
+        tensors.extend(itertools.chain.from_iterable(map(dict.values, values)))
+        return True
 
 
 class _Mismatch(Exception):
@@ -253,6 +284,11 @@ class Skeleton:
         # id(dict node) -> its keys, for dict nodes whose values are all tensors.
         self._tensor_dicts: dict[int, list[Any]] = {}
         self._key_types: dict[int, set[type]] = {}
+        # id(dict node) -> its keys and its children's, for dict nodes whose
+        # values are all (plain) dicts of tensors.
+        self._nested: dict[int, _Nested] = {}
+        # id(list or tuple node) -> its values, for nodes of ints only.
+        self._int_seqs: dict[int, list[int] | tuple[int, ...]] = {}
         # id(OrderedDict node) -> the raw _metadata that encoded as its "metadata".
         self._raw_metadata: dict[int, Any] = {}
         self._states: dict[int, list[Any]] = {}  # see take_states
@@ -265,15 +301,36 @@ class Skeleton:
             return
         if kind == "dict":
             items = node["items"]
-            if items and all(child.get("type") == "tensor" for _, child in items):
-                if all(key[0] == "s" or key[0] == "i" for key, _ in items):
-                    self._tensor_dicts[id(node)] = [key[1] for key, _ in items]
-                    self._key_types[id(node)] = {str if key[0] == "s" else int for key, _ in items}
             for _, child in items:
                 self._prepare(child)
+            if not items or not all(key[0] == "s" or key[0] == "i" for key, _ in items):
+                return
+            keys = [key[1] for key, _ in items]
+            key_types: set[type] = {str if key[0] == "s" else int for key, _ in items}
+            if all(child.get("type") == "tensor" for _, child in items):
+                self._tensor_dicts[id(node)] = keys
+                self._key_types[id(node)] = key_types
+            elif all(
+                child.get("type") == "dict"
+                and not child.get("ordered")
+                and id(child) in self._tensor_dicts
+                for _, child in items
+            ):
+                # An optimizer's state: {param id: {"step": t, "exp_avg": t, ...}}.
+                self._nested[id(node)] = _Nested(
+                    keys,
+                    key_types,
+                    [self._tensor_dicts[id(child)] for _, child in items],
+                    [str if k[0] == "s" else int for _, c in items for k, _ in c["items"]],
+                )
         elif kind in ("list", "tuple"):
-            for child in node["items"]:
+            items = node["items"]
+            for child in items:
                 self._prepare(child)
+            if items and all(child.get("type") == "int" for child in items):
+                # An optimizer's param_groups' "params": 1,000s of ints.
+                values = [child["v"] for child in items]
+                self._int_seqs[id(node)] = values if kind == "list" else tuple(values)
         elif kind == "stateful":
             self._prepare(node["state"])
         elif kind == "tagged":
@@ -347,19 +404,7 @@ class Skeleton:
         if kind == "dict":
             return self._dict(obj, tn, tensors, buffers)
         if kind in ("list", "tuple"):
-            if type(obj) is not (list if kind == "list" else tuple):
-                raise _Mismatch
-            items = tn["items"]
-            if len(obj) != len(items):
-                raise _Mismatch
-            # Not strict: a list grown while walked (by a state_dict() below it)
-            # is no match, and the flatten walks it as it then is.
-            out = [self._node(v, child, tensors, buffers) for v, child in zip(obj, items, strict=False)]
-            if len(obj) != len(items):
-                raise _Mismatch
-            if all(a is b for a, b in zip(out, items, strict=True)):
-                return tn
-            return {"type": kind, "items": out}
+            return self._sequence(obj, tn, tensors, buffers)
         if kind == "stateful":
             return self._stateful(obj, tn, tensors, buffers)
         if kind == "np_scalar":
@@ -375,6 +420,31 @@ class Skeleton:
             value = self._node(obj.value, tn["value"], tensors, buffers)
             return tn if value is tn["value"] else {**tn, "value": value}
         raise _Mismatch  # unreachable: Skeleton.of refuses other trees
+
+    def _sequence(
+        self,
+        obj: Any,
+        tn: dict[str, Any],
+        tensors: list[torch.Tensor],
+        buffers: set[tuple[str, int]],
+    ) -> dict[str, Any]:
+        kind = tn["type"]
+        if type(obj) is not (list if kind == "list" else tuple):
+            raise _Mismatch
+        items = tn["items"]
+        if len(obj) != len(items):
+            raise _Mismatch
+        ints = self._int_seqs.get(id(tn))
+        if ints is not None and set(map(type, obj)) == _INT and obj == ints:
+            return tn  # equal ints, compared in C (True == 1: the types first)
+        # Not strict: a list grown while walked (by a state_dict() below it)
+        # is no match, and the flatten walks it as it then is.
+        out = [self._node(v, child, tensors, buffers) for v, child in zip(obj, items, strict=False)]
+        if len(obj) != len(items):
+            raise _Mismatch
+        if all(a is b for a, b in zip(out, items, strict=True)):
+            return tn
+        return {"type": kind, "items": out}
 
     def _dict(
         self,
@@ -398,6 +468,8 @@ class Skeleton:
             ):
                 raise _Mismatch
             tensors.extend(obj.values())
+            out = tn
+        elif (nested := self._nested.get(id(tn))) is not None and nested.take(obj, tensors):
             out = tn
         else:
             if len(obj) != len(items):

@@ -71,6 +71,25 @@ def _with_metadata() -> OrderedDict[str, Any]:
     return od
 
 
+def _optimizer(g: torch.Generator, n: int) -> dict[str, Any]:
+    """An optimizer's ``state_dict()`` shape: a dict of per-parameter dicts of
+    tensors (one with int keys) and a param group listing ``n`` ints."""
+    state: dict[int, dict[Any, torch.Tensor]] = {
+        i: {"step": torch.tensor(3.0), "exp_avg": torch.randn(i % 3 + 1, generator=g)}
+        for i in range(n)
+    }
+    state[1] = {0: torch.randn(2, generator=g), 1: torch.randn(2, generator=g)}
+    return {"state": state, "param_groups": [{"params": list(range(n)), "lr": 0.1}]}
+
+
+def _inner(state: dict[str, Any], i: int) -> dict[Any, Any]:
+    return state["optim"]["state"][i]  # type: ignore[no-any-return]
+
+
+def _params(state: dict[str, Any]) -> list[Any]:
+    return state["optim"]["param_groups"][0]["params"]  # type: ignore[no-any-return]
+
+
 def _meta(state: dict[str, Any]) -> dict[str, Any]:
     return state["meta"]._metadata[""]  # type: ignore[no-any-return]
 
@@ -96,6 +115,7 @@ def _base(seed: int, width: int) -> dict[str, Any]:
         "floaty": _versioned(torch.nn.Linear(1, 1), 0.0),  # 0.0 == -0.0
         "ordered": OrderedDict(a=torch.zeros(2), b=3),
         "meta": _with_metadata(),
+        "optim": _optimizer(g, max(3, width // 4)),
         "lr": np.float32(0.1),
         "step": 10,
     }
@@ -212,6 +232,41 @@ _CHANGES: dict[str, Any] = {
     "a NumPy scalar's dtype": lambda s, g: _set(s, ("lr",), np.float64(0.1)),
     "a NumPy scalar becomes a float": lambda s, g: _set(s, ("lr",), 0.1),
     "a float becomes a NumPy scalar": lambda s, g: _set(s, ("list", 4), np.float64(2.5)),
+    "an optimizer's inner key renamed": lambda s, g: _inner(s, 0).__setitem__(
+        "exp_avg_sq", _inner(s, 0).pop("exp_avg")
+    ),
+    "an optimizer's inner int key becomes a bool key": lambda s, g: s["optim"]["state"].__setitem__(
+        1, {False: _inner(s, 1)[0], True: _inner(s, 1)[1]}
+    ),
+    "an optimizer's inner int key becomes a float key": lambda s, g: s["optim"][
+        "state"
+    ].__setitem__(1, {0.0: _inner(s, 1)[0], 1: _inner(s, 1)[1]}),
+    "an optimizer's inner dict becomes an OrderedDict": lambda s, g: s["optim"][
+        "state"
+    ].__setitem__(2, OrderedDict(_inner(s, 2))),
+    "an optimizer's step becomes an int": lambda s, g: _inner(s, 0).__setitem__("step", 4),
+    "an optimizer's inner dict gains a key": lambda s, g: _inner(s, 2).__setitem__(
+        "max_exp_avg_sq", torch.zeros(1)
+    ),
+    "an optimizer's inner dicts swapped": lambda s, g: s["optim"].__setitem__(
+        "state", {**s["optim"]["state"], 0: _inner(s, 2), 2: _inner(s, 0)}
+    ),
+    "an optimizer's param id becomes a str key": lambda s, g: s["optim"].__setitem__(
+        "state", {("0" if k == 0 else k): v for k, v in s["optim"]["state"].items()}
+    ),
+    "an optimizer's param id renumbered": lambda s, g: s["optim"].__setitem__(
+        "state", {(k if k != 2 else 50): v for k, v in s["optim"]["state"].items()}
+    ),
+    "an optimizer's param ids reordered": lambda s, g: s["optim"].__setitem__(
+        "state", dict(reversed(list(s["optim"]["state"].items())))
+    ),
+    "a param group's id changed": lambda s, g: _params(s).__setitem__(0, 99),
+    "a param group's id becomes a bool": lambda s, g: _params(s).__setitem__(1, True),
+    "a param group's id becomes a float": lambda s, g: _params(s).__setitem__(1, 1.0),
+    "a param group's ids grow": lambda s, g: _params(s).append(7),
+    "a param group's ids become a tuple": lambda s, g: s["optim"]["param_groups"][0].__setitem__(
+        "params", tuple(_params(s))
+    ),
 }
 
 
@@ -311,6 +366,30 @@ def test_an_unchanged_structure_is_matched_without_a_flatten(tmp_path: Path) -> 
         out = asyncsave.load(tmp_path / f"step_{step}", allow_pickle=False)
         assert out["step"] == step
         assert all(bool((t == step).all()) for t in out["experts"].values())
+
+
+def test_a_model_and_adamw_passed_as_objects_are_matched_in_one_walk(tmp_path: Path) -> None:
+    """A model and its AdamW, passed as objects, trained between saves: from
+    the second save on each save is one walk (the optimizer's per-parameter
+    dicts and its param group's ids matched whole), and writes what a fresh
+    checkpointer writes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(40)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt, "step": 0}
+    seen: list[str] = []
+    with asyncsave.SyncCheckpointer(tmp_path / "a") as ckpt, planning(seen.append):
+        for step in (1, 2, 3, 4):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            state["step"] = step
+            ckpt.save(step, state).result()
+    # The first save plans (a flatten, then grouping); each later one matches.
+    assert seen == ["flatten", "group", "flatten", "flatten", "flatten"]
+    with asyncsave.SyncCheckpointer(tmp_path / "b") as fresh:
+        fresh.save(4, state).result()
+    assert _manifest(tmp_path / "a" / "step_4") == _manifest(tmp_path / "b" / "step_4")
 
 
 # Changes of the tree alone (every tensor's signature stays the last plan's),
