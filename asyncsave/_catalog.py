@@ -154,9 +154,32 @@ def _no_manifest_error(fs: LocalFileSystem, path: Path) -> CheckpointNotFoundErr
                 path=path,
                 step=step,
             )
+    if not fs.lexists(path):
+        return CheckpointNotFoundError(
+            f"{path} is not a checkpoint: it does not exist", path=path, step=step
+        )
+    if _holds_checkpoints(fs, path):
+        return CheckpointNotFoundError(
+            f"{path} is not a checkpoint but a root of checkpoints (it has no "
+            f"{MANIFEST_NAME}; its entries are named by step): "
+            f"asyncsave.latest({str(path)!r}).path names its newest committed "
+            "checkpoint (a Checkpointer's load_latest() reads it)",
+            path=path,
+            step=step,
+        )
     return CheckpointNotFoundError(
         f"{path} is not a checkpoint: it has no {MANIFEST_NAME}", path=path, step=step
     )
+
+
+def _holds_checkpoints(fs: LocalFileSystem, path: Path) -> bool:
+    """Whether ``path`` is a directory with an entry named like a checkpoint of
+    some layout (``step_40``, ``iter_0000040``): a root passed as a checkpoint."""
+    try:
+        names = fs.listdir(path) if fs.is_dir(path) else []
+    except OSError:
+        return False
+    return any(step_of_name(path / n) is not None for n in names)
 
 
 def moved_aside(fs: LocalFileSystem, root: Path, step: int) -> list[Path]:

@@ -634,3 +634,33 @@ def test_the_dcp_writer_and_reader_refuse_roots_that_name_nothing() -> None:
             make("")
         with pytest.raises(TypeError, match="must be a path"):
             make(5)
+
+
+@pytest.mark.parametrize("layout", ["asyncsave", "megatron", "verl"])
+def test_loading_a_missing_path_or_a_root_says_which_it_is(tmp_path: Path, layout: str) -> None:
+    """``load()`` of a path that does not exist says so; of a root of
+    checkpoints (a directory of step directories) says it is a root and names
+    ``asyncsave.latest``; of any other directory without a manifest, that it
+    has none. All :class:`CheckpointNotFoundError` with the path, nothing
+    changed on disk."""
+    root = tmp_path / "run"
+    with asyncsave.SyncCheckpointer(root, layout=layout) as ckpt:
+        ckpt.save(3, {"w": torch.ones(2)}).result()
+    before = sorted(p.name for p in root.iterdir())
+    cases = {
+        tmp_path / "typo": "it does not exist",
+        tmp_path / "typo" / "step_3": "it does not exist",
+        root: "a root of checkpoints",
+        tmp_path: "it has no manifest.json",  # a directory above a root
+    }
+    (tmp_path / "empty").mkdir()
+    cases[tmp_path / "empty"] = "it has no manifest.json"
+    for path, words in cases.items():
+        with pytest.raises(asyncsave.CheckpointNotFoundError, match=words) as err:
+            asyncsave.load(path)
+        assert err.value.path == str(path)
+        if words == "a root of checkpoints" and path == root:
+            assert "asyncsave.latest(" in str(err.value)
+    assert sorted(p.name for p in root.iterdir()) == before
+    info = asyncsave.latest(root, layout=layout)
+    assert info is not None and torch.equal(asyncsave.load(info.path)["w"], torch.ones(2))
