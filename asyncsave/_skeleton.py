@@ -293,6 +293,10 @@ class Skeleton:
         self._raw_metadata: dict[int, Any] = {}
         self._states: dict[int, list[Any]] = {}  # see take_states
         self._call: Callable[[Callable[[], Any]], Any] | None = None
+        # The tensors (in leaf order) and module buffers' storages the walk of
+        # one match meets (see match).
+        self._tensors: list[torch.Tensor] = []
+        self._buffers: set[tuple[str, int]] = set()
         self._prepare(tree)
 
     def _prepare(self, node: dict[str, Any]) -> None:
@@ -352,10 +356,13 @@ class Skeleton:
         self._call = call
         tensors: list[torch.Tensor] = []
         buffers: set[tuple[str, int]] = set()
+        self._tensors, self._buffers = tensors, buffers  # filled by the walk
         try:
-            tree = self._node(state, self.tree, tensors, buffers)
+            tree = self._node(state, self.tree)
         except (_Mismatch, InvalidStateError):  # (metadata refused: the flatten names its key)
             return None
+        finally:
+            self._tensors, self._buffers = [], set()  # nothing kept alive here
         # Anything else raised in the walk is the callers' code failing (a
         # state_dict() that changes the dict being walked): raised here as the
         # flatten would raise it, not hidden by a flatten of what it left behind.
@@ -389,12 +396,10 @@ class Skeleton:
         self,
         obj: Any,
         tn: dict[str, Any],
-        tensors: list[torch.Tensor],
-        buffers: set[tuple[str, int]],
     ) -> dict[str, Any]:
         kind = tn.get("type")
         if kind == "tensor":
-            tensors.append(obj)  # its type and everything else: the signature's
+            self._tensors.append(obj)  # its type and everything else: the signature's
             return tn
         if kind in _SCALARS:
             node = _scalar_node(obj, type(obj))
@@ -402,11 +407,11 @@ class Skeleton:
                 raise _Mismatch
             return tn if node == tn else node
         if kind == "dict":
-            return self._dict(obj, tn, tensors, buffers)
+            return self._dict(obj, tn)
         if kind in ("list", "tuple"):
-            return self._sequence(obj, tn, tensors, buffers)
+            return self._sequence(obj, tn)
         if kind == "stateful":
-            return self._stateful(obj, tn, tensors, buffers)
+            return self._stateful(obj, tn)
         if kind == "np_scalar":
             # What the flattener checks before a NumPy scalar: a float64 is a
             # float, but not of type float, so only a NumPy scalar gets here.
@@ -417,7 +422,7 @@ class Skeleton:
         if kind == "tagged":
             if type(obj) is not Tagged or obj.kind != tn["kind"]:
                 raise _Mismatch
-            value = self._node(obj.value, tn["value"], tensors, buffers)
+            value = self._node(obj.value, tn["value"])
             return tn if value is tn["value"] else {**tn, "value": value}
         raise _Mismatch  # unreachable: Skeleton.of refuses other trees
 
@@ -425,8 +430,6 @@ class Skeleton:
         self,
         obj: Any,
         tn: dict[str, Any],
-        tensors: list[torch.Tensor],
-        buffers: set[tuple[str, int]],
     ) -> dict[str, Any]:
         kind = tn["type"]
         if type(obj) is not (list if kind == "list" else tuple):
@@ -439,7 +442,7 @@ class Skeleton:
             return tn  # equal ints, compared in C (True == 1: the types first)
         # Not strict: a list grown while walked (by a state_dict() below it)
         # is no match, and the flatten walks it as it then is.
-        out = [self._node(v, child, tensors, buffers) for v, child in zip(obj, items, strict=False)]
+        out = [self._node(v, child) for v, child in zip(obj, items, strict=False)]
         if len(obj) != len(items):
             raise _Mismatch
         if all(a is b for a, b in zip(out, items, strict=True)):
@@ -450,8 +453,6 @@ class Skeleton:
         self,
         obj: Any,
         tn: dict[str, Any],
-        tensors: list[torch.Tensor],
-        buffers: set[tuple[str, int]],
     ) -> dict[str, Any]:
         if type(obj) is not (OrderedDict if tn.get("ordered") else dict):
             raise _Mismatch
@@ -467,9 +468,9 @@ class Skeleton:
                 or list(obj) != keys  # str and int keys only here: no callers' __eq__
             ):
                 raise _Mismatch
-            tensors.extend(obj.values())
+            self._tensors.extend(obj.values())
             out = tn
-        elif (nested := self._nested.get(id(tn))) is not None and nested.take(obj, tensors):
+        elif (nested := self._nested.get(id(tn))) is not None and nested.take(obj, self._tensors):
             out = tn
         else:
             if len(obj) != len(items):
@@ -486,7 +487,7 @@ class Skeleton:
                         raise _Mismatch
                 else:
                     raise _Mismatch  # other keys: the flattener says why
-                node = self._node(v, child, tensors, buffers)
+                node = self._node(v, child)
                 if node is not child:
                     changed = True
                     item = [key, node]
@@ -538,8 +539,6 @@ class Skeleton:
         self,
         obj: Any,
         tn: dict[str, Any],
-        tensors: list[torch.Tensor],
-        buffers: set[tuple[str, int]],
     ) -> dict[str, Any]:
         t = type(obj)
         if not is_stateful(obj) or f"{t.__module__}.{t.__qualname__}" != tn["class"]:
@@ -549,6 +548,6 @@ class Skeleton:
         except Exception:  # the object's own code: the flattener raises it, named
             raise _Mismatch from None
         if isinstance(obj, torch.nn.Module):
-            buffers.update(storage_key(b) for b in obj.buffers())
-        state = self._node(sd, tn["state"], tensors, buffers)
+            self._buffers.update(storage_key(b) for b in obj.buffers())
+        state = self._node(sd, tn["state"])
         return tn if state is tn["state"] else {**tn, "state": state}
