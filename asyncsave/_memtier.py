@@ -1,8 +1,10 @@
 """The memory tier: saves that survive the death of the training process.
 
 ``Checkpointer(root, memory=MemoryTier(...))`` makes a :class:`MemoryCheckpointer`,
-the trainer's side of the tier. On entry it starts its saver process
-(``asyncsave._saverproc``); ``save()`` copies the snapshot into a slot of shared
+the trainer's side of the tier. It starts its saver process
+(``asyncsave._saverproc``) on entry, or, when no saver of the root is alive,
+once :meth:`~MemoryCheckpointer.load_latest` has resumed in the trainer itself
+(see "The restart" below); ``save()`` copies the snapshot into a slot of shared
 memory that the saver owns (``asyncsave._slots``) and returns once the saver
 answered (the save accepted, or refused with the saver's typed error), or, for a
 save of an unchanged structure at a newer step, once it is in the saver's socket;
@@ -26,6 +28,18 @@ background); a slot comes back once its save is staged in the saver. A third
 save waits for a slot, as a save waits for the staging buffer without a memory
 tier. Slots are sized by the first save and grown (both at once, once both are
 free) when a state outgrows them.
+
+**The restart.** A saver's start is a new interpreter importing torch (one to
+two seconds), far longer than reading a snapshot from memory. Every saver holds
+a shared ``flock`` on its rank's beacon (``_saverlink.beacon_path``) for its
+whole life. On entry, when every rank can take its beacon exclusively (no
+saver of the root is alive: none of a dead trainer still committing), the
+trainer holds the memory tier's lock and starts no saver yet; ``load_latest()``
+then resumes with the checkpointer's own decision
+(``asyncsave._resume.resume_nearest``, read-only: a candidate that fails is left
+to the saver, which moves it aside), and starts the saver with the step it
+resumed from (protected there). Otherwise the saver starts on entry, and its
+open waits for a dead trainer's saver or refuses a live one's.
 
 Messages (trainer to saver): ``save``, ``slots``, ``wait``, ``load``, ``close``
 (and ``store`` on several ranks); saver to trainer: ``ready``, ``port``,
@@ -75,8 +89,9 @@ from ._fsspec import open_root
 from ._handle import SaveHandle
 from ._options import CheckpointOptions, MemoryTier, Tier
 from ._paths import LAYOUTS
+from ._resume import NearestTiers
 from ._retention import KeepBytes, KeepLast
-from ._saverlink import SaverLink, check_home, unwire
+from ._saverlink import SaverLink, beacon_path, check_home, other_run, unwire
 from ._slots import Slot, copy_into, pack
 from ._types import CheckpointInfo, Restored
 
@@ -157,12 +172,52 @@ def memory_home(root: Any, tier: MemoryTier) -> Path:
     return Path(tier.shm_dir) / f"asyncsave-{os.getuid()}-{digest}"
 
 
+def _no_saver_alive(home: Path, rank: int) -> bool:
+    """Whether no saver process of ``rank`` holds its beacon in ``home`` (see
+    ``asyncsave._saverlink.beacon_path``): an exclusive ``flock`` taken and
+    dropped at once. ``False`` where ``flock`` fails (then the saver's own open
+    decides, as it always may)."""
+    import fcntl
+
+    try:
+        fd = os.open(beacon_path(home, rank), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
+    finally:
+        os.close(fd)
+
+
 def _world() -> tuple[int, int]:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+class _Deferred(Exception):
+    """A resume candidate failed on some rank: the saver decides instead."""
+
+
+class _ReadOnlyTiers(NearestTiers):
+    """The memory tier and ``root`` as a trainer sees them while its saver is
+    still starting: it only reads; a failed candidate (the saver moves a
+    damaged one aside) is the saver's to resume from."""
+
+    chosen: tuple[int, str] | None = None  # (step, tier) resumed from
+
+    async def failed(self, where: str, step: int, path: Path, own: str | None) -> None:
+        raise _Deferred(f"step {step} of the {where} tier ({path}) did not load: {own}")
+
+    def resumed(self, where: str, step: int) -> None:
+        self.chosen = (step, where)
 
 
 class _Handle(SaveHandle):
@@ -243,13 +298,23 @@ class MemoryCheckpointer(Checkpointer):
         self._last_shape: Any = None  # (tree, refs, spans) of the last accepted save
         self._last_step = -1
         self.memory_root: Path | None = None
+        # The saver's start (see _start): what to send it, its answers.
+        self._port: int | None = None
+        self._ready: Any = None
+        self._start_error: BaseException | None = None
+        self._start_lock = anyio.Lock()
+        self._hello: dict[str, Any] = {}
+        self._up = False  # the saver is ready
+        self._tier_locks: list[int | None] = []  # the memory tier's, held until the saver goes
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.root)!r}, memory={self.memory!r})"
 
     @property
     def saver_pid(self) -> int | None:
-        """The saver process's pid (``None`` before entry)."""
+        """The saver process's pid: ``None`` until it starts (at entry, or, when
+        no saver of this root was alive, once :meth:`load_latest` resumed or the
+        first call that needs it: ``save``, ``wait``, close)."""
         return self._link.pid
 
     # -- the saver process ----------------------------------------------------
@@ -301,19 +366,29 @@ class MemoryCheckpointer(Checkpointer):
             await self._start(hello, rank, world)
         except BaseException:
             with anyio.CancelScope(shield=True):
+                self._unlock_tier()
                 self._link.kill()
                 await self._link.stop_process(wait_s=30)
                 if self._coord is not None:
                     self._coord.close()
             self._phase = "closed"
+            await self._link.end_tasks()
             raise
         self._phase = "open"
         return self
 
     async def _start(self, hello: dict[str, Any], rank: int, world: int) -> None:
+        """Start the saver, or, when no saver of any rank is alive (none of a
+        dead trainer still committing), only hold the memory tier's lock for
+        it: this process may then resume by itself (:meth:`load_latest`) while
+        nothing else touches the tier, and the saver starts afterwards
+        (:meth:`_spawn`), its import of torch (a second or two, most of a
+        restart) off the resume's path. Otherwise (a dead trainer's saver still
+        at work, or another checkpointer's), the saver starts now and its open
+        decides: it waits for the dead trainer's saver, and refuses another's
+        with :class:`RootInUseError`."""
         from ._coord import GlooGroup, Solo
 
-        timeout_s = self.memory.start_timeout_s + 60
         if world > 1:
             self._coord = await GlooGroup.create(self.options.dist_timeout_s)
         else:
@@ -322,24 +397,105 @@ class MemoryCheckpointer(Checkpointer):
         # tier of another run of the same path (the root removed, or replaced) is
         # set aside by the saver, never resumed from nor copied into this root.
         hello["lineage"] = await self._coord.from_leader("memory-tier-lineage", None, self._lineage)
+        self._hello = hello
+        self.memory_root = self._tier_of(rank, world)
         await anyio.to_thread.run_sync(check_home, self._home)
-        await anyio.to_thread.run_sync(self._link.spawn)
-        self._link.send_now(hello)
-        if world > 1:
+        await self._link.run()  # its tasks wait for the process
+
+        async def alone() -> bool:
+            return await anyio.to_thread.run_sync(_no_saver_alive, self._home, rank)
+
+        if all(await self._coord.map_reduce("memory-tier-alone", None, alone)):
+            # Held until the saver starts: a second checkpointer is refused.
+            await self._coord.map_reduce(
+                "memory-tier-lock", None, self._lock_tier, doing="lock of the memory tier by", own=True
+            )
+        else:
+            await self._started()
+
+    async def _lock_tier(self) -> int | None:
+        from ._commit import lock_root
+        from ._fs import LocalFileSystem
+
+        assert self.memory_root is not None
+        fd = await anyio.to_thread.run_sync(lock_root, LocalFileSystem(), self.memory_root)
+        self._tier_locks.append(fd)
+        return fd
+
+    def _unlock_tier(self) -> None:
+        from ._fs import LocalFileSystem
+
+        while self._tier_locks:
+            fd = self._tier_locks.pop()
+            if fd is not None:
+                LocalFileSystem().unlock(fd)
+
+    async def _spawn(self, resumed: tuple[int, str] | None) -> None:
+        """Start the saver process (once), handing it the memory tier's lock
+        (held by this process until now) and the step this process resumed
+        from by itself, with its tier (the saver protects it)."""
+        if self._link.pid is not None:
+            return
+        self._unlock_tier()
+        self._hello["resumed"] = resumed
+        await self._link.start(self._hello)
+
+    async def _started(self) -> None:
+        """Finish the saver's start (once; every later call returns at once or
+        raises what the start raised): start the saver if it is not yet, on
+        several ranks hand the savers the address of saver 0's store, and wait
+        until it is ready
+        (its memory tier opened), within ``start_timeout_s`` + 60 s.
+
+        :raises SaverDiedError: the saver died, or did not answer in time.
+        :raises RootInUseError: (and the other errors of a checkpointer's
+            open) the saver could not open the memory tier.
+        """
+        async with self._start_lock:
+            if self._start_error is not None:
+                raise self._start_error
+            if self._up:
+                return
+            try:
+                await self._start_saver()
+            except BaseException as exc:
+                if isinstance(exc, Exception):
+                    self._start_error = exc
+                raise
+
+    async def _start_saver(self) -> None:
+        timeout_s = self.memory.start_timeout_s + 60
+        await self._spawn(None)
+        if self._coord.world_size > 1:
 
             async def served() -> tuple[str, int]:  # saver 0's store, on rank 0
                 host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-                return host, (await self._link.receive_now(timeout_s, "with its port"))[1]
+                await self._answer(lambda: self._port is not None, timeout_s, "with its port")
+                assert self._port is not None
+                return host, self._port
 
             where = await self._coord.from_leader("memory-tier-store", None, served)
-            if rank != 0:
-                self._link.send_now(("store", *where))
-        _, ready = await self._link.receive_now(timeout_s, "that it is ready")
-        ready = unwire(ready)
+            if self._coord.rank != 0:
+                self._link.post("store", *where)
+        await self._answer(lambda: self._ready is not None, timeout_s, "that it is ready")
+        ready = unwire(self._ready)
         if isinstance(ready, BaseException):
             raise ready
         self.memory_root = Path(ready["memory_root"])
-        await self._link.run()
+        self._up = True
+
+    async def _answer(self, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+        """Wait for one of the saver's start answers (``port``, ``ready``)."""
+        with anyio.move_on_after(timeout_s):
+            while not ready():
+                if self._link.lost is not None:
+                    raise self._link.lost
+                await self._changed.wait()
+            return
+        raise SaverDiedError(
+            f"the memory tier's saver (pid {self.saver_pid}) did not answer {what} within {timeout_s} s",
+            path=self.root,
+        )
 
     async def _lineage(self) -> str:
         def run() -> str:
@@ -358,7 +514,11 @@ class MemoryCheckpointer(Checkpointer):
     # -- messages -----------------------------------------------------------------
     def _take(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
-        if kind in ("accepted", "refused"):
+        if kind == "port":
+            self._port = msg[1]
+        elif kind == "ready":
+            self._ready = msg[1]
+        elif kind in ("accepted", "refused"):
             self._answers[msg[1]] = msg
         elif kind == "admitted":  # an early save (in the saver's socket), now admitted
             handle = self._handles.get(msg[1])
@@ -502,6 +662,7 @@ class MemoryCheckpointer(Checkpointer):
                 step = operator.index(step)
         if type(step) is not int or not 0 <= step <= _MAX_STEP:
             raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
+        await self._started()
         await self._order.acquire()
         try:
 
@@ -632,6 +793,7 @@ class MemoryCheckpointer(Checkpointer):
                 f"wait() needs an open Checkpointer (this one is {self._phase})", path=self.root
             )
         await self.staged()
+        await self._started()
         error = await self._link.ask("wait", timeout_s=self.options.save_timeout_s, what="wait()")
         if self._broken is not None:
             raise self._broken
@@ -675,6 +837,13 @@ class MemoryCheckpointer(Checkpointer):
 
         if self._phase != "open":
             raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=self.root)
+        if self._link.pid is None:
+            # No saver is alive yet: resume here, while it starts (its import of
+            # torch is most of a restart), with the checkpointer's own decision.
+            done = await self._resume_here(template, device, required, strict)
+            if done is not None:
+                return warned(done, 3)
+        await self._started()
         found = await self._link.ask(
             "load", fallback, list(required), timeout_s=self.options.save_timeout_s, what="load_latest()"
         )
@@ -689,6 +858,60 @@ class MemoryCheckpointer(Checkpointer):
         state, note = apply_template(state, template, info.path, strict=strict)
         self._resumed = info.step
         return warned((Restored(state, info), note), 3)
+
+    async def _resume_here(
+        self, template: Any, device: Any, required: Iterable[Any], strict: bool
+    ) -> tuple[Restored | None, Any] | None:
+        """Resume from the nearest tier in this process, reading only (every
+        byte verified): the same decision as the saver's checkpointer
+        (``asyncsave._resume.resume_nearest``). ``None`` when the saver must
+        decide instead (a candidate failed on some rank: the saver moves it
+        aside; or this rank's memory tier belongs to another run); then the
+        saver is let go with nothing resumed, and asked."""
+        from ._fs import LocalFileSystem
+        from ._resume import resume_nearest
+
+        rank, world = self._coord.rank, self._coord.world_size
+        tier = self._tier_of(rank, world)
+
+        async def ours() -> bool:
+            return await anyio.to_thread.run_sync(self._tier_is_this_runs, tier)
+
+        if not all(await self._coord.map_reduce("memory-tier-ours", None, ours)):
+            return None
+        tiers = _ReadOnlyTiers(
+            LocalFileSystem(),
+            tier,
+            self._rootfs,
+            self.root,
+            self.layout,
+            per_rank=world > 1,
+            allow_pickle=self.options.allow_pickle,
+        )
+        try:
+            async with self._coord.turn():
+                restored, note = await resume_nearest(
+                    tiers, self._coord, template, device, list(required), strict=strict
+                )
+        except _Deferred:
+            return None
+        await self._spawn(tiers.chosen)
+        if restored is not None:
+            self._resumed = restored.info.step
+        return restored, note
+
+    def _tier_of(self, rank: int, world: int) -> Path:
+        """This rank's memory tier (the saver's checkpointer's root)."""
+        tier = self._home / "tier"
+        return tier / f"rank{rank}" if world > 1 else tier
+
+    def _tier_is_this_runs(self, tier: Path) -> bool:
+        """Whether ``tier`` (this rank's memory tier) holds nothing of another
+        run of the root (the saver would set it aside: ``_saverlink.other_run``)."""
+        try:
+            return not other_run(self._home, self._coord.rank, tier, self._hello["lineage"])[0]
+        except OSError:
+            return False
 
     def _read_part(self, path: Path, whole: bool, device: Any) -> Any:
         from ._dist import load_rank
@@ -748,7 +971,12 @@ class MemoryCheckpointer(Checkpointer):
                 with anyio.fail_after(self.options.close_timeout_s):
                     while self._behind:
                         await next(iter(self._behind.values()))._staged.wait()
-                    if self._link.lost is None:
+                    started = True
+                    try:
+                        await self._started()  # a saver still holding opens, then closes
+                    except Exception as exc:  # it exited: nothing to close
+                        started, error = False, exc
+                    if started and self._link.lost is None:
                         error = await self._link.ask(
                             "close", timeout_s=math.inf, what="close"
                         )

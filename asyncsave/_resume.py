@@ -35,7 +35,7 @@ from ._types import CheckpointInfo, Phase, Restored
 if TYPE_CHECKING:
     from ._tiers import Persister
 
-__all__ = ["load_latest", "load_nearest"]
+__all__ = ["NearestTiers", "load_latest", "load_nearest", "protect_resumed", "resume_nearest"]
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +300,93 @@ def _move_damaged_aside(saver: Saver, path: Any, step: int, reason: str) -> None
 
 
 # -- resuming with a persistent tier -------------------------------------------
+class NearestTiers:
+    """The two tiers a resume from the nearest tier chooses between, and what
+    happens when a candidate fails or one is chosen: the one seam of
+    :func:`resume_nearest`, the single home of that decision.
+
+    Two hosts use it: a checkpointer with a persistent tier (:class:`SaverTiers`:
+    a damaged local checkpoint is moved aside, the step resumed from is
+    protected), and the memory tier's trainer while its saver process is still
+    starting (``asyncsave._memtier``: it only reads, and hands any damage to
+    the saver).
+
+    :param local_fs: the local (nearer) tier's file system and ``local_root``
+        its root (this rank's own with ``per_rank``).
+    :param remote_fs: the persistent tier's file system and ``remote_root`` its root.
+    :param per_rank: a local checkpoint is one rank's alone (``local_scope="rank"``).
+    """
+
+    def __init__(
+        self,
+        local_fs: Any,
+        local_root: Path,
+        remote_fs: Any,
+        remote_root: Path,
+        layout: Any,
+        *,
+        per_rank: bool,
+        allow_pickle: bool,
+    ) -> None:
+        self.local_fs, self.local_root = local_fs, local_root
+        self.remote_fs, self.remote_root = remote_fs, remote_root
+        self.layout = layout
+        self.per_rank = per_rank
+        self.allow_pickle = allow_pickle
+
+    async def failed(self, where: str, step: int, path: Path, own: str | None) -> None:
+        """A candidate did not load on some rank (every rank calls it: ``own``
+        is this rank's failure, or ``None``); the next one is tried after it."""
+
+    def resumed(self, where: str, step: int) -> None:
+        """``step`` was loaded from the ``where`` tier (``"local"`` or
+        ``"persistent"``)."""
+
+
+class SaverTiers(NearestTiers):
+    """A checkpointer's own tiers: a damaged local checkpoint is moved aside
+    (by its rank alone when local checkpoints are per rank, else by the one
+    rank that may), and the step resumed from is protected."""
+
+    def __init__(self, saver: Saver, persister: Persister) -> None:
+        super().__init__(
+            saver.fs,
+            saver.root,
+            persister.fs,
+            persister.root,
+            saver.layout,
+            per_rank=saver.per_rank,
+            allow_pickle=saver.options.allow_pickle,
+        )
+        self.saver = saver
+
+    async def failed(self, where: str, step: int, path: Path, own: str | None) -> None:
+        saver = self.saver
+        if where == "local" and (saver.coord.world_size == 1 or saver.per_rank) and own:
+            saver.committed.pop(step, None)
+            await anyio.to_thread.run_sync(
+                saver.under_final_lock,
+                move_aside_durably,
+                saver.fs,
+                saver.root,
+                path,
+                "damaged",
+                step,
+                own,
+            )
+
+    def resumed(self, where: str, step: int) -> None:
+        protect_resumed(self.saver, step, local=where == "local")
+
+
+def protect_resumed(saver: Saver, step: int, *, local: bool) -> None:
+    """Record that this run resumed from ``step`` (of the saver's own root when
+    ``local``): it is never rewritten, and counts as committed."""
+    saver.resumed_step = step
+    if local:
+        saver.committed.setdefault(step, None)
+
+
 async def load_nearest(
     saver: Saver,
     persister: Persister,
@@ -325,14 +412,13 @@ async def load_nearest(
     # go on meanwhile: resuming never waits for the slow tier).
     coord = saver.coord
     async with coord.turn():
-        return await _load_nearest(
-            saver, persister, coord, template, device, required, strict=strict
+        return await resume_nearest(
+            SaverTiers(saver, persister), coord, template, device, required, strict=strict
         )
 
 
-async def _load_nearest(
-    saver: Saver,
-    persister: Persister,
+async def resume_nearest(
+    tiers: NearestTiers,
     coord: Coordinator,
     template: Any,
     device: str | torch.device,
@@ -340,27 +426,27 @@ async def _load_nearest(
     *,
     strict: bool,
 ) -> tuple[Restored | None, CheckpointWarning | None]:
-    local_ok, remote_ok, anything = await _candidates(saver, persister, coord)
-    failed_to_resume = functools.partial(_resume_failure, saver.root)
+    """The newest step that loads from either tier, the local one first on a
+    tie; every rank the same step (see :func:`load_nearest`)."""
+    local_ok, remote_ok, anything = await _candidates(tiers, coord)
+    failed_to_resume = functools.partial(_resume_failure, tiers.local_root)
     last_error: BaseException | None = None
     while local_ok or remote_ok:
         best_local = max(local_ok, default=-1)
         best_remote = max(remote_ok, default=-1)
         if best_local >= best_remote:
-            step, where, fs, root = best_local, "local", saver.fs, saver.root
+            step, where, fs, root = best_local, "local", tiers.local_fs, tiers.local_root
         else:
-            step, where, fs, root = best_remote, "persistent", persister.fs, persister.root
-        path = root / saver.layout.dir_name(step)
+            step, where, fs, root = best_remote, "persistent", tiers.remote_fs, tiers.remote_root
+        path = root / tiers.layout.dir_name(step)
         reader: Any = functools.partial(load, path)
         # A local part of local_scope="rank" is a checkpoint of one rank: its own.
-        if coord.world_size > 1 and not (where == "local" and saver.per_rank):
+        if coord.world_size > 1 and not (where == "local" and tiers.per_rank):
             reader = functools.partial(load_rank, path, coord.rank, coord.world_size)
         read: dict[str, Any] = {}  # this rank's state, or its error
         attempt = functools.partial(
             _try_read,
-            functools.partial(
-                reader, device=device, allow_pickle=saver.options.allow_pickle, filesystem=fs
-            ),
+            functools.partial(reader, device=device, allow_pickle=tiers.allow_pickle, filesystem=fs),
             read,
         )
         outcomes = await coord.map_reduce(
@@ -372,10 +458,8 @@ async def _load_nearest(
         if not failures:
             _check_required(state, required, path)
             state, note = apply_template(state, template, path, strict=strict)
-            saver.resumed_step = step
+            tiers.resumed(where, step)
             info = await anyio.to_thread.run_sync(_info, fs, path)
-            if where == "local":
-                saver.committed.setdefault(step, None)
             logger.info("resumed step %d from the %s tier (%s)", step, where, path)
             return Restored(state, info), note
         logger.warning(
@@ -386,48 +470,35 @@ async def _load_nearest(
             "; ".join(failures),
         )
         (local_ok if where == "local" else remote_ok).discard(step)
-        if where == "local" and (coord.world_size == 1 or saver.per_rank) and failure:
-            saver.committed.pop(step, None)
-            await anyio.to_thread.run_sync(
-                saver.under_final_lock,
-                move_aside_durably,
-                saver.fs,
-                saver.root,
-                path,
-                "damaged",
-                step,
-                failure,
-            )
+        await tiers.failed(where, step, path, failure)
     if last_error is None and not anything:
         return None, None
     raise CheckpointNotFoundError(
-        f"no checkpoint on the local tier {saver.root} or the persistent tier "
-        f"{persister.root} loads",
-        path=saver.root,
+        f"no checkpoint on the local tier {tiers.local_root} or the persistent tier "
+        f"{tiers.remote_root} loads",
+        path=tiers.local_root,
     ) from last_error
 
 
-async def _candidates(
-    saver: Saver, persister: Persister, coord: Coordinator
-) -> tuple[set[int], set[int], bool]:
+async def _candidates(tiers: NearestTiers, coord: Coordinator) -> tuple[set[int], set[int], bool]:
     """The steps to try: the local ones every rank has committed, the
     persistent ones (rank 0 lists them), and whether any rank found any."""
 
     async def steps_in(fs: LocalFileSystem, root: Path) -> list[int]:
-        found = await anyio.to_thread.run_sync(committed_steps, fs, root, saver.layout)
+        found = await anyio.to_thread.run_sync(committed_steps, fs, root, tiers.layout)
         return sorted(found)
 
-    failed_to_resume = functools.partial(_resume_failure, saver.root)
+    failed_to_resume = functools.partial(_resume_failure, tiers.local_root)
     views = await coord.map_reduce(
         "resume-local",
         None,
-        functools.partial(steps_in, saver.fs, saver.root),
+        functools.partial(steps_in, tiers.local_fs, tiers.local_root),
         failure=failed_to_resume,
     )
     remote_steps: list[int] = await coord.from_leader(
         "resume-persistent",
         None,
-        functools.partial(steps_in, persister.fs, persister.root),
+        functools.partial(steps_in, tiers.remote_fs, tiers.remote_root),
         failure=lambda cause: failed_to_resume({0: cause}),
         own=True,
     )

@@ -36,8 +36,9 @@ import anyio
 import anyio.abc
 
 from ._errors import CheckpointTimeoutError, SaverDiedError
+from ._paths import LOCK_NAME
 
-__all__ = ["SaverLink", "unwire", "wire_error"]
+__all__ = ["SaverLink", "beacon_path", "check_home", "other_run", "unwire", "wire_error"]
 
 logger = logging.getLogger("asyncsave")
 
@@ -101,6 +102,7 @@ class SaverLink:
         self._tasks: anyio.abc.TaskGroup | None = None
         self._scopes: list[anyio.CancelScope] = []
         self._outbox_in, self._outbox = anyio.create_memory_object_stream[Any](float("inf"))
+        self._spawned = anyio.Event()
 
     # -- process ----------------------------------------------------------------
     def spawn(self) -> None:
@@ -119,24 +121,14 @@ class SaverLink:
         self.conn = Connection(mine.detach())
         self.pid = self.proc.pid
 
-    def send_now(self, msg: Any) -> None:
-        """Send before the tasks run (the hello and the store's address)."""
+    async def start(self, hello: Any) -> None:
+        """:meth:`spawn` the saver (in a worker thread) and send it ``hello``
+        first; the reader and the sender (:meth:`run`, which may come first)
+        start on the socket then, the messages posted meanwhile after ``hello``."""
+        await anyio.to_thread.run_sync(self.spawn)
         assert self.conn is not None
-        self.conn.send(msg)
-
-    async def receive_now(self, timeout_s: float, what: str) -> Any:
-        """The next message, before the tasks run (bounded by ``timeout_s``)."""
-        conn = self.conn
-        assert conn is not None
-        with anyio.move_on_after(timeout_s):
-            try:
-                return await anyio.to_thread.run_sync(conn.recv, abandon_on_cancel=True)
-            except (EOFError, OSError):
-                raise await self.died(what) from None
-        raise SaverDiedError(
-            f"the memory tier's saver (pid {self.pid}) did not answer {what} within {timeout_s} s",
-            path=self.root,
-        )
+        self.conn.send(hello)
+        self._spawned.set()
 
     async def died(self, when: str) -> SaverDiedError:
         """The error that names how the saver ended (waited for in a worker thread)."""
@@ -245,6 +237,7 @@ class SaverLink:
             await self._send_all()
 
     async def _send_all(self) -> None:
+        await self._spawned.wait()
         conn = self.conn
         assert conn is not None
         async with self._outbox:
@@ -263,6 +256,7 @@ class SaverLink:
             await self._read_all()
 
     async def _read_all(self) -> None:
+        await self._spawned.wait()
         conn = self.conn
         assert conn is not None
         while True:
@@ -332,6 +326,31 @@ class SaverLink:
         """SIGKILL the saver (a start that failed half-way)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
+
+
+def beacon_path(home: Path, rank: int) -> Path:
+    """The file every saver of ``rank`` holds a shared ``flock`` on for its whole
+    life (the kernel drops it when the process ends, however it ends): a trainer
+    that can lock it exclusively knows that no saver of that rank, a dead
+    trainer's included, is still committing into the memory tier."""
+    return home / f"saver-r{rank}.lock"
+
+
+def other_run(home: Path, rank: int, tier: Path, lineage: str) -> tuple[bool, str | None]:
+    """Whether ``tier`` (``rank``'s memory tier under ``home``) holds anything
+    of another run of the root than ``lineage``, and the lineage it was last
+    recorded with (``None``: none). Its lock file alone is nothing."""
+    try:
+        old: str | None = (home / f"lineage-r{rank}").read_text().strip()
+    except FileNotFoundError:
+        old = None
+    if old == lineage:
+        return False, old
+    try:
+        held = any(p.name != LOCK_NAME for p in tier.iterdir())
+    except FileNotFoundError:
+        held = False
+    return held, old
 
 
 def check_home(home: Path) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 
 import anyio
 
-from ._saverlink import wire_error
+from ._saverlink import beacon_path, other_run, wire_error
 
 logger = logging.getLogger("asyncsave")
 
@@ -166,11 +166,8 @@ def _set_aside_other_runs(hello: dict[str, Any]) -> None:
     if hello["world_size"] > 1:
         mine = mine / f"rank{rank}"
     marker = home / f"lineage-r{rank}"
-    try:
-        old = marker.read_text().strip()
-    except FileNotFoundError:
-        old = None
-    if old != hello["lineage"] and mine.is_dir() and any(mine.iterdir()):
+    other, old = other_run(home, rank, mine, hello["lineage"])
+    if other:
         aside = home / f"other-run-r{rank}-{old or 'unknown'}-{int(time.time())}"
         os.rename(mine, aside)
         logger.warning(
@@ -312,11 +309,27 @@ class _Server:
         return None  # not reached: the loop returns
 
 
+def _hold_beacon(hello: dict[str, Any]) -> int | None:
+    import fcntl
+
+    try:
+        fd = os.open(beacon_path(Path(hello["memory_home"]), hello["rank"]), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError as exc:  # no flock here: trainers then always wait for this saver
+        logger.warning("asyncsave saver: cannot hold its beacon: %s", exc)
+        return None
+    return fd
+
+
 async def _main(conn: Connection) -> int:
     from ._engine import persist_newest
+    from ._resume import protect_resumed
 
     wire = _Wire(conn)
     hello = conn.recv()
+    _hold_beacon(hello)  # released by the kernel when this process ends
+    # The step the trainer resumed from by itself, before this saver started.
+    resumed = hello.get("resumed")
     if hello["world_size"] > 1:
         _group(hello, wire, conn)
     slot_dir = Path(hello["slot_dir"])
@@ -328,6 +341,8 @@ async def _main(conn: Connection) -> int:
         except Exception as exc:
             wire.send("ready", wire_error(exc))
             return 1
+        if resumed is not None:
+            protect_resumed(ckpt._saver, resumed[0], local=resumed[1] == "local")
         server = _Server(wire, conn, ckpt, slot_dir)
         wire.send("ready", {"pid": os.getpid(), "memory_root": str(ckpt.root)})
         close_id: int | None = None
@@ -376,8 +391,10 @@ def _tidy(hello: dict[str, Any], slot_dir: Path, tier: Path | None) -> None:
     if tier is None:
         return
     shutil.rmtree(tier, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        (Path(hello["memory_home"]) / f"lineage-r{hello['rank']}").unlink()
+    home = Path(hello["memory_home"])
+    for done in (home / f"lineage-r{hello['rank']}", beacon_path(home, hello["rank"])):
+        with contextlib.suppress(OSError):
+            done.unlink()  # the beacon stays held by this process until it exits
     for folder in (hello["memory_root"], hello["memory_home"]):
         with contextlib.suppress(OSError):
             Path(folder).rmdir()

@@ -69,7 +69,7 @@ def test_a_tiny_run_writes_every_table(tmp_path: Path, shm: Path) -> None:
         assert heading in text
     assert "| gpt | 0 | 27 | memory tier |" in text
     assert "| small | 0 | 20 | plain |" in text
-    assert "| memory tier (saver start included) |" in text
+    assert "| memory tier (its saver starts after the resume) |" in text
     assert "| 120 min | 10 s | memory tier, every step, persist every 100 |" in text
     assert "nan" not in text
     assert not any(shm.iterdir())  # the tiers, the child's and the restarts', are gone

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -467,6 +468,7 @@ def test_a_stalled_saver_is_a_timeout_not_a_hang(tmp_path: Path, shm: Path) -> N
         ckpt = asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm)), save_timeout_s=2)
         with anyio.fail_after(60), pytest.raises(SaverDiedError):  # a guard: the bound is 2 s
             async with ckpt:
+                await ckpt.wait()  # its start is over (a start is bounded by start_timeout_s)
                 assert ckpt.saver_pid is not None
                 os.kill(ckpt.saver_pid, signal.SIGSTOP)
                 try:
@@ -536,3 +538,104 @@ def test_a_second_checkpointer_of_the_root_is_refused_at_once(tmp_path: Path, sh
                     pass
 
     anyio.run(run)
+
+
+class _SeesSaver:
+    """A template leaf restored in place that records, when it is restored,
+    whether the checkpointer's saver process had started."""
+
+    def __init__(self, ckpt: Any) -> None:
+        self.ckpt = ckpt
+        self.saver_pid: Any = "not restored"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": 0}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.saver_pid = self.ckpt.saver_pid
+
+
+def test_a_restart_resumes_before_its_saver_starts_and_the_step_stays_protected(
+    tmp_path: Path, shm: Path
+) -> None:
+    root = tmp_path / "root"
+    _kill_after_return(root, shm, "7", tmp_path, None)
+    before = {p.name: p.read_bytes() for p in (root / "step_7").iterdir()}  # persisted by the saver
+
+    async def run() -> tuple[Any, Any, int | None]:
+        async with asyncsave.Checkpointer(root, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+            assert ckpt.saver_pid is None  # no saver of this root was alive: not started yet
+            sees = _SeesSaver(ckpt)  # restored in place, in this process, saver-less
+            restored = await ckpt.load_latest({"model": None, "optim": sees, "loader": None, "step": None})
+            started = ckpt.saver_pid
+            with pytest.raises(asyncsave.ProtectedCheckpointError, match="resumed from"):
+                await ckpt.save(7, state_for(7), overwrite=True)
+            again = await ckpt.save(7, state_for(7))  # the resumed step: a no-op, as without memory
+            assert (await again).step == 7
+            await (await ckpt.save(8, state_for(8)))
+        return restored, started, sees.saver_pid, ckpt.resumed_step
+
+    restored, started, seen, resumed = anyio.run(run)
+    assert restored.info.step == 7 and resumed == 7
+    assert "/tier/" in restored.info.path.as_posix()  # from memory
+    assert seen is None and started is not None  # read before the saver; started right after
+    assert same(restored.state["model"], state_for(7)["model"])
+    assert asyncsave.latest(root).step == 8
+    assert {p.name: p.read_bytes() for p in (root / "step_7").iterdir()} == before
+
+
+def test_a_damaged_snapshot_is_left_to_the_saver_which_moves_it_aside(tmp_path: Path, shm: Path) -> None:
+    root = tmp_path / "root"
+    _kill_after_return(root, shm, "7", tmp_path, None)
+    snapshot = next(shm.glob("asyncsave-*/tier/step_7"))
+    data = max(snapshot.glob("data-*"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF  # a flipped bit in the last tensor's bytes
+    data.write_bytes(bytes(raw))
+
+    async def run() -> tuple[Any, list[str]]:
+        async with asyncsave.Checkpointer(root, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+            restored = await ckpt.load_latest()
+            assert ckpt.memory_root is not None
+            aside = [p.name for p in ckpt.memory_root.iterdir() if "damaged" in p.name]
+        return restored, aside
+
+    restored, aside = anyio.run(run)
+    assert restored.info.step == 7 and same(restored.state, state_for(7))
+    assert Path(restored.info.path).parent == root  # the persisted copy
+    assert aside  # moved aside by the saver, bytes kept
+
+
+@pytest.mark.parametrize("phase", ["writing", "tracking"])
+def test_a_restart_waits_for_the_dead_trainers_saver(tmp_path: Path, shm: Path, phase: str) -> None:
+    root = tmp_path / "root"
+    _clean_save(root, shm, 3, tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = _child(root, shm, "7", out, hold=True, pause=phase)
+    try:
+        _wait_file(out / "returned", proc)
+        _wait_file(out / "reached", proc)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    saver = json.loads((out / "returned").read_text())["saver_pid"]
+
+    async def run() -> Any:
+        # Its saver is still committing step 7 (paused): a restart that read
+        # memory now would resume step 3. This one waits for it (released below).
+        async with asyncsave.Checkpointer(root, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+            return await ckpt.load_latest()
+
+    def release_soon() -> None:
+        time.sleep(3)
+        (out / "release").touch()
+
+    t = threading.Thread(target=release_soon)
+    t.start()
+    try:
+        restored = anyio.run(run)
+    finally:
+        t.join()
+    _gone(saver)
+    assert restored.info.step == 7 and same(restored.state, state_for(7))
