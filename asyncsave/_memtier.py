@@ -92,7 +92,7 @@ from ._paths import LAYOUTS
 from ._resume import NearestTiers
 from ._retention import KeepBytes, KeepLast
 from ._saverlink import SaverLink, beacon_path, check_home, other_run, unwire
-from ._slots import Slot, copy_into, pack
+from ._slots import Layout, Slot, copy_into, pack
 from ._types import CheckpointInfo, Restored
 
 __all__ = ["ROWS", "MemoryCheckpointer", "check_options", "markdown", "refusal"]
@@ -297,6 +297,8 @@ class MemoryCheckpointer(Checkpointer):
         self._tracked: int | None = None
         self._last_shape: Any = None  # (tree, refs, spans) of the last accepted save
         self._last_step = -1
+        self._last_layout: Layout | None = None  # the last save's (reused: _slots.pack)
+        self._sent_layout: Layout | None = None  # the last one whose refs the saver has
         self.memory_root: Path | None = None
         # The saver's start (see _start): what to send it, its answers.
         self._port: int | None = None
@@ -623,6 +625,7 @@ class MemoryCheckpointer(Checkpointer):
         for s in self._slots:
             s.close()
         self._slots, self._free = [], set()
+        self._last_layout = None  # its destination views are into the old slots
         paths = await self._link.ask(
             "slots", _SLOTS, capacity, timeout_s=self.options.save_timeout_s, what="with slots"
         )
@@ -669,7 +672,10 @@ class MemoryCheckpointer(Checkpointer):
             def on_loop(func: Callable[[], Any]) -> Any:
                 return anyio.from_thread.run_sync(func)
 
-            packed = await anyio.to_thread.run_sync(functools.partial(pack, state, call=on_loop))
+            packed = await anyio.to_thread.run_sync(
+                functools.partial(pack, state, call=on_loop, last=self._last_layout)
+            )
+            self._last_layout = packed.layout
             index = await self._slot(packed.nbytes)
         except BaseException:
             self._order.release()
@@ -724,9 +730,13 @@ class MemoryCheckpointer(Checkpointer):
         handle._progress.all_staged()
         # The same structure (tree, dtypes, shapes, storages) as the last save
         # the saver accepted, and a newer step: see below.
-        shape = (packed.tree, packed.refs, packed.spans)
+        shape = (packed.tree, packed.layout.refs, packed.layout.spans)
         early = not overwrite and shape == self._last_shape and step > self._last_step
-        msg = ("save", seq, step, index, *shape, overwrite, training_info, early)
+        # The refs and spans travel once per layout: the saver keeps the last ones.
+        known = packed.layout is self._sent_layout
+        self._sent_layout = packed.layout
+        sent = (packed.tree, None, None) if known else shape
+        msg = ("save", seq, step, index, *sent, overwrite, training_info, early)
         if early:
             # The saver's save() cannot refuse it: once the message is in the
             # saver's socket (delivered even if this process dies now), the save

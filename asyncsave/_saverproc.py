@@ -188,6 +188,8 @@ class _Server:
         self.ckpt = ckpt
         self.slot_dir = slot_dir
         self.slots: list[Any] = []
+        self.refs: Any = None  # the layout of the last save message (sent once per layout)
+        self.spans: Any = None
 
     def make_slots(self, count: int, capacity: int) -> list[str]:
         from ._slots import Slot
@@ -209,6 +211,9 @@ class _Server:
         from ._slots import unpack
 
         _, seq, step, index, tree, refs, spans, overwrite, training_info, early = msg
+        if refs is None:  # the layout of the last save message
+            refs, spans = self.refs, self.spans
+        self.refs, self.spans = refs, spans
         # An early save: the trainer's save() returned once this message was in
         # the socket; its admission (or failure) follows.
         try:

@@ -269,7 +269,7 @@ def _copy_blob(dst: torch.Tensor, e: Entry, *, non_blocking: bool) -> None:
 # arithmetic): their entries are copied as themselves, by one _foreach_copy_ for
 # all of them. Others go through their integer view (as_bits), one by one: bool
 # among them, whose copy_ normalises every non-zero byte to 1.
-_PLAIN_DTYPES = frozenset(
+PLAIN_DTYPES = frozenset(
     {
         torch.float64,
         torch.float32,
@@ -284,7 +284,7 @@ _PLAIN_DTYPES = frozenset(
 )
 # Dtypes of the small CUDA entries gathered on the device (as bytes: any dtype
 # whose elements are plain bytes would do).
-_GATHER_DTYPES = _PLAIN_DTYPES | {torch.bool}
+_GATHER_DTYPES = PLAIN_DTYPES | {torch.bool}
 
 
 #: Tensors per ``torch._foreach_copy_`` call of the host staging copy.
@@ -342,7 +342,7 @@ def _all_plain(cache: ViewCache, entries: list[Entry]) -> bool:
     """Whether every entry is one tensor of a plain dtype (no blob), found once
     per plan structure (the cache is the structure's)."""
     if cache.all_plain is None:
-        cache.all_plain = all(not e.is_blob and e.dtype in _PLAIN_DTYPES for e in entries)
+        cache.all_plain = all(not e.is_blob and e.dtype in PLAIN_DTYPES for e in entries)
     return cache.all_plain
 
 
@@ -358,7 +358,7 @@ def _split(
         assert src is not None
         if e.is_blob:
             _copy_blob(dst, e, non_blocking=non_blocking)
-        elif e.dtype in _PLAIN_DTYPES:
+        elif e.dtype in PLAIN_DTYPES:
             dsts.append(dst)
             srcs.append(src)
         else:
@@ -522,7 +522,7 @@ def _file_steps(
         if src is None:  # nothing to copy (as stage_entries)
             continue
         step = steps[-1]
-        if e.is_blob or e.dtype not in _PLAIN_DTYPES:
+        if e.is_blob or e.dtype not in PLAIN_DTYPES:
             step.others.append(i)
             step.nbytes += e.nbytes
         elif e.nbytes > piece and src.is_contiguous():

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -639,3 +639,124 @@ def test_a_restart_waits_for_the_dead_trainers_saver(tmp_path: Path, shm: Path, 
         t.join()
     _gone(saver)
     assert restored.info.step == 7 and same(restored.state, state_for(7))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.dtype != torch.bool else t.view(torch.uint8)
+
+
+def _same_bits(saved: dict[str, Any], state: dict[str, Any]) -> list[str]:
+    """The keys whose saved tensor differs from the state's, bit for bit."""
+    return [
+        k
+        for k, t in state.items()
+        if not (saved[k].dtype == t.dtype and saved[k].shape == t.shape and torch.equal(_bits(saved[k]), _bits(t)))
+    ]
+
+
+def _base() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(64, generator=g)
+    nan = torch.tensor([0x7FC00001, 0x7F800001], dtype=torch.int32).view(torch.float32)
+    return {
+        "w": torch.nn.Parameter(torch.randn(8, 4, generator=g)),
+        "tied": None,  # set below: the same tensor as "w"
+        "b16": torch.randn(33, generator=g).bfloat16(),
+        "view": big[2:9],  # a view into a storage another key shows too
+        "big": big,
+        "odd": big[3:11],  # starts 12 bytes in: not 64-byte aligned
+        "t": torch.randn(4, 6, generator=g).t(),  # not contiguous
+        "zero_dim": torch.tensor(3.5),
+        "empty": torch.empty(0, 3),
+        "flags": torch.tensor([2, 0, 1, 255], dtype=torch.uint8).view(torch.bool),  # bytes not 0/1
+        "nan": nan,  # NaN payloads
+    }
+
+
+def _changes() -> list[tuple[str, Callable[[dict[str, Any]], None]]]:
+    def in_place(s: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for k in ("w", "b16", "big", "t", "zero_dim"):
+                s[k].add_(1)
+
+    def same_size_new_storage(s: dict[str, Any]) -> None:
+        del s["b16"]  # freed first: the allocator may hand the same address back
+        s["b16"] = torch.full((33,), 7.0).bfloat16()
+
+    def untie(s: dict[str, Any]) -> None:
+        s["tied"] = s["w"].detach().clone() + 1
+
+    def new_dtype(s: dict[str, Any]) -> None:
+        s["zero_dim"] = torch.tensor(2.0, dtype=torch.float64)
+
+    def conj(s: dict[str, Any]) -> None:
+        s["c"] = torch.randn(5, dtype=torch.complex64).conj()
+
+    def grad_off(s: dict[str, Any]) -> None:
+        s["w"].requires_grad_(False)
+
+    def resized(s: dict[str, Any]) -> None:
+        s["empty"].resize_(2, 3).fill_(4.0)
+
+    def regrown_view(s: dict[str, Any]) -> None:
+        s["view"] = s["big"][1:40]
+
+    return [
+        ("in place", in_place),
+        ("same size, new storage", same_size_new_storage),
+        ("untied", untie),
+        ("another dtype", new_dtype),
+        ("a conjugate view", conj),
+        ("requires_grad off", grad_off),
+        ("a storage resized", resized),
+        ("a view grown", regrown_view),
+    ]
+
+
+def test_a_reused_layout_saves_every_kind_of_change_bit_for_bit(tmp_path: Path, shm: Path) -> None:
+    """Later saves reuse the packing of the last one when the tensors'
+    signatures are unchanged (``_slots.pack``): every kind of change between
+    saves, alone and after each other, is saved bit for bit, ties kept."""
+
+    async def run() -> list[str]:
+        wrong = []
+        state = _base()
+        state["tied"] = state["w"]
+        step = 0
+        async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+            for name, change in [("none", lambda s: None), *_changes(), ("none again", lambda s: None)]:
+                change(state)
+                for _ in range(2):  # the change, then the same structure again
+                    step += 1
+                    info = await (await ckpt.save(step, state))
+                    saved = asyncsave.load(info.path)
+                    bad = _same_bits(saved, state)
+                    tied = saved["tied"].untyped_storage().data_ptr() == saved["w"].untyped_storage().data_ptr()
+                    if bad or tied != (state["tied"] is state["w"]):
+                        wrong.append(f"{name}, step {step}: {bad}, tied={tied}")
+                    with torch.no_grad():
+                        state["big"].mul_(-1)  # new bytes for the next save of the same layout
+        return wrong
+
+    assert anyio.run(run) == []
+
+
+def test_a_saved_state_is_not_kept_alive_by_the_memory_tier(tmp_path: Path, shm: Path) -> None:
+    import gc
+    import weakref
+
+    async def run() -> list[Any]:
+        refs = []
+        async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+            for step in (1, 2, 3):
+                state = {"model": torch.nn.Linear(64, 64), "x": torch.randn(100)}
+                await (await ckpt.save(step, state))  # steps 2 and 3 reuse step 1's layout
+                refs += [weakref.ref(state["model"].weight), weakref.ref(state["x"])]
+                del state
+                gc.collect()
+                alive = [r for r in refs if r() is not None]
+                assert alive == [], f"step {step}: {len(alive)} tensors kept alive"
+        return refs
+
+    anyio.run(run)
