@@ -37,7 +37,6 @@ from ._catalog import info_of, read_checkpoint
 from ._errors import (
     CheckpointError,
     CheckpointWarning,
-    InvalidStateError,
     InvalidStepError,
     ProtectedCheckpointError,
     RankFailedError,
@@ -206,13 +205,7 @@ class Admission:
         """
         t0 = time.perf_counter()
         step = self.check(step)
-        info_doc = check_training_info(training_info)
-        if info_doc.get("step", step) != step:
-            raise InvalidStateError(
-                f"training_info['step'] is {info_doc['step']!r} but this is step {step}",
-                key="training_info",
-                step=step,
-            )
+        info_doc = check_training_info(training_info, step)
         if self.verdict(step, overwrite) is Verdict.SKIP_STEP_ZERO:
             return SaveHandle.resolved(0, None, skipped=True)
         if step == self.saver.resumed_step and overwrite:

@@ -196,9 +196,10 @@ def _info_problem(info: Any) -> str | None:
     return None
 
 
-def check_training_info(info: Any) -> dict[str, Any]:
+def check_training_info(info: Any, step: int | None = None) -> dict[str, Any]:
     """Validate ``save(..., training_info=...)``: a flat mapping of counters and
-    metrics (``{"consumed_samples": 640, "eval/reward": 0.71}``).
+    metrics (``{"consumed_samples": 640, "eval/reward": 0.71}``), whose
+    ``"step"``, if any, is the save's ``step``.
 
     :raises InvalidStateError: naming the offending key.
     """
@@ -209,7 +210,14 @@ def check_training_info(info: Any) -> dict[str, Any]:
     problem = _info_problem(info)
     if problem is not None:
         raise InvalidStateError(f"training_info {problem}", key="training_info")
-    return dict(info)
+    doc = dict(info)
+    if step is not None and doc.get("step", step) != step:
+        raise InvalidStateError(
+            f"training_info['step'] is {doc['step']!r} but this is step {step}",
+            key="training_info",
+            step=step,
+        )
+    return doc
 
 
 _CHUNK_ITEMS = 256  # list items per json.dumps call in _canonical

@@ -87,6 +87,7 @@ from ._errors import (
 )
 from ._fsspec import open_root
 from ._handle import SaveHandle
+from ._manifest import check_training_info
 from ._options import CheckpointOptions, MemoryTier, Tier
 from ._paths import LAYOUTS
 from ._resume import NearestTiers
@@ -295,14 +296,13 @@ class MemoryCheckpointer(Checkpointer):
         self._behind: dict[int, _Handle] = {}
         self._resumed: int | None = None
         self._tracked: int | None = None
-        self._last_shape: Any = None  # (tree, refs, spans) of the last accepted save
+        self._last_shape: Any = None  # Packed.structure() of the last accepted save
         self._last_step = -1
         self._last_layout: Layout | None = None  # the last save's (reused: _slots.pack)
         self._sent_layout: Layout | None = None  # the last one whose refs the saver has
         self.memory_root: Path | None = None
         # The saver's start (see _start): what to send it, its answers.
-        self._port: int | None = None
-        self._ready: Any = None
+        self._said: dict[str, Any] = {}  # "port", "ready"
         self._start_error: BaseException | None = None
         self._start_lock = anyio.Lock()
         self._hello: dict[str, Any] = {}
@@ -472,24 +472,23 @@ class MemoryCheckpointer(Checkpointer):
 
             async def served() -> tuple[str, int]:  # saver 0's store, on rank 0
                 host = os.environ.get("MASTER_ADDR") or socket.gethostname()
-                await self._answer(lambda: self._port is not None, timeout_s, "with its port")
-                assert self._port is not None
-                return host, self._port
+                await self._answer("port", timeout_s, "with its port")
+                return host, int(self._said["port"])
 
             where = await self._coord.from_leader("memory-tier-store", None, served)
             if self._coord.rank != 0:
                 self._link.post("store", *where)
-        await self._answer(lambda: self._ready is not None, timeout_s, "that it is ready")
-        ready = unwire(self._ready)
+        await self._answer("ready", timeout_s, "that it is ready")
+        ready = unwire(self._said["ready"])
         if isinstance(ready, BaseException):
             raise ready
         self.memory_root = Path(ready["memory_root"])
         self._up = True
 
-    async def _answer(self, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+    async def _answer(self, kind: str, timeout_s: float, what: str) -> None:
         """Wait for one of the saver's start answers (``port``, ``ready``)."""
         with anyio.move_on_after(timeout_s):
-            while not ready():
+            while kind not in self._said:
                 if self._link.lost is not None:
                     raise self._link.lost
                 await self._changed.wait()
@@ -516,10 +515,8 @@ class MemoryCheckpointer(Checkpointer):
     # -- messages -----------------------------------------------------------------
     def _take(self, msg: tuple[Any, ...]) -> None:
         kind = msg[0]
-        if kind == "port":
-            self._port = msg[1]
-        elif kind == "ready":
-            self._ready = msg[1]
+        if kind in ("port", "ready"):  # the start's answers (_start_saver)
+            self._said[kind] = msg[1]
         elif kind in ("accepted", "refused"):
             self._answers[msg[1]] = msg
         elif kind == "admitted":  # an early save (in the saver's socket), now admitted
@@ -531,12 +528,7 @@ class MemoryCheckpointer(Checkpointer):
         elif kind == "free":
             self._free.add(msg[1])
         elif kind == "committed":
-            handle = self._handles.pop(msg[1], None)
-            info: CheckpointInfo = msg[2]
-            if self._tracked is None or info.step > self._tracked:
-                self._tracked = info.step
-            if handle is not None:
-                handle._commit(info)
+            self._committed(msg[1], msg[2])
         elif kind == "failed":
             handle = self._handles.pop(msg[1], None)
             error = self._as_failure(unwire(msg[2]), handle.step if handle else None)
@@ -552,6 +544,13 @@ class MemoryCheckpointer(Checkpointer):
                 else:
                     handle._persist_done(None, self._as_failure(unwire(msg[2]), handle.step))
         self._wake()
+
+    def _committed(self, seq: int, info: CheckpointInfo) -> None:
+        handle = self._handles.pop(seq, None)
+        if self._tracked is None or info.step > self._tracked:
+            self._tracked = info.step
+        if handle is not None:
+            handle._commit(info)
 
     def _as_failure(self, exc: Any, step: int | None) -> SaveFailedError:
         if isinstance(exc, SaveFailedError):
@@ -665,6 +664,9 @@ class MemoryCheckpointer(Checkpointer):
                 step = operator.index(step)
         if type(step) is not int or not 0 <= step <= _MAX_STEP:
             raise InvalidStepError(f"step must be a non-negative int, got {step!r}")
+        # What the saver's save() would refuse in it, refused here: an early
+        # save (below) cannot be refused once handed over.
+        check_training_info(training_info, step)
         await self._started()
         await self._order.acquire()
         try:
@@ -730,13 +732,13 @@ class MemoryCheckpointer(Checkpointer):
         handle._progress.all_staged()
         # The same structure (tree, dtypes, shapes, storages) as the last save
         # the saver accepted, and a newer step: see below.
-        shape = (packed.tree, packed.layout.refs, packed.layout.spans)
+        shape = packed.structure()
         early = not overwrite and shape == self._last_shape and step > self._last_step
         # The refs and spans travel once per layout: the saver keeps the last ones.
         known = packed.layout is self._sent_layout
         self._sent_layout = packed.layout
-        sent = (packed.tree, None, None) if known else shape
-        msg = ("save", seq, step, index, *sent, overwrite, training_info, early)
+        layout = (None, None) if known else (packed.layout.refs, packed.layout.spans)
+        msg = ("save", seq, step, index, packed.tree, packed.numbers, *layout, overwrite, training_info, early)
         if early:
             # The saver's save() cannot refuse it: once the message is in the
             # saver's socket (delivered even if this process dies now), the save

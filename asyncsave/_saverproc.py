@@ -210,14 +210,14 @@ class _Server:
     async def save(self, tg: Any, msg: tuple[Any, ...]) -> None:
         from ._slots import unpack
 
-        _, seq, step, index, tree, refs, spans, overwrite, training_info, early = msg
+        _, seq, step, index, tree, numbers, refs, spans, overwrite, training_info, early = msg
         if refs is None:  # the layout of the last save message
             refs, spans = self.refs, self.spans
         self.refs, self.spans = refs, spans
         # An early save: the trainer's save() returned once this message was in
         # the socket; its admission (or failure) follows.
         try:
-            state = unpack(tree, refs, spans, self.slots[index])
+            state = unpack(tree, numbers, refs, spans, self.slots[index])
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 handle = await self.ckpt.save(

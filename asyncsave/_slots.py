@@ -116,13 +116,21 @@ class Layout:
 
 @dataclasses.dataclass
 class Packed:
-    """One state, ready to cross: ``tree`` (the pickle), its ``layout``, and
-    this save's ``sources`` (one per copy of the layout: the caller's tensor
-    itself, or a byte view of its storage)."""
+    """One state, ready to cross: ``tree`` (the pickle, without its
+    ``numbers``: the int, float and bool leaves, in pickling order), its
+    ``layout``, and this save's ``sources`` (one per copy of the layout: the
+    caller's tensor itself, or a byte view of its storage)."""
 
     tree: bytes
+    numbers: list[Any]
     layout: Layout
     sources: list[torch.Tensor]
+
+    def structure(self) -> tuple[Any, ...]:
+        """What the saver's ``save()`` decides on: the tree, the types of its
+        numbers, the tensors' layout (equal structures: it cannot refuse one
+        it accepted)."""
+        return (self.tree, list(map(type, self.numbers)), self.layout.refs, self.layout.spans)
 
     @property
     def nbytes(self) -> int:
@@ -174,13 +182,24 @@ class Slot:
             os.close(fd)
 
 
+#: Leaves that change from save to save (a step, a counter, a learning rate)
+#: without changing what the saver's ``save()`` can refuse: taken out of the
+#: tree's pickle, so that the tree of an unchanged structure is the same bytes.
+_NUMBERS = frozenset({int, float, bool})
+
+
 class _Pickler(pickle.Pickler):
     def __init__(self, file: Any, call: Callable[[Callable[[], Any]], Any] | None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors: list[torch.Tensor] = []
+        self.numbers: list[Any] = []
         self.call = call
 
     def persistent_id(self, obj: Any) -> Any:
+        # Tensors by their index (>= 0), numbers by ~index (< 0).
+        if type(obj) in _NUMBERS:
+            self.numbers.append(obj)
+            return ~(len(self.numbers) - 1)
         if isinstance(obj, torch.Tensor):
             self.tensors.append(obj)
             return len(self.tensors) - 1
@@ -253,9 +272,9 @@ def pack(
         and last.signatures is not None
         and same_signature(last.signatures, signatures)
     ):
-        return Packed(buf.getvalue(), last, _sources(last, tensors))
+        return Packed(buf.getvalue(), p.numbers, last, _sources(last, tensors))
     layout = _layout(tensors, signatures)
-    return Packed(buf.getvalue(), layout, _sources(layout, tensors))
+    return Packed(buf.getvalue(), p.numbers, layout, _sources(layout, tensors))
 
 
 def _sources(layout: Layout, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -374,12 +393,15 @@ def _copy(dsts: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, refs: list[TensorRef], storages: list[Any]) -> None:
+    def __init__(self, file: Any, numbers: list[Any], refs: list[TensorRef], storages: list[Any]) -> None:
         super().__init__(file)
+        self.numbers = numbers
         self.refs = refs
         self.storages = storages
 
     def persistent_load(self, pid: Any) -> Any:
+        if pid < 0:
+            return self.numbers[~pid]
         r = self.refs[pid]
         storage = self.storages[r.span]
         t = torch.empty(0, dtype=r.dtype).set_(storage, r.offset, r.shape, r.stride)
@@ -388,7 +410,9 @@ class _Unpickler(pickle.Unpickler):
         return t.requires_grad_(r.requires_grad) if r.requires_grad else t
 
 
-def unpack(tree: bytes, refs: list[TensorRef], spans: list[tuple[int, int]], slot: Slot) -> Any:
+def unpack(
+    tree: bytes, numbers: list[Any], refs: list[TensorRef], spans: list[tuple[int, int]], slot: Slot
+) -> Any:
     """The state ``pack`` made, its tensors views into ``slot`` (saver side):
     one storage per storage of the trainer's state (``torch.frombuffer`` over
     its span of the mapping, no copy), so that tensors share memory exactly as
@@ -404,7 +428,7 @@ def unpack(tree: bytes, refs: list[TensorRef], spans: list[tuple[int, int]], slo
         for o, n in spans
     ]
     try:
-        return _Unpickler(io.BytesIO(tree), refs, storages).load()
+        return _Unpickler(io.BytesIO(tree), numbers, refs, storages).load()
     except (AttributeError, ImportError, ModuleNotFoundError) as exc:
         raise InvalidStateError(
             f"the memory tier's saver process cannot rebuild the state: {exc} (a class "

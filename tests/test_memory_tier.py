@@ -643,7 +643,7 @@ def test_a_restart_waits_for_the_dead_trainers_saver(tmp_path: Path, shm: Path, 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.resolve_conj().resolve_neg().contiguous().reshape(-1)
-    return t.view(torch.uint8) if t.dtype != torch.bool else t.view(torch.uint8)
+    return t.view(torch.uint8)
 
 
 def _same_bits(saved: dict[str, Any], state: dict[str, Any]) -> list[str]:
@@ -760,3 +760,67 @@ def test_a_saved_state_is_not_kept_alive_by_the_memory_tier(tmp_path: Path, shm:
         return refs
 
     anyio.run(run)
+
+
+def test_a_save_whose_numbers_changed_is_handed_over_without_waiting(tmp_path: Path, shm: Path) -> None:
+    """Ints, floats and bools (a step, a counter, a learning rate) change at every
+    save without changing what the saver's ``save()`` decides on: such a save
+    returns once it is in the saver's socket, even with the saver stopped; the
+    numbers arrive exactly (big ints, -0.0, NaN); a number that changed type
+    waits for the saver's answer."""
+    import math
+
+    def state(step: int) -> dict[str, Any]:
+        return {
+            "w": torch.full((4,), float(step)),
+            "step": step,
+            "big": 2**70 + step,
+            "neg": -step,
+            "lr": [0.1 / step, -0.0 if step % 2 else math.nan],
+            "flag": step % 2 == 0,
+            "name": "run",
+        }
+
+    loaded: list[Any] = []
+
+    async def run() -> None:
+        ckpt = asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm)), save_timeout_s=5)
+        with pytest.raises(asyncsave.CheckpointTimeoutError):  # close too: the checkpointer is broken
+            async with ckpt:
+                await body(ckpt)
+
+    async def body(ckpt: Any) -> None:
+        await (await ckpt.save(1, state(1)))
+        await (await ckpt.save(2, state(2)))
+        with pytest.raises(asyncsave.InvalidStateError, match="training_info"):  # refused by save()
+            await ckpt.save(3, state(3), training_info={"step": 4})
+        assert ckpt.saver_pid is not None
+        os.kill(ckpt.saver_pid, signal.SIGSTOP)
+        try:
+            with anyio.fail_after(4):  # returns while the saver is stopped
+                handles = [await ckpt.save(s, state(s)) for s in (3, 4)]
+        finally:
+            os.kill(ckpt.saver_pid, signal.SIGCONT)
+        infos = [await h for h in handles]
+        loaded.extend(asyncsave.load(i.path) for i in infos)
+        os.kill(ckpt.saver_pid, signal.SIGSTOP)
+        changed = state(5)
+        changed["neg"] = -5.0  # an int became a float: the saver decides
+        try:
+            with pytest.raises(asyncsave.CheckpointTimeoutError):
+                await ckpt.save(5, changed)
+        finally:
+            os.kill(ckpt.saver_pid, signal.SIGCONT)
+        with pytest.raises(asyncsave.CheckpointTimeoutError):
+            await ckpt.wait()  # the checkpointer refuses from then on
+
+    anyio.run(run)
+    for step, got in zip((3, 4), loaded, strict=True):
+        want = state(step)
+        assert torch.equal(got["w"], want["w"])
+        assert (got["step"], got["big"], got["neg"], got["flag"], got["name"]) == (
+            step, 2**70 + step, -step, step % 2 == 0, "run"
+        )
+        assert type(got["step"]) is int and type(got["flag"]) is bool
+        assert got["lr"][0] == want["lr"][0]
+        assert math.copysign(1.0, got["lr"][1]) == -1.0 if step % 2 else math.isnan(got["lr"][1])
