@@ -18,8 +18,10 @@ recorded after each part):
    (the order rotating). After each save the loop lets the background work
    finish, as a trainer's compute would: ``await handle`` (committed: on disk
    for ``plain``, in memory for the tiers) and, for the tiers, ``await
-   handle.persisted()`` when ``handle.due_to_persist``; so every save is
-   measured in steady state. Each
+   handle.persisted()`` when ``handle.due_to_persist``, then sleeps
+   ``--compute-s`` (a step's compute: the trackers and retention that run after
+   ``persisted()`` land there, not in the next checkpointer's ``save()``); so
+   every save is measured in steady state. Each
    of those waits is timed from the ``save()`` call too (``committed``,
    ``persisted``). Two states: ``gpt``, a GPT-like model (bf16 weights, no
    biases, plus fp32 AdamW ``exp_avg`` / ``exp_avg_sq``), and ``small``,
@@ -49,7 +51,7 @@ recorded after each part):
    results file): from the numbers of 1 and 2, for failures every ``--mtbf-min``
    minutes and steps of ``--step-s`` seconds.
 
-usage: python bench/memory_tier.py [--repeats 9] [--restart-repeats 7]
+usage: python bench/memory_tier.py [--repeats 9] [--restart-repeats 7] [--compute-s 0.3]
        [--d-model 768] [--layers 4] [--vocab 8192] [--ctx 1024]
        [--small-count 2000] [--small-numel 1024] [--persist-every 100]
        [--mtbf-min 30,120] [--step-s 1,10] [--dir DIR] [--shm /dev/shm]
@@ -165,7 +167,14 @@ async def one_save(
 
 
 async def bench_saves(
-    state: dict[str, Any], work: Path, shm: Path, local: Path, repeats: int, *, keep: bool = False
+    state: dict[str, Any],
+    work: Path,
+    shm: Path,
+    local: Path,
+    repeats: int,
+    *,
+    keep: bool = False,
+    compute_s: float = 0.0,
 ) -> dict[str, dict[str, float]]:
     """Part 1 for one state: ``repeats + 1`` rounds, each one save through each of
     the three checkpointers (open side by side; the order rotates every round, so
@@ -174,7 +183,10 @@ async def bench_saves(
     handle``) and ``persisted_s`` (``await handle.persisted()``, when due), all
     from the call. The disk roots go under ``work``, the local tier in ``local``,
     the memory tier in ``shm``. With ``keep`` the local tier and its persistent
-    root are left for the restarts of part 2."""
+    root are left for the restarts of part 2. After each save the loop sleeps
+    ``compute_s``, a training step's compute: what a checkpointer does after
+    ``persisted()`` (its trackers, retention) then runs there, as in training,
+    instead of inside the next checkpointer's ``save()``."""
     last2 = asyncsave.KeepLast(2)
     samples: dict[str, dict[str, list[float]]] = {}
     tier = Tier(work / "local-root", retention=last2)
@@ -189,6 +201,7 @@ async def bench_saves(
             turn = step % len(ckpts)
             for name, ckpt in ckpts[turn:] + ckpts[:turn]:
                 blocked, committed, persisted = await one_save(ckpt, step, state)
+                await anyio.sleep(compute_s)
                 if step == 1:
                     continue
                 got = samples.setdefault(name, {"blocked": [], "committed": [], "persisted": []})
@@ -436,8 +449,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"Medians of {result['repeats']} rounds (the 2nd and later) of the same state in the "
         "same loop, one save through each checkpointer per round (open side by side, the "
         "order rotating each round); after each save the loop awaits the handle (committed) and, for the tiers, "
-        "`handle.persisted()` (every save is persisted: the default policy). Times in ms from "
-        "the `save()` call; `blocked` is what the trainer waits for.",
+        "`handle.persisted()` (every save is persisted: the default policy), then sleeps "
+        f"{result['compute_s']:g} s, a training step's compute (what runs after `persisted()`, "
+        "trackers and retention, runs there and not inside the next checkpointer's `save()`). "
+        "Times in ms from the `save()` call; `blocked` is what the trainer waits for.",
         "",
         "| state | MiB | tensors | checkpointer | blocked | (min..max) | committed | persisted | blocked / plain |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -554,6 +569,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     shm / f"local-{name}",
                     args.repeats,
                     keep=name == "gpt",
+                    compute_s=args.compute_s,
                 )
             )
             saves[name] = {
@@ -599,6 +615,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "load_after_saves": load_after_saves,
         "load_after_restarts": load_after_restarts,
         "repeats": args.repeats,
+        "compute_s": args.compute_s,
         "restart_repeats": args.restart_repeats,
         "saves": saves,
         "restarts": restarts,
@@ -616,6 +633,9 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--restart-repeats", type=int, default=7)
+    ap.add_argument(
+        "--compute-s", type=float, default=0.3, help="a training step's compute after each save (s)"
+    )
     ap.add_argument("--d-model", type=int, default=768)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
