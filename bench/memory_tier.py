@@ -412,8 +412,10 @@ The model (every time in seconds; B, D, C, R measured above, `gpt` state):
   `save()` returned (`S = B`: the saver holds the snapshot and commits it even
   if the trainer dies). A failure `u` s after a save loses `u` if `u >= S`, else
   `u + I`: on average `I/2 + S` of recomputed training.
-- The restart costs `R`, from entering the checkpointer to restored (the saver's
-  start included for the memory tier; cold page cache for the disk). The job's own
+- The restart costs `R`, from entering the checkpointer to restored (cold page
+  cache for the disk; the memory tier's saver process starts after the resume,
+  while training goes on: its start, about 2 s here, delays only a first save
+  made within it). The job's own
   restart (scheduler, interpreter, imports, building the model) is the same for
   every strategy and left out.
 - Each save blocks training `B` s: `T/I * B` per failure.
