@@ -849,12 +849,14 @@ class MemoryCheckpointer(Checkpointer):
 
         if self._phase != "open":
             raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=self.root)
-        if self._link.pid is None:
-            # No saver is alive yet: resume here, while it starts (its import of
-            # torch is most of a restart), with the checkpointer's own decision.
-            done = await self._resume_here(template, device, required, strict)
-            if done is not None:
-                return warned(done, 3)
+        async with self._start_lock:  # a save() meanwhile waits: nothing starts the saver
+            done = None
+            if self._link.pid is None and self._start_error is None:
+                # No saver is alive yet: resume here, before it starts (its import
+                # of torch is most of a restart), with the checkpointer's own decision.
+                done = await self._resume_here(template, device, required, strict)
+        if done is not None:
+            return warned(done, 3)
         await self._started()
         found = await self._link.ask(
             "load", fallback, list(required), timeout_s=self.options.save_timeout_s, what="load_latest()"
@@ -879,7 +881,7 @@ class MemoryCheckpointer(Checkpointer):
         (``asyncsave._resume.resume_nearest``). ``None`` when the saver must
         decide instead (a candidate failed on some rank: the saver moves it
         aside; or this rank's memory tier belongs to another run); then the
-        saver is let go with nothing resumed, and asked."""
+        saver starts with nothing resumed, and is asked."""
         from ._fs import LocalFileSystem
         from ._resume import resume_nearest
 
