@@ -309,6 +309,14 @@ class LocalFileSystem:
         _LOCK_FDS.add(fd)
         return fd
 
+    def hand_over(self, fd: int) -> None:
+        """Close this process's descriptor of a lock taken by :meth:`lock` that
+        a child process inherited (``pass_fds``), without unlocking: an
+        ``flock`` belongs to the open file description, so the child's copy
+        holds it on, and releases it with :meth:`unlock` or by exiting."""
+        _LOCK_FDS.discard(fd)
+        os.close(fd)
+
     def unlock(self, fd: int) -> None:
         """Release a lock taken by :meth:`lock` or :meth:`lock_dir`.
 

@@ -38,7 +38,8 @@ trainer holds the memory tier's lock and starts no saver yet; ``load_latest()``
 then resumes with the checkpointer's own decision
 (``asyncsave._resume.resume_nearest``, read-only: a candidate that fails is left
 to the saver, which moves it aside), and starts the saver with the step it
-resumed from (protected there). Otherwise the saver starts on entry, and its
+resumed from (protected there); the saver inherits the tier's lock and its
+beacon (``pass_fds``), so the tier is never free between the two. Otherwise the saver starts on entry, and its
 open waits for a dead trainer's saver or refuses a live one's.
 
 Messages (trainer to saver): ``save``, ``slots``, ``wait``, ``load``, ``close``
@@ -92,7 +93,7 @@ from ._options import CheckpointOptions, MemoryTier, Tier
 from ._paths import LAYOUTS
 from ._resume import NearestTiers
 from ._retention import KeepBytes, KeepLast
-from ._saverlink import SaverLink, beacon_path, check_home, other_run, unwire
+from ._saverlink import SaverLink, beacon_path, check_home, orphaned_saver, other_run, unwire
 from ._slots import Layout, Slot, copy_into, pack
 from ._types import CheckpointInfo, Restored
 
@@ -193,6 +194,24 @@ def _no_saver_alive(home: Path, rank: int) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def _take_beacon(home: Path, rank: int) -> int | None:
+    """A descriptor holding a shared ``flock`` on ``rank``'s beacon, for the
+    saver to inherit (``None`` where ``flock`` fails: the saver's open then
+    decides alone)."""
+    import fcntl
+
+    try:
+        fd = os.open(beacon_path(home, rank), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _world() -> tuple[int, int]:
@@ -307,7 +326,7 @@ class MemoryCheckpointer(Checkpointer):
         self._start_lock = anyio.Lock()
         self._hello: dict[str, Any] = {}
         self._up = False  # the saver is ready
-        self._tier_locks: list[int | None] = []  # the memory tier's, held until the saver goes
+        self._tier_locks: list[int] = []  # the memory tier's, held until the saver takes it over
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.root)!r}, memory={self.memory!r})"
@@ -408,39 +427,68 @@ class MemoryCheckpointer(Checkpointer):
             return await anyio.to_thread.run_sync(_no_saver_alive, self._home, rank)
 
         if all(await self._coord.map_reduce("memory-tier-alone", None, alone)):
-            # Held until the saver starts: a second checkpointer is refused.
-            await self._coord.map_reduce(
+            # Held until the saver takes it over: a second checkpointer is refused.
+            held = await self._coord.map_reduce(
                 "memory-tier-lock", None, self._lock_tier, doing="lock of the memory tier by", own=True
             )
-        else:
-            await self._started()
+            if all(held):
+                return
+            self._unlock_tier()  # a dead trainer's saver holds it (no beacon: an older one)
+        await self._started()
 
-    async def _lock_tier(self) -> int | None:
+    async def _lock_tier(self) -> bool:
+        """Take this rank's memory tier's lock for the saver to come; ``False``
+        when a dead trainer's saver holds it (the saver's open waits for it).
+
+        :raises RootInUseError: a live checkpointer holds it.
+        """
         from ._commit import lock_root
+        from ._errors import RootInUseError
         from ._fs import LocalFileSystem
 
         assert self.memory_root is not None
-        fd = await anyio.to_thread.run_sync(lock_root, LocalFileSystem(), self.memory_root)
-        self._tier_locks.append(fd)
-        return fd
+        try:
+            fd = await anyio.to_thread.run_sync(
+                lock_root, LocalFileSystem(), self.memory_root, self.options.lock
+            )
+        except RootInUseError as exc:
+            if orphaned_saver(str(exc)):
+                return False
+            raise
+        if fd is not None:  # lock="none": nothing to hold
+            self._tier_locks.append(fd)
+        return True
 
     def _unlock_tier(self) -> None:
         from ._fs import LocalFileSystem
 
         while self._tier_locks:
-            fd = self._tier_locks.pop()
-            if fd is not None:
-                LocalFileSystem().unlock(fd)
+            LocalFileSystem().unlock(self._tier_locks.pop())
 
     async def _spawn(self, resumed: tuple[int, str] | None) -> None:
-        """Start the saver process (once), handing it the memory tier's lock
-        (held by this process until now) and the step this process resumed
-        from by itself, with its tier (the saver protects it)."""
+        """Start the saver process (once), with the step this process resumed
+        from by itself and its tier (the saver protects it). The saver
+        inherits its beacon, taken here, and the memory tier's lock, held by
+        this process until now: there is no instant at which a second
+        checkpointer could find the tier free, nor the beacon."""
+        from ._fs import LocalFileSystem
+
         if self._link.pid is not None:
             return
-        self._unlock_tier()
+        beacon = await anyio.to_thread.run_sync(_take_beacon, self._home, self._coord.rank)
+        locks = [fd for fd in self._tier_locks if fd is not None]
+        inherit = [fd for fd in (beacon, *locks) if fd is not None]
         self._hello["resumed"] = resumed
-        await self._link.start(self._hello)
+        self._hello["inherited"] = {"beacon": beacon, "tier_lock": locks[0] if locks else None}
+        try:
+            await self._link.start(self._hello, inherit)
+        finally:
+            if beacon is not None:
+                os.close(beacon)  # the saver's copy holds it (an flock is the open file's)
+            if self._link.pid is not None:
+                fs = LocalFileSystem()
+                while self._tier_locks:
+                    fs.hand_over(self._tier_locks.pop())
 
     async def _started(self) -> None:
         """Finish the saver's start (once; every later call returns at once or

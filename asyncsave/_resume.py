@@ -462,6 +462,7 @@ async def resume_nearest(
             info = await anyio.to_thread.run_sync(_info, fs, path)
             logger.info("resumed step %d from the %s tier (%s)", step, where, path)
             return Restored(state, info), note
+        await tiers.failed(where, step, path, failure)  # the read-only host leaves here
         logger.warning(
             "cannot resume step %d from the %s tier (%s): %s; trying the next candidate",
             step,
@@ -470,7 +471,6 @@ async def resume_nearest(
             "; ".join(failures),
         )
         (local_ok if where == "local" else remote_ok).discard(step)
-        await tiers.failed(where, step, path, failure)
     if last_error is None and not anything:
         return None, None
     raise CheckpointNotFoundError(

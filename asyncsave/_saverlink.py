@@ -23,11 +23,12 @@ import contextlib
 import itertools
 import logging
 import pickle
+import re
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,15 @@ import anyio.abc
 from ._errors import CheckpointTimeoutError, SaverDiedError
 from ._paths import LOCK_NAME
 
-__all__ = ["SaverLink", "beacon_path", "check_home", "other_run", "unwire", "wire_error"]
+__all__ = [
+    "SaverLink",
+    "beacon_path",
+    "check_home",
+    "orphaned_saver",
+    "other_run",
+    "unwire",
+    "wire_error",
+]
 
 logger = logging.getLogger("asyncsave")
 
@@ -105,15 +114,16 @@ class SaverLink:
         self._spawned = anyio.Event()
 
     # -- process ----------------------------------------------------------------
-    def spawn(self) -> None:
+    def spawn(self, inherit: Sequence[int] = ()) -> None:
         """Start ``python -m asyncsave._saverproc FD`` with one end of a socket
-        pair (blocking: call it from a worker thread). Its own session: a Ctrl-C
-        at the trainer's terminal is the trainer's alone."""
+        pair, and the descriptors ``inherit`` (locks it takes over), under the
+        same numbers (blocking: call it from a worker thread). Its own session:
+        a Ctrl-C at the trainer's terminal is the trainer's alone."""
         mine, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "asyncsave._saverproc", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
+                pass_fds=[theirs.fileno(), *inherit],
                 start_new_session=True,
             )
         finally:
@@ -121,11 +131,11 @@ class SaverLink:
         self.conn = Connection(mine.detach())
         self.pid = self.proc.pid
 
-    async def start(self, hello: Any) -> None:
+    async def start(self, hello: Any, inherit: Sequence[int] = ()) -> None:
         """:meth:`spawn` the saver (in a worker thread) and send it ``hello``
         first; the reader and the sender (:meth:`run`, which may come first)
         start on the socket then, the messages posted meanwhile after ``hello``."""
-        await anyio.to_thread.run_sync(self.spawn)
+        await anyio.to_thread.run_sync(self.spawn, inherit)
         assert self.conn is not None
         self.conn.send(hello)
         self._spawned.set()
@@ -351,6 +361,27 @@ def other_run(home: Path, rank: int, tier: Path, lineage: str) -> tuple[bool, st
     except FileNotFoundError:
         held = False
     return held, old
+
+
+def orphaned_saver(holder: str) -> bool:
+    """Whether the lock holder named in ``holder`` ("pid 4242 on host node7") is
+    a saver process on this host whose trainer is gone (Linux ``/proc``)."""
+    match = re.search(r"pid (\d+) on host (\S+)", holder)
+    if match is None or match.group(2).rstrip(")") != socket.gethostname():
+        return False
+    pid = int(match.group(1))
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    if b"asyncsave._saverproc" not in cmdline:
+        return False
+    try:
+        parent = Path(f"/proc/{ppid}/cmdline").read_bytes()
+    except OSError:
+        return True  # its trainer is gone
+    return ppid == 1 or b"asyncsave._saverproc" in parent or not parent
 
 
 def check_home(home: Path) -> None:

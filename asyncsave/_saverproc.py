@@ -27,7 +27,6 @@ import contextlib
 import functools
 import logging
 import os
-import re
 import shutil
 import socket
 import sys
@@ -40,7 +39,7 @@ from typing import Any
 
 import anyio
 
-from ._saverlink import beacon_path, other_run, wire_error
+from ._saverlink import beacon_path, orphaned_saver, other_run, wire_error
 
 logger = logging.getLogger("asyncsave")
 
@@ -122,38 +121,32 @@ async def _open(hello: dict[str, Any], pause: Any) -> Any:
 
         options = dataclasses.replace(options, filesystem=pause.filesystem)
     deadline = time.monotonic() + hello["start_timeout_s"]
+    inherited = (hello.get("inherited") or {}).get("tier_lock")
     while True:
         ckpt = Checkpointer(hello["memory_root"], options)
+        if inherited is not None:
+            # The trainer's lock, held for this saver until now: let go of it
+            # for the checkpointer's own (the same file, taken at once below).
+            _drop_inherited(inherited)
+            inherited = None
         try:
             await ckpt.__aenter__()
             return ckpt
         except RootInUseError as exc:
             # The saver of a trainer that died finishes its commits first; any
             # other holder (a live trainer's saver, a plain checkpointer) is refused now.
-            if time.monotonic() > deadline or not _orphaned_saver(str(exc)):
+            if time.monotonic() > deadline or not orphaned_saver(str(exc)):
                 raise
             await anyio.sleep(0.2)
 
 
-def _orphaned_saver(holder: str) -> bool:
-    """Whether the lock holder named in ``holder`` ("pid 4242 on host node7") is
-    a saver process on this host whose trainer is gone (Linux ``/proc``)."""
-    match = re.search(r"pid (\d+) on host (\S+)", holder)
-    if match is None or match.group(2).rstrip(")") != socket.gethostname():
-        return False
-    pid = int(match.group(1))
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return False
-    if b"asyncsave._saverproc" not in cmdline:
-        return False
-    try:
-        parent = Path(f"/proc/{ppid}/cmdline").read_bytes()
-    except OSError:
-        return True  # its trainer is gone
-    return ppid == 1 or b"asyncsave._saverproc" in parent or not parent
+def _drop_inherited(fd: int) -> None:
+    import fcntl
+
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def _set_aside_other_runs(hello: dict[str, Any]) -> None:
@@ -315,15 +308,38 @@ class _Server:
 
 
 def _hold_beacon(hello: dict[str, Any]) -> int | None:
+    """This saver's beacon (``beacon_path``): the descriptor inherited from the
+    trainer, or, from an older trainer, one taken now. Held until the process
+    ends, however it ends."""
     import fcntl
 
+    inherited = (hello.get("inherited") or {}).get("beacon")
+    if inherited is not None:
+        return int(inherited)
+    path = beacon_path(Path(hello["memory_home"]), hello["rank"])
     try:
-        fd = os.open(beacon_path(Path(hello["memory_home"]), hello["rank"]), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)
     except OSError as exc:  # no flock here: trainers then always wait for this saver
         logger.warning("asyncsave saver: cannot hold its beacon: %s", exc)
         return None
     return fd
+
+
+def _let_go_of_beacon(hello: dict[str, Any], fd: int | None) -> None:
+    """After a clean close: remove the beacon file unless another saver of the
+    rank holds it too (a second checkpointer's, waiting): the upgrade to an
+    exclusive lock succeeds only if this process is its only holder."""
+    import fcntl
+
+    if fd is None:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # another saver holds it: it stays, and so does the memory directory
+    with contextlib.suppress(OSError):
+        beacon_path(Path(hello["memory_home"]), hello["rank"]).unlink()
 
 
 async def _main(conn: Connection) -> int:
@@ -332,7 +348,7 @@ async def _main(conn: Connection) -> int:
 
     wire = _Wire(conn)
     hello = conn.recv()
-    _hold_beacon(hello)  # released by the kernel when this process ends
+    beacon = _hold_beacon(hello)  # released by the kernel when this process ends
     # The step the trainer resumed from by itself, before this saver started.
     resumed = hello.get("resumed")
     if hello["world_size"] > 1:
@@ -374,7 +390,7 @@ async def _main(conn: Connection) -> int:
             s.close()
         closing = close_id is not None
         tier = ckpt.root if closing and error is None else None
-        await anyio.to_thread.run_sync(_tidy, hello, slot_dir, tier)
+        await anyio.to_thread.run_sync(_tidy, hello, slot_dir, tier, beacon)
         if closing:
             wire.send("closed", close_id, None if error is None else wire_error(error))
         elif error is not None:  # nobody else will hear of it
@@ -387,7 +403,7 @@ async def _main(conn: Connection) -> int:
     return 0 if error is None else 1
 
 
-def _tidy(hello: dict[str, Any], slot_dir: Path, tier: Path | None) -> None:
+def _tidy(hello: dict[str, Any], slot_dir: Path, tier: Path | None, beacon: int | None) -> None:
     """Remove the slots (their snapshots are committed, or failed: nobody needs
     them) and, after a clean close, this rank's memory tier (its newest save is
     persisted: nobody resumes from memory after it), then the tier's folders once
@@ -396,10 +412,9 @@ def _tidy(hello: dict[str, Any], slot_dir: Path, tier: Path | None) -> None:
     if tier is None:
         return
     shutil.rmtree(tier, ignore_errors=True)
-    home = Path(hello["memory_home"])
-    for done in (home / f"lineage-r{hello['rank']}", beacon_path(home, hello["rank"])):
-        with contextlib.suppress(OSError):
-            done.unlink()  # the beacon stays held by this process until it exits
+    with contextlib.suppress(OSError):
+        (Path(hello["memory_home"]) / f"lineage-r{hello['rank']}").unlink()
+    _let_go_of_beacon(hello, beacon)
     for folder in (hello["memory_root"], hello["memory_home"]):
         with contextlib.suppress(OSError):
             Path(folder).rmdir()

@@ -51,7 +51,6 @@ from ._errors import InvalidStateError, UnsupportedTensorError
 from ._plan import is_stateful
 from ._skeleton import same_signature, tensor_signatures
 from ._stage import PLAIN_DTYPES
-from ._types import gc_paused
 
 __all__ = ["Layout", "Packed", "Slot", "copy_into", "pack", "unpack"]
 
@@ -254,11 +253,6 @@ def pack(
     :raises UnsupportedTensorError: a DTensor, a sparse, quantized, nested or meta
         tensor.
     """
-    with gc_paused():  # the collector's passes over what this makes cost more than the work
-        return _pack(state, call, last)
-
-
-def _pack(state: Any, call: Callable[[Callable[[], Any]], Any] | None, last: Layout | None) -> Packed:
     buf = io.BytesIO()
     p = _Pickler(buf, call)
     try:

@@ -824,3 +824,22 @@ def test_a_save_whose_numbers_changed_is_handed_over_without_waiting(tmp_path: P
         assert type(got["step"]) is int and type(got["flag"]) is bool
         assert got["lr"][0] == want["lr"][0]
         assert math.copysign(1.0, got["lr"][1]) == -1.0 if step % 2 else math.isnan(got["lr"][1])
+
+
+def test_a_second_checkpointer_is_refused_while_the_first_ones_saver_starts(
+    tmp_path: Path, shm: Path
+) -> None:
+    """The saver starts after ``load_latest()`` and takes over the memory tier's
+    lock (and its beacon) from the trainer: there is no instant at which a
+    second checkpointer finds the tier free."""
+
+    async def run() -> None:
+        tier = MemoryTier(shm_dir=str(shm), start_timeout_s=600)
+        async with asyncsave.Checkpointer(tmp_path, memory=tier) as first:
+            assert await first.load_latest() is None  # its saver starts now, behind
+            with anyio.fail_after(60), pytest.raises(asyncsave.RootInUseError):
+                async with asyncsave.Checkpointer(tmp_path, memory=tier):
+                    pass
+            await (await first.save(1, state_for(1)))  # the first one is unharmed
+
+    anyio.run(run)
