@@ -134,11 +134,14 @@ class SaverLink:
     async def start(self, hello: Any, inherit: Sequence[int] = ()) -> None:
         """:meth:`spawn` the saver (in a worker thread) and send it ``hello``
         first; the reader and the sender (:meth:`run`, which may come first)
-        start on the socket then, the messages posted meanwhile after ``hello``."""
-        await anyio.to_thread.run_sync(self.spawn, inherit)
-        assert self.conn is not None
-        self.conn.send(hello)
-        self._spawned.set()
+        start on the socket then, the messages posted meanwhile after ``hello``.
+        Shielded from cancellation (a few ms): a saver is never left started
+        without its hello."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.spawn, inherit)
+            assert self.conn is not None
+            self.conn.send(hello)
+            self._spawned.set()
 
     async def died(self, when: str) -> SaverDiedError:
         """The error that names how the saver ended (waited for in a worker thread)."""
