@@ -244,6 +244,9 @@ class FsspecFileSystem(LocalFileSystem):
     def unlock(self, fd: int) -> None:
         """Nothing to release (see :meth:`lock`)."""
 
+    def hand_over(self, fd: int) -> None:
+        """Nothing to hand over (see :meth:`lock`)."""
+
     def lock_holder(self, path: Path) -> str | None:
         """``None``: no lock is taken on an object store (see :meth:`lock`), so no
         holder is recorded (and no local file is read for a remote path)."""
