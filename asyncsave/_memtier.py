@@ -93,7 +93,7 @@ from ._options import CheckpointOptions, MemoryTier, Tier
 from ._paths import LAYOUTS
 from ._resume import NearestTiers
 from ._retention import KeepBytes, KeepLast
-from ._saverlink import SaverLink, beacon_path, check_home, orphaned_saver, other_run, unwire
+from ._saverlink import SaverLink, check_home, lock_beacon, orphaned_saver, other_run, unwire
 from ._slots import Layout, Slot, copy_into, pack
 from ._types import CheckpointInfo, Restored
 
@@ -181,37 +181,12 @@ def _no_saver_alive(home: Path, rank: int) -> bool:
     decides, as it always may)."""
     import fcntl
 
-    try:
-        fd = os.open(beacon_path(home, rank), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError:
+    fd = lock_beacon(home, rank, exclusive=True)
+    if fd is None:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return True
-    finally:
-        os.close(fd)
-
-
-def _take_beacon(home: Path, rank: int) -> int | None:
-    """A descriptor holding a shared ``flock`` on ``rank``'s beacon, for the
-    saver to inherit (``None`` where ``flock`` fails: the saver's open then
-    decides alone)."""
-    import fcntl
-
-    try:
-        fd = os.open(beacon_path(home, rank), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    return True
 
 
 def _world() -> tuple[int, int]:
@@ -475,7 +450,9 @@ class MemoryCheckpointer(Checkpointer):
 
         if self._link.pid is not None:
             return
-        beacon = await anyio.to_thread.run_sync(_take_beacon, self._home, self._coord.rank)
+        beacon = await anyio.to_thread.run_sync(
+            functools.partial(lock_beacon, self._home, self._coord.rank, exclusive=False)
+        )
         locks = [fd for fd in self._tier_locks if fd is not None]
         inherit = [fd for fd in (beacon, *locks) if fd is not None]
         self._hello["resumed"] = resumed

@@ -61,7 +61,7 @@ import anyio.abc
 import anyio.to_thread
 import torch
 
-from ._atomicity import CommitStrategy, discard, strategy_for
+from ._atomicity import CommitStrategy, discard, move_aside_durably, strategy_for
 from ._coord import Coordinator, Solo
 from ._dispatch import Stager
 from ._errors import CheckpointerClosedError, CheckpointTimeoutError, SaveFailedError
@@ -315,6 +315,15 @@ class Saver:
     def under_final_lock(self, func: Any, *args: Any) -> Any:
         with self.final_lock:
             return func(*args)
+
+    async def move_aside(self, step: int, path: Path, kind: str, reason: str) -> None:
+        """Forget the committed ``step`` and move its directory ``path`` aside
+        durably, as ``.asyncsave-<kind>-...`` (bytes kept), under the final-name
+        lock (raises what fails)."""
+        self.committed.pop(step, None)
+        await anyio.to_thread.run_sync(
+            self.under_final_lock, move_aside_durably, self.fs, self.root, path, kind, step, reason
+        )
 
     async def discard(self, tmp: Path | None) -> None:
         if tmp is None:

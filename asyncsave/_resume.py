@@ -363,17 +363,7 @@ class SaverTiers(NearestTiers):
     async def failed(self, where: str, step: int, path: Path, own: str | None) -> None:
         saver = self.saver
         if where == "local" and (saver.coord.world_size == 1 or saver.per_rank) and own:
-            saver.committed.pop(step, None)
-            await anyio.to_thread.run_sync(
-                saver.under_final_lock,
-                move_aside_durably,
-                saver.fs,
-                saver.root,
-                path,
-                "damaged",
-                step,
-                own,
-            )
+            await saver.move_aside(step, path, "damaged", own)
 
     def resumed(self, where: str, step: int) -> None:
         protect_resumed(self.saver, step, local=where == "local")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import pickle
 import re
 import signal
@@ -43,6 +44,7 @@ __all__ = [
     "SaverLink",
     "beacon_path",
     "check_home",
+    "lock_beacon",
     "orphaned_saver",
     "other_run",
     "unwire",
@@ -347,6 +349,24 @@ def beacon_path(home: Path, rank: int) -> Path:
     that can lock it exclusively knows that no saver of that rank, a dead
     trainer's included, is still committing into the memory tier."""
     return home / f"saver-r{rank}.lock"
+
+
+def lock_beacon(home: Path, rank: int, *, exclusive: bool) -> int | None:
+    """A descriptor holding ``rank``'s beacon (:func:`beacon_path`) locked
+    shared, or exclusively without waiting (no saver of the rank alive);
+    ``None`` when it cannot be had (held by a saver, or no ``flock`` here)."""
+    import fcntl
+
+    try:
+        fd = os.open(beacon_path(home, rank), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def other_run(home: Path, rank: int, tier: Path, lineage: str) -> tuple[bool, str | None]:

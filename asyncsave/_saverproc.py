@@ -39,7 +39,7 @@ from typing import Any
 
 import anyio
 
-from ._saverlink import beacon_path, orphaned_saver, other_run, wire_error
+from ._saverlink import beacon_path, lock_beacon, orphaned_saver, other_run, wire_error
 
 logger = logging.getLogger("asyncsave")
 
@@ -311,18 +311,13 @@ def _hold_beacon(hello: dict[str, Any]) -> int | None:
     """This saver's beacon (``beacon_path``): the descriptor inherited from the
     trainer, or, from an older trainer, one taken now. Held until the process
     ends, however it ends."""
-    import fcntl
 
     inherited = (hello.get("inherited") or {}).get("beacon")
     if inherited is not None:
         return int(inherited)
-    path = beacon_path(Path(hello["memory_home"]), hello["rank"])
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-    except OSError as exc:  # no flock here: trainers then always wait for this saver
-        logger.warning("asyncsave saver: cannot hold its beacon: %s", exc)
-        return None
+    fd = lock_beacon(Path(hello["memory_home"]), hello["rank"], exclusive=False)
+    if fd is None:  # no flock here: trainers then always wait for this saver
+        logger.warning("asyncsave saver: cannot hold its beacon in %s", hello["memory_home"])
     return fd
 
 

@@ -73,7 +73,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from ._atomicity import CommitStrategy, discard, move_aside_durably, strategy_for
+from ._atomicity import CommitStrategy, discard, strategy_for
 from ._catalog import read_checkpoint
 from ._commit import lock_root, recover
 from ._coord import Coordinator, GlooGroup, Solo, Turns
@@ -316,16 +316,10 @@ class Persister:
         common = set(views[0]).intersection(*views[1:])
         partial = sorted(set(saver.committed) - common)
         for step in partial:
-            del saver.committed[step]
-            path = saver.root / self.layout.dir_name(step)
-            await anyio.to_thread.run_sync(
-                saver.under_final_lock,
-                move_aside_durably,
-                saver.fs,
-                saver.root,
-                path,
-                "partial",
+            await saver.move_aside(
                 step,
+                saver.root / self.layout.dir_name(step),
+                "partial",
                 "a local part of a step not every rank has committed",
             )
 
