@@ -539,4 +539,3 @@ def discard(
         logger.warning("%s failed to remove %s (%s): %r", by, path, retry, exc)
         return False
     return True
-

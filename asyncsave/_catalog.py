@@ -518,7 +518,6 @@ def latest(
     return resolve(fs, path, LAYOUTS[layout], fallback=fallback, reader=True)
 
 
-
 def committed_steps(fs: LocalFileSystem, root: Path, layout: Layout) -> dict[int, Path]:
     """The committed checkpoints under ``root`` by step (under a final name, and
     on object stores with their commit marker); their bytes are not checked."""

@@ -295,9 +295,7 @@ class Recovered:
     damaged: list[Path]  # damaged checkpoints, moved aside (kept for inspection)
 
 
-def recover(
-    fs: LocalFileSystem, root: Path, layout: Layout, *, forward: bool = True
-) -> Recovered:
+def recover(fs: LocalFileSystem, root: Path, layout: Layout, *, forward: bool = True) -> Recovered:
     """Bring ``root`` to a clean state when a checkpointer opens.
 
     Removes temporary files and directories of saves that never committed (its own

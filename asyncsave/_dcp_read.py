@@ -326,8 +326,7 @@ class TemplateLoad:
         if isinstance(md, BytesStorageMetadata):
             if isinstance(leaf, torch.Tensor):
                 raise InvalidStateError(
-                    f"{key_str(real)!r}: the template holds a tensor, {self.path} a "
-                    "plain value",
+                    f"{key_str(real)!r}: the template holds a tensor, {self.path} a plain value",
                     path=self.path,
                     key=key_str(real),
                 )

@@ -481,9 +481,7 @@ class FollowingJob(PlainJob):
 
     mode = "following"
 
-    def __init__(
-        self, plan: Plan, layouts: list[FileLayout], nbytes: int, *, always: bool
-    ) -> None:
+    def __init__(self, plan: Plan, layouts: list[FileLayout], nbytes: int, *, always: bool) -> None:
         super().__init__(plan, layouts, nbytes)
         self.always = always
 
@@ -492,10 +490,7 @@ class FollowingJob(PlainJob):
         ``overlap_writes=True``) when no save dispatched before it is still
         unresolved (its writes and commit would compete with these for the
         writer threads and the disk: it is staged, then written, as before)."""
-        return (
-            (self.always or self.lazy)
-            and _none_unfinished_before(saver.pending, step)
-        )
+        return (self.always or self.lazy) and _none_unfinished_before(saver.pending, step)
 
     async def _stage_all(self, saver: Services, step: int, make_tmp: Any) -> None:
         if not self.follows(saver, step):
@@ -730,7 +725,9 @@ class _IncrementalStaging:
         self.job, self.saver, self.step, self.tmp = job, saver, step, tmp
         self.reuse, self.entries = job.reuse, job.plan.entries
         job.report = self.report = Report()
-        self.hashed = {fl.index for fl in job.layouts if self.reuse.worth_prelinking(fl, self.entries)}
+        self.hashed = {
+            fl.index for fl in job.layouts if self.reuse.worth_prelinking(fl, self.entries)
+        }
         self.now = [fl for fl in job.layouts if fl.index not in self.hashed]
         self.todo = collections.deque(fl for fl in job.layouts if fl.index in self.hashed)
         self.by_file: dict[int, list[Entry]] = {}  # each file's entries
@@ -749,9 +746,7 @@ class _IncrementalStaging:
         self.workers = min(saver.options.writer_threads, len(self.todo))
         self.hashers = anyio.CapacityLimiter(max(1, self.workers))
         # The early writes' threads: more than the writer threads (see EARLY_WRITE_THREADS).
-        self.threads = anyio.CapacityLimiter(
-            max(saver.options.writer_threads, EARLY_WRITE_THREADS)
-        )
+        self.threads = anyio.CapacityLimiter(max(saver.options.writer_threads, EARLY_WRITE_THREADS))
         # The base the early writes compare with, read while staging (10-15 ms
         # for the bench's state: its manifest), not before their first write.
         self.found: list[Base | None] = []
@@ -805,9 +800,7 @@ class _IncrementalStaging:
         try:
             with anyio.move_on_after(max(0.0, deadline - anyio.current_time())) as scope:
                 self.found.append(
-                    await saver.run(
-                        self.reuse.find_base, saver.fs, self.tmp, limiter=self.threads
-                    )
+                    await saver.run(self.reuse.find_base, saver.fs, self.tmp, limiter=self.threads)
                 )
             if scope.cancelled_caught:
                 raise CheckpointTimeoutError(
@@ -996,7 +989,6 @@ class _EarlyWrites:
             self.error = exc
         finally:
             self.done.set()
-
 
 
 async def write_files(

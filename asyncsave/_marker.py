@@ -60,4 +60,3 @@ def commit(fs: LocalFileSystem, final: Path) -> None:
     """Write the commit marker into ``final``: after this returns, the checkpoint is
     committed. Every other file of the checkpoint must be complete before."""
     write_bytes(fs, final / COMMIT_MARKER_NAME, f"committed {final}\n".encode())
-

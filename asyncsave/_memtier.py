@@ -111,33 +111,65 @@ _GROW = 1.25  # headroom of grown slots
 #: refused). ``refused`` rows raise :class:`UnsupportedCombinationError`.
 ROWS: tuple[tuple[str, str, str], ...] = (
     ("one rank", "supported", "one saver process"),
-    ("several ranks", "supported",
-     "one saver per rank; the savers agree each commit on a gloo group of their own, "
-     "and each rank's snapshots live in its node's memory (`local_scope=\"rank\"`)"),
-    ("eager save", "supported", "returns once the snapshot is in shared memory and the saver has it"),
-    ("lazy save", "supported",
-     "returns once planned; the copy into shared memory runs behind, "
-     "`staged()` waits for it; a trainer that dies before it ends loses that save"),
-    ("CUDA tensors", "supported", "copied device-to-host into the slot, registered as pinned memory"),
+    (
+        "several ranks",
+        "supported",
+        "one saver per rank; the savers agree each commit on a gloo group of their own, "
+        "and each rank's snapshots live in its node's memory (`local_scope=\"rank\"`)",
+    ),
+    (
+        "eager save",
+        "supported",
+        "returns once the snapshot is in shared memory and the saver has it",
+    ),
+    (
+        "lazy save",
+        "supported",
+        "returns once planned; the copy into shared memory runs behind, "
+        "`staged()` waits for it; a trainer that dies before it ends loses that save",
+    ),
+    (
+        "CUDA tensors",
+        "supported",
+        "copied device-to-host into the slot, registered as pinned memory",
+    ),
     ("`retention=`", "supported", "applies to `root` (the persistent tier)"),
-    ("`layout=`, `save_step_zero=`, `allow_pickle=`, timeouts, `writer_threads=`", "supported",
-     "passed to the saver's checkpointer"),
+    (
+        "`layout=`, `save_step_zero=`, `allow_pickle=`, timeouts, `writer_threads=`",
+        "supported",
+        "passed to the saver's checkpointer",
+    ),
     ("object-store `root`", "supported", "the saver persists there (commit marker)"),
     ("`budget_bytes=`", "supported", "the saver's own staging buffer"),
-    ("`persistent=`", "refused",
-     "the memory tier's persistent tier is `root` itself: a third tier behind it "
-     "is not built yet; make `root` the shared file system or object store"),
-    ("`incremental=True`", "refused",
-     "incremental saves hash against the previous checkpoint of the same root; "
-     "with a memory tier that root is in memory, where sharing files saves nothing"),
+    (
+        "`persistent=`",
+        "refused",
+        "the memory tier's persistent tier is `root` itself: a third tier behind it "
+        "is not built yet; make `root` the shared file system or object store",
+    ),
+    (
+        "`incremental=True`",
+        "refused",
+        "incremental saves hash against the previous checkpoint of the same root; "
+        "with a memory tier that root is in memory, where sharing files saves nothing",
+    ),
     ("`coordinator=`", "refused", "the saver processes need real ranks (torch.distributed)"),
-    ("DTensor state", "refused",
-     "DTensor state goes through DCP's planner in the trainer's process group; "
-     "save per-rank state, or use asyncsave.dcp without a memory tier"),
-    ("`update()`", "refused",
-     "rewriting one item happens in the saver's checkpointer; not exposed yet"),
-    ("`SyncCheckpointer`", "refused",
-     "use `Checkpointer` (an async pump) with a memory tier; a synchronous facade is not built yet"),
+    (
+        "DTensor state",
+        "refused",
+        "DTensor state goes through DCP's planner in the trainer's process group; "
+        "save per-rank state, or use asyncsave.dcp without a memory tier",
+    ),
+    (
+        "`update()`",
+        "refused",
+        "rewriting one item happens in the saver's checkpointer; not exposed yet",
+    ),
+    (
+        "`SyncCheckpointer`",
+        "refused",
+        "use `Checkpointer` (an async pump) with a memory tier; a synchronous facade is not built yet",
+    ),
 )
 
 
@@ -325,7 +357,9 @@ class MemoryCheckpointer(Checkpointer):
             local_scope="rank" if world > 1 else "shared",
             timeout_s=o.save_timeout_s,
         )
-        keep = KeepLast(2) if self.memory.budget_bytes is None else KeepBytes(self.memory.budget_bytes)
+        keep = (
+            KeepLast(2) if self.memory.budget_bytes is None else KeepBytes(self.memory.budget_bytes)
+        )
         return dataclasses.replace(
             o,
             memory=None,
@@ -404,7 +438,11 @@ class MemoryCheckpointer(Checkpointer):
         if all(await self._coord.map_reduce("memory-tier-alone", None, alone)):
             # Held until the saver takes it over: a second checkpointer is refused.
             held = await self._coord.map_reduce(
-                "memory-tier-lock", None, self._lock_tier, doing="lock of the memory tier by", own=True
+                "memory-tier-lock",
+                None,
+                self._lock_tier,
+                doing="lock of the memory tier by",
+                own=True,
             )
             if all(held):
                 return
@@ -548,7 +586,9 @@ class MemoryCheckpointer(Checkpointer):
             handle = self._handles.get(msg[1])
             if handle is not None:
                 for category, text in msg[2]:
-                    logger.warning("asyncsave (save of step %d): %s: %s", handle.step, category, text)
+                    logger.warning(
+                        "asyncsave (save of step %d): %s: %s", handle.step, category, text
+                    )
                 self._admit(msg[1], handle, msg[3], msg[4])
         elif kind == "free":
             self._free.add(msg[1])
@@ -640,7 +680,9 @@ class MemoryCheckpointer(Checkpointer):
             if not self._slots or (self._slots[0].capacity < nbytes and len(self._free) == _SLOTS):
                 await self._make_slots(nbytes)
                 continue
-            await self._until(lambda: bool(self._free) or self._broken is not None, "with a free slot")
+            await self._until(
+                lambda: bool(self._free) or self._broken is not None, "with a free slot"
+            )
 
     async def _make_slots(self, nbytes: int) -> None:
         old = self._slots[0].capacity if self._slots else 0
@@ -713,7 +755,9 @@ class MemoryCheckpointer(Checkpointer):
         handle._progress.total_bytes = packed.nbytes
         if not lazy:
             try:
-                notes = await self._hand_over(seq, step, index, packed, handle, overwrite, training_info)
+                notes = await self._hand_over(
+                    seq, step, index, packed, handle, overwrite, training_info
+                )
             finally:
                 self._order.release()
             for category, text in notes:
@@ -724,7 +768,9 @@ class MemoryCheckpointer(Checkpointer):
 
         async def behind() -> None:
             try:
-                notes = await self._hand_over(seq, step, index, packed, handle, overwrite, training_info)
+                notes = await self._hand_over(
+                    seq, step, index, packed, handle, overwrite, training_info
+                )
                 for category, text in notes:
                     logger.warning("asyncsave (lazy save of step %d): %s: %s", step, category, text)
             except SaveFailedError as exc:  # the saver broke: so does the checkpointer
@@ -763,7 +809,18 @@ class MemoryCheckpointer(Checkpointer):
         known = packed.layout is self._sent_layout
         self._sent_layout = packed.layout
         layout = (None, None) if known else (packed.layout.refs, packed.layout.spans)
-        msg = ("save", seq, step, index, packed.tree, packed.numbers, *layout, overwrite, training_info, early)
+        msg = (
+            "save",
+            seq,
+            step,
+            index,
+            packed.tree,
+            packed.numbers,
+            *layout,
+            overwrite,
+            training_info,
+            early,
+        )
         if early:
             # The saver's save() cannot refuse it: once the message is in the
             # saver's socket (delivered even if this process dies now), the save
@@ -873,7 +930,9 @@ class MemoryCheckpointer(Checkpointer):
         from ._template import apply_template, warned
 
         if self._phase != "open":
-            raise CheckpointerClosedError("load_latest() needs an open Checkpointer", path=self.root)
+            raise CheckpointerClosedError(
+                "load_latest() needs an open Checkpointer", path=self.root
+            )
         async with self._start_lock:  # a save() meanwhile waits: nothing starts the saver
             done = None
             if self._link.pid is None and self._start_error is None:
@@ -884,7 +943,11 @@ class MemoryCheckpointer(Checkpointer):
             return warned(done, 3)
         await self._started()
         found = await self._link.ask(
-            "load", fallback, list(required), timeout_s=self.options.save_timeout_s, what="load_latest()"
+            "load",
+            fallback,
+            list(required),
+            timeout_s=self.options.save_timeout_s,
+            what="load_latest()",
         )
         if isinstance(found, BaseException):
             raise found
@@ -962,7 +1025,9 @@ class MemoryCheckpointer(Checkpointer):
         rank, world = self._coord.rank, self._coord.world_size
         fs = self.options.filesystem
         if world > 1:
-            return load_rank(path, rank, world, device=device, allow_pickle=pickle_ok, filesystem=fs)
+            return load_rank(
+                path, rank, world, device=device, allow_pickle=pickle_ok, filesystem=fs
+            )
         return load(  # read again from the root: verified again (cheap beside the I/O)
             path,
             device=device,
@@ -1016,9 +1081,7 @@ class MemoryCheckpointer(Checkpointer):
                     except Exception as exc:  # it exited: nothing to close
                         started, error = False, exc
                     if started and self._link.lost is None:
-                        error = await self._link.ask(
-                            "close", timeout_s=math.inf, what="close"
-                        )
+                        error = await self._link.ask("close", timeout_s=math.inf, what="close")
             except TimeoutError:
                 waited = False
                 error = CheckpointTimeoutError(
@@ -1042,7 +1105,9 @@ class MemoryCheckpointer(Checkpointer):
             handle._persist_done(None, closed)
         failure = self._broken or error
         if failure is not None and not isinstance(failure, SaveFailedError):
-            wrapped = SaveFailedError(f"closing the memory tier failed: {failure!r}", path=self.root)
+            wrapped = SaveFailedError(
+                f"closing the memory tier failed: {failure!r}", path=self.root
+            )
             wrapped.__cause__ = failure if isinstance(failure, BaseException) else None
             failure = wrapped
         return failure

@@ -339,9 +339,7 @@ class CheckpointOptions:
         if self.incremental not in (True, False):
             raise ValueError(f"incremental={self.incremental!r} must be True or False")
         if self.overlap_writes not in (None, True, False):
-            raise ValueError(
-                f"overlap_writes={self.overlap_writes!r} must be None, True or False"
-            )
+            raise ValueError(f"overlap_writes={self.overlap_writes!r} must be None, True or False")
         if self.distributed not in (None, True, False):
             raise ValueError(f"distributed={self.distributed!r} must be None, True or False")
         for name in ("save_timeout_s", "close_timeout_s", "poll_interval_s", "dist_timeout_s"):

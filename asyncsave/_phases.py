@@ -358,6 +358,7 @@ class Pipeline:
 
     async def _hear_commit(self, outcome: Outcome) -> Outcome:
         """Every rank hears the leader's outcome."""
+
         async def told() -> Outcome:
             return outcome
 
@@ -399,9 +400,7 @@ class Pipeline:
                 raise error
             assert outcome is None
 
-        await self.coord.map_reduce(
-            "commit", self.step, committed, doing="the local commit of"
-        )
+        await self.coord.map_reduce("commit", self.step, committed, doing="the local commit of")
 
     async def _committed_on_disk(self) -> bool:
         """A rank that lost the leader after phase B: did the rename happen?

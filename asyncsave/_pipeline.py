@@ -294,9 +294,7 @@ class Saver:
         return None if self.tracker is None else self.tracker.highest
 
     # -- worker threads -----------------------------------------------------------
-    async def run(
-        self, func: Any, *args: Any, limiter: anyio.CapacityLimiter | None = None
-    ) -> Any:
+    async def run(self, func: Any, *args: Any, limiter: anyio.CapacityLimiter | None = None) -> Any:
         """Blocking I/O in a worker thread (one of ``writer_threads``, or of
         ``limiter``); a thread stuck past the save's deadline is abandoned. Threads that rename or remove final directories (commit,
         retention, update) hold ``final_lock`` while they do, so an abandoned one

@@ -95,6 +95,7 @@ _PartRef = tuple[int, int, int, int]
 # (one writing while the next stages) reuse theirs.
 POOLED_ENTRY_SETS = 2
 
+
 def leaf_signature(leaves: list[TensorLeaf]) -> list[tuple[Any, ...]]:
     """One tuple per tensor leaf naming everything the plan depends on (see
     :func:`~asyncsave._plan.tensor_signature`; a pickled leaf, always a fresh

@@ -436,7 +436,9 @@ async def resume_nearest(
         read: dict[str, Any] = {}  # this rank's state, or its error
         attempt = functools.partial(
             _try_read,
-            functools.partial(reader, device=device, allow_pickle=tiers.allow_pickle, filesystem=fs),
+            functools.partial(
+                reader, device=device, allow_pickle=tiers.allow_pickle, filesystem=fs
+            ),
             read,
         )
         outcomes = await coord.map_reduce(
@@ -511,4 +513,3 @@ async def _try_read(reader: Any, out: dict[str, Any]) -> str | None:
 
 def _info(fs: LocalFileSystem, path: Path) -> CheckpointInfo:
     return info_of(path, read_checkpoint(fs, path))
-

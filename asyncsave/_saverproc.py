@@ -389,7 +389,9 @@ async def _main(conn: Connection) -> int:
         if closing:
             wire.send("closed", close_id, None if error is None else wire_error(error))
         elif error is not None:  # nobody else will hear of it
-            logger.error("the saves handed over by the dead trainer did not all end well: %r", error)
+            logger.error(
+                "the saves handed over by the dead trainer did not all end well: %r", error
+            )
     if hello["world_size"] > 1:
         import torch.distributed as dist
 

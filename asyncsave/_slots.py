@@ -157,7 +157,11 @@ class Slot:
             os.close(fd)
         view = memoryview(self.map) if self.map is not None else memoryview(bytearray())
         self.view = view
-        self.buffer = torch.frombuffer(view, dtype=torch.uint8) if capacity else torch.empty(0, dtype=torch.uint8)
+        self.buffer = (
+            torch.frombuffer(view, dtype=torch.uint8)
+            if capacity
+            else torch.empty(0, dtype=torch.uint8)
+        )
         self.pinned = False
         if pin and torch.cuda.is_available() and capacity:
             err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), capacity, 0)
@@ -294,7 +298,9 @@ def _sources(layout: Layout, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _layout(tensors: list[torch.Tensor], signatures: list[Any] | None) -> Layout:
     strided, parameter = torch.strided, torch.nn.Parameter
-    spans: dict[Any, list[Any]] = {}  # (device, storage pointer) -> [lo, hi, tensor index, span, count]
+    spans: dict[
+        Any, list[Any]
+    ] = {}  # (device, storage pointer) -> [lo, hi, tensor index, span, count]
     metas = []
     for i, t in enumerate(tensors):
         if t.layout != strided or t.is_quantized or t.is_nested or type(t).__name__ == "DTensor":
@@ -323,7 +329,9 @@ def _layout(tensors: list[torch.Tensor], signatures: list[Any] | None) -> Layout
                 span[0] = lo
             if hi > span[1]:
                 span[1] = hi
-        metas.append((key, lo, isz, t.dtype, tuple(shape), stride, isinstance(t, parameter), t.requires_grad))
+        metas.append(
+            (key, lo, isz, t.dtype, tuple(shape), stride, isinstance(t, parameter), t.requires_grad)
+        )
     placed: list[tuple[int, int]] = []  # (slot offset, bytes) per span
     copies: list[tuple[int, int, int, int]] = []
     whole: list[bool] = []
@@ -364,7 +372,9 @@ def copy_into(packed: Packed, slot: Slot) -> None:
     :raises ValueError: the slot is smaller than the state.
     """
     if packed.nbytes > slot.capacity:
-        raise ValueError(f"a state of {packed.nbytes} bytes does not fit a {slot.capacity}-byte slot")
+        raise ValueError(
+            f"a state of {packed.nbytes} bytes does not fit a {slot.capacity}-byte slot"
+        )
     dsts = packed.layout.destinations(slot, packed.sources)
     with torch.no_grad():  # a source may be a parameter: no graph for the copies
         if packed.layout.host_only:
@@ -393,7 +403,9 @@ def _copy(dsts: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, numbers: list[Any], refs: list[TensorRef], storages: list[Any]) -> None:
+    def __init__(
+        self, file: Any, numbers: list[Any], refs: list[TensorRef], storages: list[Any]
+    ) -> None:
         super().__init__(file)
         self.numbers = numbers
         self.refs = refs

@@ -256,8 +256,10 @@ class Persister:
         )
         if isinstance(self.root, Path) and isinstance(saver.root, Path):
             mine, local = self.root.resolve(), saver.root.resolve()
-            if mine == local or _clashes(mine, local, self.layout) or _clashes(
-                local, mine, self.layout
+            if (
+                mine == local
+                or _clashes(mine, local, self.layout)
+                or _clashes(local, mine, self.layout)
             ):
                 where = "" if mine == local else "inside or around "
                 raise ValueError(
@@ -350,7 +352,9 @@ class Persister:
         self.copier.committed = {s: self.root / self.layout.dir_name(s) for s in committed}
         if self.layout.tracker_name is not None and self.copier.coord.leader:
             baseline = max([s for s in (tracked, *committed) if s is not None], default=None)
-            self.copier.tracker = TrackerWriter(self.fs, self.root / self.layout.tracker_name, baseline)
+            self.copier.tracker = TrackerWriter(
+                self.fs, self.root / self.layout.tracker_name, baseline
+            )
 
     async def persist_newest(self) -> int | None:
         """Queue the newest local checkpoint for the persistent tier, whatever
@@ -555,6 +559,7 @@ class Persister:
             assert self._slots is not None
             self._slots.release()
             self._turns.end(turn)
+
 
 class Copier:
     """The copy of committed local checkpoints to the persistent root, in the

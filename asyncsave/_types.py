@@ -11,7 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
-__all__ = ["CheckpointInfo", "Restored", "SaveProgress", "Tagged", "gc_paused", "release_in_chunks", "release_nested"]
+__all__ = [
+    "CheckpointInfo",
+    "Restored",
+    "SaveProgress",
+    "Tagged",
+    "gc_paused",
+    "release_in_chunks",
+    "release_nested",
+]
 
 
 # Held by the one call whose pause of the collector is in force (see gc_paused).
@@ -99,7 +107,6 @@ def release_nested(obj: Any) -> None:
 T = TypeVar("T")
 
 
-
 class Phase(str, enum.Enum):
     """A checkpointer's lifecycle: ``new`` (made, not entered), ``open`` (entered:
     saves are admitted), ``closing`` (leaving: pending saves are flushed, none is
@@ -115,6 +122,7 @@ class Phase(str, enum.Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointInfo:

@@ -51,7 +51,10 @@ def same(a: Any, b: Any) -> bool:
             isinstance(b, torch.Tensor)
             and a.dtype == b.dtype
             and a.shape == b.shape
-            and torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a, b.view(torch.uint8) if b.dtype != torch.bool else b)
+            and torch.equal(
+                a.view(torch.uint8) if a.dtype != torch.bool else a,
+                b.view(torch.uint8) if b.dtype != torch.bool else b,
+            )
         )
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
@@ -84,4 +87,11 @@ def rank_main(rank: int, world_size: int, root: str, shm: str, steps: list[int],
 
 if __name__ == "__main__":
     root, shm, steps, out = sys.argv[1:5]
-    anyio.run(save_steps, root, shm, [int(s) for s in steps.split(",")], Path(out), sys.argv[5:] == ["hold"])
+    anyio.run(
+        save_steps,
+        root,
+        shm,
+        [int(s) for s in steps.split(",")],
+        Path(out),
+        sys.argv[5:] == ["hold"],
+    )

@@ -38,7 +38,11 @@ ASKS: dict[str, dict[str, Any]] = {
     "plain": {"overlap_writes": False, "direct_io": False},
     "overlap_writes=True": {"overlap_writes": True, "direct_io": False},
     "overlap_writes=None, lazy save": {"overlap_writes": None, "direct_io": False},
-    "state over budget_bytes": {"overlap_writes": False, "direct_io": False, "budget_bytes": 8 << 20},
+    "state over budget_bytes": {
+        "overlap_writes": False,
+        "direct_io": False,
+        "budget_bytes": 8 << 20,
+    },
     "incremental=True": {"overlap_writes": False, "direct_io": False, "incremental": True},
     "direct_io=True": {"overlap_writes": False, "direct_io": True},
 }
@@ -90,7 +94,9 @@ async def _factory(option: str, ctx: Context, tmp_path: Path) -> _jobs.PlainJob:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("row", _combine.ROWS, ids=lambda r: f"{r.option}|{r.ranks}|{r.storage}|{r.device}")
+@pytest.mark.parametrize(
+    "row", _combine.ROWS, ids=lambda r: f"{r.option}|{r.ranks}|{r.storage}|{r.device}"
+)
 async def test_every_row_of_the_table_is_what_the_factory_does(row: Row, tmp_path: Path) -> None:
     """Each row, in a context it answers: a supported row gives the job class of
     its mode (or, where the option picks no mode, a whole save); a refused row is
@@ -223,4 +229,6 @@ def test_the_tiers_page_holds_the_table_of_what_combines_with_a_memory_tier() ->
     page = (DOCS.parent / "tiers.md").read_text()
     assert _memtier.markdown() in page
     refused = [o for o, verdict, _ in _memtier.ROWS if verdict == "refused"]
-    assert refused and all(isinstance(_memtier.refusal(o), asyncsave.UnsupportedCombinationError) for o in refused)
+    assert refused and all(
+        isinstance(_memtier.refusal(o), asyncsave.UnsupportedCombinationError) for o in refused
+    )

@@ -564,7 +564,9 @@ def test_the_files_gathered_from_another_ranks_directory_are_moved_durably(
     root = tmp_path / "run"
     events, _ = values(run_ranks(_gather_on_two_ranks, 2, tmp_path, str(root)))
     moved_from = {d for kind, d in events if kind == "rename-from" and ".asyncsave-tmp" in d}
-    commit = next(i for i, (kind, d) in enumerate(events) if kind == "rename-from" and d == str(root))
+    commit = next(
+        i for i, (kind, d) in enumerate(events) if kind == "rename-from" and d == str(root)
+    )
     assert len(moved_from) == 1, events  # rank 1's own directory
     (other,) = moved_from
     last_move = max(i for i, (kind, d) in enumerate(events) if (kind, d) == ("rename-from", other))

@@ -143,14 +143,34 @@ def test_load_latest_of_a_dcp_checkpoint_refuses_before_changing_anything(
     _save_dcp(tmp_path, 7, state)
     cases: list[tuple[Any, dict[str, Any], type[Exception], str]] = [
         # a key the checkpoint lacks
-        ({"model": {"w": torch.zeros(4, 3), "gone": torch.zeros(2)}}, {}, asyncsave.MissingItemError, "model/gone"),
+        (
+            {"model": {"w": torch.zeros(4, 3), "gone": torch.zeros(2)}},
+            {},
+            asyncsave.MissingItemError,
+            "model/gone",
+        ),
         # another global shape, another dtype
         ({"model": {"w": torch.zeros(3, 4)}}, {}, asyncsave.InvalidStateError, "model/w"),
-        ({"model": {"b": torch.zeros(3, dtype=torch.float64)}}, {}, asyncsave.InvalidStateError, "model/b"),
+        (
+            {"model": {"b": torch.zeros(3, dtype=torch.float64)}},
+            {},
+            asyncsave.InvalidStateError,
+            "model/b",
+        ),
         # a tensor where a plain value was saved
-        ({"model": {"w": torch.zeros(4, 3)}, "trainer": {"step": torch.zeros(())}}, {}, asyncsave.InvalidStateError, "trainer/step"),
+        (
+            {"model": {"w": torch.zeros(4, 3)}, "trainer": {"step": torch.zeros(())}},
+            {},
+            asyncsave.InvalidStateError,
+            "trainer/step",
+        ),
         # required items are checked against the checkpoint, not the template
-        ({"model": {"w": torch.zeros(4, 3)}}, {"required": ["trainer/rng"]}, asyncsave.MissingItemError, "trainer/rng"),
+        (
+            {"model": {"w": torch.zeros(4, 3)}},
+            {"required": ["trainer/rng"]},
+            asyncsave.MissingItemError,
+            "trainer/rng",
+        ),
         # no template: DTensor state needs the tensors that say how it is sharded
         (None, {}, asyncsave.UnsupportedFormatError, "template"),
     ]
@@ -286,9 +306,7 @@ def test_cli_lists_the_tensors_and_keys_of_a_dcp_checkpoint(tmp_path: Path) -> N
 
 def _model(world: int, seed: int, shard: bool = True) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)
-    )
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     if shard:
         from torch.distributed.fsdp import fully_shard
 
@@ -363,7 +381,11 @@ def _save_and_resume_on_two(rank: int, world: int, root: str) -> dict[str, Any]:
             for step in (1, 2, 3):
                 _train(model, opt, step)
                 if step >= 2:
-                    await (await ckpt.save(step, {"model": model, "optim": opt, "trainer": {"step": step}}))
+                    await (
+                        await ckpt.save(
+                            step, {"model": model, "optim": opt, "trainer": {"step": step}}
+                        )
+                    )
                     seen[step] = _snapshot(model, opt)
         damaged = root + "-damaged"
         if rank == 0:

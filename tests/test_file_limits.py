@@ -142,8 +142,10 @@ def _incremental_under_the_limit(rank: int, world: int, root: str) -> dict[str, 
         out["verify"] = asyncsave.verify(path).step
         whole = asyncsave.load(path)
         expected = [state_of(r, count, 1) for r in range(world)]
-        out["load"] = same(whole, expected[0]) if world == 1 else all(
-            same(whole[r], expected[r]) for r in range(world)
+        out["load"] = (
+            same(whole, expected[0])
+            if world == 1
+            else all(same(whole[r], expected[r]) for r in range(world))
         )
         last = world - 1  # the last rank's tensors, by key
         keys = [f"layers/r{last}w{i}" for i in range(count)]
@@ -182,8 +184,13 @@ def test_the_asyncsave_command_verifies_and_inspects_2000_files_under_ulimit_256
     path = root / "step_2"
     for verb in ("verify", "inspect"):
         done = subprocess.run(
-            ["bash", "-c", f'ulimit -n {FD_LIMIT} && exec "$0" -m asyncsave {verb} "$1"',
-             sys.executable, str(path)],
+            [
+                "bash",
+                "-c",
+                f'ulimit -n {FD_LIMIT} && exec "$0" -m asyncsave {verb} "$1"',
+                sys.executable,
+                str(path),
+            ],
             capture_output=True,
             text=True,
             timeout=300,

@@ -97,7 +97,11 @@ async def stuck_case(root: Path, at: int, timeout_s: float, options: dict[str, A
         with anyio.fail_after(HANG_GUARD_S):
             with pytest.raises(asyncsave.CheckpointTimeoutError) as at_close:
                 async with asyncsave.Checkpointer(
-                    root, filesystem=fs, save_timeout_s=timeout_s, close_timeout_s=timeout_s, **options
+                    root,
+                    filesystem=fs,
+                    save_timeout_s=timeout_s,
+                    close_timeout_s=timeout_s,
+                    **options,
                 ) as ckpt:
                     await (await ckpt.save(1, state_of(1)))
                     handle = await ckpt.save(2, state_of(2))

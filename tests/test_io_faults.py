@@ -110,9 +110,7 @@ def check_after_failure(root: Path, expect_cause_errno: int) -> None:
     assert not leftovers, leftovers
 
 
-async def fail_one(
-    root: Path, at: int, code: int, short: bool, **options: Any
-) -> tuple[str, str]:
+async def fail_one(root: Path, at: int, code: int, short: bool, **options: Any) -> tuple[str, str]:
     fs = FaultFS(root, at, code, short=short)
     ckpt = asyncsave.Checkpointer(root, filesystem=fs, **options)
     with anyio.fail_after(60):  # a hang detector, not a timing assertion

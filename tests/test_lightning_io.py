@@ -680,7 +680,11 @@ def test_ddp_spawn_on_two_ranks_saves_with_options_as_with_keywords(
 @pytest.mark.parametrize("where", ["local", "memory"])
 @pytest.mark.parametrize("fail_after_bytes", [0, 1, 600, 10_000])
 def test_a_save_that_fails_mid_write_leaves_the_previous_file_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, memory_url: str, where: str, fail_after_bytes: int
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    memory_url: str,
+    where: str,
+    fail_after_bytes: int,
 ) -> None:
     """A write that fails after any number of bytes leaves the path's previous
     ``.ckpt`` as it was, on a local directory and on an fsspec store whose files

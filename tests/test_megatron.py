@@ -275,7 +275,6 @@ def test_megatron_request_of_cuda_tensors_one_rank(tmp_path: Path) -> None:
     assert torch.equal(out["w"], weights(0)["w"]) and torch.equal(out["b"], weights(0)["b"])
 
 
-
 def _prepare_on_a_full_disk(rank: int, world: int, root: str) -> dict[str, Any]:
     import errno
 

@@ -82,7 +82,9 @@ def _wait_file(path: Path, proc: Any = None, timeout_s: float = 120.0) -> None:
         time.sleep(0.02)
 
 
-def _child(root: Path, shm: Path, steps: str, out: Path, *, hold: bool, pause: str | None = None) -> Any:
+def _child(
+    root: Path, shm: Path, steps: str, out: Path, *, hold: bool, pause: str | None = None
+) -> Any:
     env = dict(os.environ)
     env.pop(PAUSE_ENV, None)
     if pause is not None:
@@ -200,7 +202,9 @@ def test_two_ranks_killed_after_save_returned_lose_nothing(
     out.mkdir()
     if phase is not None:
         monkeypatch.setenv(PAUSE_ENV, f"{phase}:{out}")
-    ranks = start_ranks(rank_main, 2, tmp_path, str(root), str(shm), [7, 8], str(out), timeout_s=180)
+    ranks = start_ranks(
+        rank_main, 2, tmp_path, str(root), str(shm), [7, 8], str(out), timeout_s=180
+    )
     try:
         for r in range(2):
             _wait_file(out / f"returned{r}")
@@ -270,7 +274,9 @@ def test_modules_and_optimizers_resume_in_place(tmp_path: Path, shm: Path) -> No
 
     anyio.run(save)
     model2, opt2 = trainer()
-    restored, _ = anyio.run(_resume, tmp_path, shm, {"model": model2, "optim": opt2, "rng": asyncsave.RNGState()})
+    restored, _ = anyio.run(
+        _resume, tmp_path, shm, {"model": model2, "optim": opt2, "rng": asyncsave.RNGState()}
+    )
     assert restored.info.step == 3
     for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
         assert torch.equal(a, b)
@@ -293,7 +299,15 @@ def test_resume_takes_the_root_when_it_is_newer_than_memory(tmp_path: Path, shm:
 
 
 def test_snapshots_in_memory_stay_within_the_byte_budget(tmp_path: Path, shm: Path) -> None:
-    nbytes = sum(t.numel() * t.element_size() for t in (state_for(1)["model"]["emb"], state_for(1)["model"]["bias"], state_for(1)["optim"]["exp_avg"], state_for(1)["optim"]["exp_avg_sq"]))
+    nbytes = sum(
+        t.numel() * t.element_size()
+        for t in (
+            state_for(1)["model"]["emb"],
+            state_for(1)["model"]["bias"],
+            state_for(1)["optim"]["exp_avg"],
+            state_for(1)["optim"]["exp_avg_sq"],
+        )
+    )
     tier = MemoryTier(shm_dir=str(shm), budget_bytes=3 * nbytes)
 
     async def run() -> list[str]:
@@ -330,7 +344,9 @@ def test_refused_combinations_say_why(tmp_path: Path, shm: Path) -> None:
             return True
 
     async def unpicklable() -> None:
-        async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm), persist=Local())):
+        async with asyncsave.Checkpointer(
+            tmp_path, memory=MemoryTier(shm_dir=str(shm), persist=Local())
+        ):
             pass
 
     with pytest.raises(ValueError, match="cannot be sent to the memory tier's saver"):
@@ -346,7 +362,9 @@ def test_refused_combinations_say_why(tmp_path: Path, shm: Path) -> None:
     assert not any(shm.iterdir())
 
 
-def test_bad_input_is_refused_by_save_and_the_checkpointer_goes_on(tmp_path: Path, shm: Path) -> None:
+def test_bad_input_is_refused_by_save_and_the_checkpointer_goes_on(
+    tmp_path: Path, shm: Path
+) -> None:
     async def run() -> None:
         async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
             with pytest.raises(asyncsave.InvalidStateError, match="saver process"):
@@ -379,12 +397,17 @@ def test_a_lazy_save_snapshots_at_staged(tmp_path: Path, shm: Path) -> None:
             await handle
 
     anyio.run(run)
-    assert torch.equal(asyncsave.load(tmp_path / "step_2")["w"], torch.arange(1 << 16, dtype=torch.float32))
+    assert torch.equal(
+        asyncsave.load(tmp_path / "step_2")["w"], torch.arange(1 << 16, dtype=torch.float32)
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_state_goes_through_pinned_shared_memory(tmp_path: Path, shm: Path) -> None:
-    state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda").bfloat16()}
+    state = {
+        "w": torch.randn(1 << 20, device="cuda"),
+        "b": torch.randn(7, device="cuda").bfloat16(),
+    }
 
     async def run() -> None:
         async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
@@ -396,8 +419,11 @@ def test_cuda_state_goes_through_pinned_shared_memory(tmp_path: Path, shm: Path)
     assert torch.equal(loaded["w"], state["w"].cpu()) and torch.equal(loaded["b"], state["b"].cpu())
 
 
-def test_a_storage_outage_fails_the_next_save_and_memory_keeps_the_saves(small_fs: Path, shm: Path) -> None:
+def test_a_storage_outage_fails_the_next_save_and_memory_keeps_the_saves(
+    small_fs: Path, shm: Path
+) -> None:
     full_root = small_fs
+
     def state(step: int) -> dict[str, Any]:
         return {"w": torch.full((384 * 1024,), float(step))}  # 1.5 MiB: the third does not fit
 
@@ -428,10 +454,14 @@ def test_a_storage_outage_fails_the_next_save_and_memory_keeps_the_saves(small_f
 # -- what a review broke (each test fails on the code before its fix) ----------------
 
 
-def test_a_cancelled_exit_still_flushes_and_the_cancellation_propagates(tmp_path: Path, shm: Path) -> None:
+def test_a_cancelled_exit_still_flushes_and_the_cancellation_propagates(
+    tmp_path: Path, shm: Path
+) -> None:
     async def run() -> bool:
         with anyio.CancelScope() as scope:
-            async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+            async with asyncsave.Checkpointer(
+                tmp_path, memory=MemoryTier(shm_dir=str(shm))
+            ) as ckpt:
                 for step in (1, 2, 3):
                     await ckpt.save(step, state_for(step))
                 scope.cancel()  # a deadline, or a failed sibling task
@@ -450,7 +480,9 @@ def test_an_answer_given_up_on_never_answers_another_request(
     monkeypatch.setenv(PAUSE_ENV, f"writing:{tmp_path}")
 
     async def run() -> None:
-        async with asyncsave.Checkpointer(tmp_path / "root", memory=MemoryTier(shm_dir=str(shm))) as ckpt:
+        async with asyncsave.Checkpointer(
+            tmp_path / "root", memory=MemoryTier(shm_dir=str(shm))
+        ) as ckpt:
             handle = await ckpt.save(1, state_for(1))
             with anyio.move_on_after(0.5):
                 await ckpt.wait()  # its answer comes late, after the pause
@@ -465,7 +497,9 @@ def test_an_answer_given_up_on_never_answers_another_request(
 
 def test_a_stalled_saver_is_a_timeout_not_a_hang(tmp_path: Path, shm: Path) -> None:
     async def run() -> None:
-        ckpt = asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm)), save_timeout_s=2)
+        ckpt = asyncsave.Checkpointer(
+            tmp_path, memory=MemoryTier(shm_dir=str(shm)), save_timeout_s=2
+        )
         with anyio.fail_after(60), pytest.raises(SaverDiedError):  # a guard: the bound is 2 s
             async with ckpt:
                 await ckpt.wait()  # its start is over (a start is bounded by start_timeout_s)
@@ -520,7 +554,9 @@ def test_a_planted_memory_directory_is_refused(tmp_path: Path, shm: Path) -> Non
 def test_a_refused_lazy_save_fails_its_handle_only(tmp_path: Path, shm: Path) -> None:
     async def run() -> None:
         async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
-            bad = await ckpt.save(1, {"w": torch.ones(2), "when": datetime.date(2026, 12, 3)}, lazy=True)
+            bad = await ckpt.save(
+                1, {"w": torch.ones(2), "when": datetime.date(2026, 12, 3)}, lazy=True
+            )
             with pytest.raises(asyncsave.UnsupportedTypeError, match="when"):
                 await bad
             assert (await (await ckpt.save(2, {"w": torch.ones(2)}))).step == 2
@@ -566,7 +602,9 @@ def test_a_restart_resumes_before_its_saver_starts_and_the_step_stays_protected(
         async with asyncsave.Checkpointer(root, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
             assert ckpt.saver_pid is None  # no saver of this root was alive: not started yet
             sees = _SeesSaver(ckpt)  # restored in place, in this process, saver-less
-            restored = await ckpt.load_latest({"model": None, "optim": sees, "loader": None, "step": None})
+            restored = await ckpt.load_latest(
+                {"model": None, "optim": sees, "loader": None, "step": None}
+            )
             started = ckpt.saver_pid
             with pytest.raises(asyncsave.ProtectedCheckpointError, match="resumed from"):
                 await ckpt.save(7, state_for(7), overwrite=True)
@@ -584,7 +622,9 @@ def test_a_restart_resumes_before_its_saver_starts_and_the_step_stays_protected(
     assert {p.name: p.read_bytes() for p in (root / "step_7").iterdir()} == before
 
 
-def test_a_damaged_snapshot_is_left_to_the_saver_which_moves_it_aside(tmp_path: Path, shm: Path) -> None:
+def test_a_damaged_snapshot_is_left_to_the_saver_which_moves_it_aside(
+    tmp_path: Path, shm: Path
+) -> None:
     root = tmp_path / "root"
     _kill_after_return(root, shm, "7", tmp_path, None)
     snapshot = next(shm.glob("asyncsave-*/tier/step_7"))
@@ -651,7 +691,11 @@ def _same_bits(saved: dict[str, Any], state: dict[str, Any]) -> list[str]:
     return [
         k
         for k, t in state.items()
-        if not (saved[k].dtype == t.dtype and saved[k].shape == t.shape and torch.equal(_bits(saved[k]), _bits(t)))
+        if not (
+            saved[k].dtype == t.dtype
+            and saved[k].shape == t.shape
+            and torch.equal(_bits(saved[k]), _bits(t))
+        )
     ]
 
 
@@ -725,14 +769,21 @@ def test_a_reused_layout_saves_every_kind_of_change_bit_for_bit(tmp_path: Path, 
         state["tied"] = state["w"]
         step = 0
         async with asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm))) as ckpt:
-            for name, change in [("none", lambda s: None), *_changes(), ("none again", lambda s: None)]:
+            for name, change in [
+                ("none", lambda s: None),
+                *_changes(),
+                ("none again", lambda s: None),
+            ]:
                 change(state)
                 for _ in range(2):  # the change, then the same structure again
                     step += 1
                     info = await (await ckpt.save(step, state))
                     saved = asyncsave.load(info.path)
                     bad = _same_bits(saved, state)
-                    tied = saved["tied"].untyped_storage().data_ptr() == saved["w"].untyped_storage().data_ptr()
+                    tied = (
+                        saved["tied"].untyped_storage().data_ptr()
+                        == saved["w"].untyped_storage().data_ptr()
+                    )
                     if bad or tied != (state["tied"] is state["w"]):
                         wrong.append(f"{name}, step {step}: {bad}, tied={tied}")
                     with torch.no_grad():
@@ -762,7 +813,9 @@ def test_a_saved_state_is_not_kept_alive_by_the_memory_tier(tmp_path: Path, shm:
     anyio.run(run)
 
 
-def test_a_save_whose_numbers_changed_is_handed_over_without_waiting(tmp_path: Path, shm: Path) -> None:
+def test_a_save_whose_numbers_changed_is_handed_over_without_waiting(
+    tmp_path: Path, shm: Path
+) -> None:
     """Ints, floats and bools (a step, a counter, a learning rate) change at every
     save without changing what the saver's ``save()`` decides on: such a save
     returns once it is in the saver's socket, even with the saver stopped; the
@@ -784,8 +837,12 @@ def test_a_save_whose_numbers_changed_is_handed_over_without_waiting(tmp_path: P
     loaded: list[Any] = []
 
     async def run() -> None:
-        ckpt = asyncsave.Checkpointer(tmp_path, memory=MemoryTier(shm_dir=str(shm)), save_timeout_s=5)
-        with pytest.raises(asyncsave.CheckpointTimeoutError):  # close too: the checkpointer is broken
+        ckpt = asyncsave.Checkpointer(
+            tmp_path, memory=MemoryTier(shm_dir=str(shm)), save_timeout_s=5
+        )
+        with pytest.raises(
+            asyncsave.CheckpointTimeoutError
+        ):  # close too: the checkpointer is broken
             async with ckpt:
                 await body(ckpt)
 
@@ -819,7 +876,11 @@ def test_a_save_whose_numbers_changed_is_handed_over_without_waiting(tmp_path: P
         want = state(step)
         assert torch.equal(got["w"], want["w"])
         assert (got["step"], got["big"], got["neg"], got["flag"], got["name"]) == (
-            step, 2**70 + step, -step, step % 2 == 0, "run"
+            step,
+            2**70 + step,
+            -step,
+            step % 2 == 0,
+            "run",
         )
         assert type(got["step"]) is int and type(got["flag"]) is bool
         assert got["lr"][0] == want["lr"][0]

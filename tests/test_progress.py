@@ -31,6 +31,7 @@ def _chunks_of_chunk_bytes() -> Iterator[None]:
     with thresholds(chunk_bytes=CHUNK_BYTES):
         yield
 
+
 # Two tensors of one chunk each, in one data file: the writes of that file are
 # its header, then chunk 1, then chunk 2.
 N = CHUNK_BYTES // 4

@@ -395,9 +395,9 @@ async def test_a_reader_in_a_savers_commit_gap_is_told_at_info_not_warned(
         info = asyncsave.latest(tmp_path)
     assert info is not None and info.step == 20
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
-    assert any(
-        r.levelno == logging.INFO and "moving" in r.getMessage() for r in caplog.records
-    ), caplog.records
+    assert any(r.levelno == logging.INFO and "moving" in r.getMessage() for r in caplog.records), (
+        caplog.records
+    )
 
 
 @pytest.mark.parametrize("others", [(), (1,), (1, 3)])

@@ -90,7 +90,9 @@ def test_keep_last_keeps_the_highest_steps() -> None:
     assert asyncsave.KeepLast(9).keep(_cands(1, 2)) == {1, 2}
 
 
-@given(st.lists(st.integers(min_value=0, max_value=100), min_size=1, max_size=12), st.integers(1, 400))
+@given(
+    st.lists(st.integers(min_value=0, max_value=100), min_size=1, max_size=12), st.integers(1, 400)
+)
 def test_keep_bytes_keeps_the_newest_within_the_budget(sizes: list[int], budget: int) -> None:
     cands = [Candidate(step, {}, nbytes) for step, nbytes in enumerate(sizes, start=1)]
     kept = asyncsave.KeepBytes(budget).keep(cands)

@@ -216,9 +216,7 @@ _CHANGES: dict[str, Any] = {
         s, ("counter",), {"t": torch.zeros(2), "n": 7}
     ),
     "an unsupported leaf": lambda s, g: _set(s, ("list", 1), object()),
-    "metadata's NumPy 0.0 becomes -0.0": lambda s, g: _meta(s).__setitem__(
-        "np", np.float64(-0.0)
-    ),
+    "metadata's NumPy 0.0 becomes -0.0": lambda s, g: _meta(s).__setitem__("np", np.float64(-0.0)),
     "metadata's NumPy float64 becomes a float": lambda s, g: _meta(s).__setitem__("np", 0.0),
     "metadata's Tagged 1 becomes True": lambda s, g: _meta(s).__setitem__(
         "tag", asyncsave.Tagged([True], "k")

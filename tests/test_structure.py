@@ -423,7 +423,9 @@ def oversized(source: str) -> list[str]:
         lines = (node.end_lineno or node.lineno) - node.lineno + 1 if hasattr(node, "lineno") else 0
         if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
             found.append(f"class {node.name}: {lines} lines")
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > MAX_FUNCTION_LINES:
+        elif (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > MAX_FUNCTION_LINES
+        ):
             found.append(f"def {node.name}: {lines} lines")
     return found
 
@@ -531,8 +533,17 @@ def test_the_write_side_imports_no_read_side(name: str) -> None:
 def test_the_catalog_is_the_one_home_of_what_is_committed() -> None:
     """No module but the catalog defines the catalog's answers (a second
     ``scan_steps`` or ``resolve`` is a second rule)."""
-    answers = {"scan_steps", "committed_steps", "read_checkpoint", "resolve", "latest",
-               "older_committed", "stored_info", "info_of", "step_of_name"}
+    answers = {
+        "scan_steps",
+        "committed_steps",
+        "read_checkpoint",
+        "resolve",
+        "latest",
+        "older_committed",
+        "stored_info",
+        "info_of",
+        "step_of_name",
+    }
     homes: dict[str, list[str]] = {}
     for path in PKG.glob("*.py"):
         for node in ast.parse(path.read_text()).body:
@@ -547,9 +558,21 @@ def test_the_catalog_is_the_one_home_of_what_is_committed() -> None:
 def over_complex(*paths: Path) -> list[str]:
     """``file:line: C901 ...`` for each function of ``paths`` over complexity 15."""
     done = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated", "--select", "C901",
-         "--config", "lint.mccabe.max-complexity=15", "--output-format", "concise",
-         *map(str, paths)],
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--no-cache",
+            "--isolated",
+            "--select",
+            "C901",
+            "--config",
+            "lint.mccabe.max-complexity=15",
+            "--output-format",
+            "concise",
+            *map(str, paths),
+        ],
         capture_output=True,
         text=True,
         check=False,
@@ -654,13 +677,18 @@ def test_each_test_file_importing_a_private_module_says_why_at_its_top() -> None
 @pytest.mark.parametrize(
     ("source", "reason"),
     [
-        ('"""Doc."""\n\n# Private imports: unit tests of the codec.\nimport os\n', "unit tests of the codec."),
+        (
+            '"""Doc."""\n\n# Private imports: unit tests of the codec.\nimport os\n',
+            "unit tests of the codec.",
+        ),
         ('"""Doc."""\n\nimport os\n# Private imports: unit tests of the codec.\n', None),
         ('"""Doc."""\n\n# Private imports: why\nimport os\n', None),
         ('"""Doc."""\n\nimport os\n', None),
     ],
 )
-def test_the_reason_check_wants_a_comment_above_the_imports(source: str, reason: str | None) -> None:
+def test_the_reason_check_wants_a_comment_above_the_imports(
+    source: str, reason: str | None
+) -> None:
     assert private_import_reason(source) == reason
 
 

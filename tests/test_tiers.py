@@ -522,9 +522,7 @@ async def test_a_step_persisted_by_another_run_is_never_taken_for_this_saves_cop
             assert (await handle.persisted()).path == remote / "step_10"  # type: ignore[union-attr]
     else:
         with pytest.raises(asyncsave.SaveFailedError) as at_close:
-            async with asyncsave.Checkpointer(
-                tmp_path / "nodeB", persistent=Tier(remote)
-            ) as ckpt:
+            async with asyncsave.Checkpointer(tmp_path / "nodeB", persistent=Tier(remote)) as ckpt:
                 handle = await ckpt.save(10, mine)
                 await handle  # committed locally
                 with pytest.raises(asyncsave.SaveFailedError) as err:
@@ -606,8 +604,8 @@ def test_a_persistent_tier_that_is_or_clashes_with_the_local_root_is_refused(
     same directory, or one inside the other under a name the outer root's
     recovery, retention or listing acts on (a step's, a temporary or asyncsave
     name); a plain subdirectory is left alone by both (review: not refused)."""
-    local = tmp_path / "step_7" if persistent == "around it, named like a step" else (
-        tmp_path / "run"
+    local = (
+        tmp_path / "step_7" if persistent == "around it, named like a step" else (tmp_path / "run")
     )
     path = {
         "the local root": local,
