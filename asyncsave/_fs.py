@@ -19,6 +19,7 @@ Two rules hold for every call here (docs/decisions.md, "Shared roots and symlink
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -29,6 +30,7 @@ import os
 import shutil
 import socket
 import stat
+import threading
 from pathlib import Path
 
 from ._errors import LockUnavailableError
@@ -136,6 +138,18 @@ class LocalFileSystem:
     def open_read(self, path: Path) -> io.RawIOBase:
         """Open ``path`` for unbuffered binary reads (``seek``, ``read``, ``readinto``)."""
         return open(path, "rb", buffering=0)
+
+    def read_ahead(self, directory: Path) -> ReadAhead:
+        """While the context is open, read the files of ``directory`` (not its
+        manifest, not its subdirectories) into the page cache from a thread
+        (:class:`ReadAhead`): a cold load's disk reads overlap the parse of its
+        manifest. A hint only: nothing it reads is kept, and a file it cannot
+        read is skipped (the load itself reports it)."""
+        try:
+            names = [n for n in os.listdir(directory) if n != "manifest.json"]
+        except OSError:
+            names = []
+        return ReadAhead(sorted(directory / n for n in names))
 
     # -- directories -------------------------------------------------------------
     def makedirs(self, path: Path) -> None:
@@ -329,6 +343,91 @@ class LocalFileSystem:
             fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+
+# What the read-ahead thread reads per call. Large: the thread needs the GIL back
+# after every call, and the manifest parse it overlaps holds the GIL in long
+# stretches (one json.loads call of 0.4 s at 100,000 tensors). In 8 MiB reads it
+# read 0.4-0.55 GB of a 1 GB checkpoint during a 1.1 s parse; in 64 MiB reads,
+# all of it.
+READ_AHEAD_CHUNK = 64 << 20
+
+
+class ReadAhead:
+    """A thread that reads ``paths`` into the page cache, one
+    :data:`READ_AHEAD_CHUNK` of each file in turn (the loader's threads start
+    at every file's head at once), from ``__enter__`` until :meth:`stop` or the
+    end of the files. The bytes go to ``/dev/null`` by ``sendfile(2)``: read
+    into the page cache, never copied into this process.
+
+    It is stopped by :meth:`stop` (no wait: it ends after the read under way)
+    once the loader's own threads start reading, not left to read the rest: the
+    page cache it fills is bounded by what the disk reads while the manifest is
+    parsed (a checkpoint larger than memory is not read twice). ``__exit__``
+    stops it and waits for it. Regular files only; an ``OSError`` (a file
+    system without ``sendfile`` into ``/dev/null``, a file gone) ends the
+    reading of that file quietly: the load reports what matters.
+    """
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+        self.read_bytes = 0  # what was read (a test's and a benchmark's figure)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> ReadAhead:
+        if self.paths:
+            self._thread = threading.Thread(
+                target=self._run, name="asyncsave-read-ahead", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Read no further (the read under way ends first); returns at once."""
+        self._stop.set()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        fds: list[int] = []
+        try:
+            sink = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            for path in self.paths:
+                with contextlib.suppress(OSError):
+                    # Non-blocking: a FIFO put there must not hang the open.
+                    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+                    if stat.S_ISREG(os.fstat(fd).st_mode):
+                        fds.append(fd)
+                    else:
+                        os.close(fd)
+            self._read_round_robin(sink, fds)
+        finally:
+            for fd in [sink, *fds]:
+                os.close(fd)
+
+    def _read_round_robin(self, sink: int, fds: list[int]) -> None:
+        offsets = dict.fromkeys(fds, 0)
+        while offsets and not self._stop.is_set():
+            for fd, offset in list(offsets.items()):
+                if self._stop.is_set():
+                    return
+                try:
+                    n = os.sendfile(sink, fd, offset, READ_AHEAD_CHUNK)
+                except OSError:
+                    n = 0
+                if n:
+                    offsets[fd] = offset + n
+                    self.read_bytes += n
+                else:  # the end of the file, or no sendfile here
+                    del offsets[fd]
 
 
 def _flock_or_close(fd: int, path: Path) -> bool:

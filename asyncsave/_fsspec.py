@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any, cast
 
-from ._fs import LocalFileSystem
+from ._fs import LocalFileSystem, ReadAhead
 from ._paths import COMMIT_MARKER_NAME
 
 __all__ = ["FsspecFileSystem", "check_root", "is_url", "open_root"]
@@ -247,6 +247,11 @@ class FsspecFileSystem(LocalFileSystem):
     def hand_over(self, fd: int) -> None:
         """Nothing to hand over (see :meth:`lock`)."""
 
+    def read_ahead(self, directory: Path) -> ReadAhead:
+        """Nothing to read ahead (a :class:`ReadAhead` of no file): an object
+        store's bytes are not cached on this host (each read is a ranged GET)."""
+        return ReadAhead([])
+
     def lock_holder(self, path: Path) -> str | None:
         """``None``: no lock is taken on an object store (see :meth:`lock`), so no
         holder is recorded (and no local file is read for a remote path)."""
@@ -324,7 +329,10 @@ def open_root(
     protocol = url.split("://", 1)[0]
     if protocol in _LOCAL_PROTOCOLS:
         return open_root(
-            url.split("://", 1)[1], filesystem=filesystem, storage_options=storage_options, what=what
+            url.split("://", 1)[1],
+            filesystem=filesystem,
+            storage_options=storage_options,
+            what=what,
         )
     if filesystem is not None and not isinstance(filesystem, FsspecFileSystem):
         raise ValueError(

@@ -4,6 +4,9 @@ a checkpoint without the rest."""
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +135,98 @@ async def test_a_truncated_data_file_is_a_typed_error_on_the_mmap_path(tmp_path:
         asyncsave.load(path)
     with pytest.raises(asyncsave.CorruptCheckpointError):
         asyncsave.load_tensors(path, ["model/b"])
+
+
+# -- reading ahead while the manifest is parsed ------------------------------------
+class _Recording(asyncsave.LocalFileSystem):
+    """Records the read-ahead it hands out and the manifest reads, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Path]] = []
+        self.aheads: list[Any] = []
+
+    def read_ahead(self, directory: Path) -> Any:
+        self.events.append(("read_ahead", directory))
+        ahead = super().read_ahead(directory)
+        self.aheads.append(ahead)
+        return ahead
+
+    def read_bytes(self, path: Path) -> bytes:
+        self.events.append(("read_bytes", path))
+        return super().read_bytes(path)
+
+
+def _read_ahead_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "asyncsave-read-ahead"]
+
+
+def _wait_for(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.005)
+
+
+async def test_a_verified_load_reads_its_data_files_ahead_of_the_manifest_parse(
+    tmp_path: Path,
+) -> None:
+    """The read-ahead starts before the manifest is read, covers the data files
+    (not the manifest), and is over when the load returns; a load that verifies
+    nothing, and ``load_tensors`` (a few tensors), read nothing ahead."""
+    path = await saved(tmp_path, state_of())
+    fs = _Recording()
+    loaded = asyncsave.load(path, filesystem=fs)
+    assert torch.equal(loaded["big"], state_of()["big"])
+    kinds = [k for k, _ in fs.events]
+    assert kinds[0] == "read_ahead" and fs.events[0][1] == path
+    assert "read_bytes" in kinds[1:]
+    (ahead,) = fs.aheads
+    data = sorted(p for p in path.iterdir() if p.name.startswith("data-"))
+    assert data and ahead.paths == data  # the manifest is not among them
+    assert _read_ahead_threads() == []
+    for kwargs, call in (
+        ({"verify": False}, lambda fs: asyncsave.load(path, filesystem=fs, verify=False)),
+        ({}, lambda fs: asyncsave.load_tensors(path, ["big"], filesystem=fs)),
+    ):
+        other = _Recording()
+        call(other)
+        assert "read_ahead" not in [k for k, _ in other.events], kwargs
+
+
+def test_the_read_ahead_reads_each_regular_file_whole_and_nothing_else(tmp_path: Path) -> None:
+    """Every regular file is read to its end; a FIFO (whose open would block), a
+    directory and a symlink (to a large file elsewhere) are skipped, without a
+    hang; ``__exit__`` leaves no thread."""
+    d = tmp_path / "step_1"
+    d.mkdir()
+    sizes = {"data-a": 3 << 20, "data-b": 5000, "data-c": 0}
+    for name, n in sizes.items():
+        (d / name).write_bytes(os.urandom(n))
+    os.mkfifo(d / "fifo")
+    (d / "sub").mkdir()
+    (d / "sub" / "inner").write_bytes(b"x" * 4096)
+    (tmp_path / "far").write_bytes(b"y" * (1 << 20))
+    (d / "link").symlink_to(tmp_path / "far")
+    fs = asyncsave.LocalFileSystem()
+    with fs.read_ahead(d) as ahead:
+        _wait_for(lambda: ahead.read_bytes >= sum(sizes.values()), "every data file read")
+        _wait_for(lambda: not _read_ahead_threads(), "the thread ends at the files' end")
+    assert ahead.read_bytes == sum(sizes.values())
+    assert _read_ahead_threads() == []
+
+
+def test_a_stopped_read_ahead_reads_no_further(tmp_path: Path) -> None:
+    """:meth:`stop` ends the reading at the next file step: stopped before it
+    starts, it reads nothing; a directory that does not exist reads nothing."""
+    d = tmp_path / "step_1"
+    d.mkdir()
+    (d / "data-a").write_bytes(os.urandom(1 << 20))
+    fs = asyncsave.LocalFileSystem()
+    ahead = fs.read_ahead(d)
+    ahead.stop()
+    with ahead:
+        pass
+    assert ahead.read_bytes == 0 and _read_ahead_threads() == []
+    with fs.read_ahead(tmp_path / "missing") as none:
+        pass
+    assert none.paths == [] and none.read_bytes == 0
