@@ -140,6 +140,9 @@ class ViewCache(dict[tuple[int, int], list[torch.Tensor]]):
     # Whether every entry of the structure is one tensor of a plain dtype
     # (``_stage``: found once, then the views are the copy's destinations).
     all_plain: bool | None = None
+    # The structure's host buffer for the early copies of lazy saves
+    # (``_stage.EarlyCopies``), made at the structure's second lazy save.
+    early: Any = None
 
     def __eq__(self, other: object) -> bool:
         return self is other
@@ -175,6 +178,8 @@ class Plan:
     shares_tree: bool = False
     # Hands the entries back to the planner that lent them (see recycle).
     _give_back: Callable[[], None] | None = dataclasses.field(default=None, repr=False)
+    # Hands the structure's early-copy buffer back (see release_sources).
+    release_early: Callable[[], None] | None = dataclasses.field(default=None, repr=False)
 
     def recycle(self) -> None:
         """The save is done with its entries (its manifest holds what it needs
@@ -225,7 +230,11 @@ class Plan:
     def release_sources(self) -> None:
         """Drop every reference to the caller's tensors once they are staged, so
         that their memory (device memory too) is freed when the caller drops them,
-        not when the save commits."""
+        not when the save commits; a lazy save's early copies held in its
+        structure's buffer (``_stage.EarlyCopies``) are handed back with them."""
+        release, self.release_early = self.release_early, None
+        if release is not None:
+            release()
         for e in self.entries:
             e.source = None
             e.parts = ()

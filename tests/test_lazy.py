@@ -16,7 +16,7 @@ import anyio
 import anyio.to_thread
 import pytest
 import torch
-from faults import FaultyFS, pause, raise_errno
+from faults import PROCEED, FaultyFS, pause, raise_errno
 
 import asyncsave
 from asyncsave.testing import on_early_copy
@@ -376,3 +376,79 @@ async def test_a_grown_tensor_of_an_incremental_lazy_save_has_its_new_rows_copie
         await handle
         await held
     assert torch.equal(asyncsave.load(tmp_path / "step_3")["buf"], expect)
+
+
+def _many_small_state() -> dict[str, Any]:
+    """Small tensors of several kinds (copied early by a lazy save), one large
+    tensor (not), and a module with BatchNorm buffers."""
+    g = torch.Generator().manual_seed(3)
+    bn = torch.nn.BatchNorm1d(8)
+    return {
+        "f32": [
+            torch.randn(int(n), generator=g) for n in torch.randint(1, 300, (120,), generator=g)
+        ],
+        "bf16": [torch.randn(64, generator=g).to(torch.bfloat16) for _ in range(30)],
+        "i64": torch.arange(7),
+        "t": torch.randn(6, 5, generator=g).t(),  # not contiguous
+        "mask": torch.rand(40, generator=g) > 0.5,  # bool: cloned, not batched
+        "empty": torch.zeros(0),
+        "big": torch.randn(1 << 15, generator=g),  # 128 KiB: staged later
+        "bn": bn,
+    }
+
+
+def _forward_changes(state: dict[str, Any]) -> None:
+    """What forward and counters change before a lazy save is staged: every
+    small tensor and the BatchNorm running stats (never the large tensor)."""
+    with torch.no_grad():
+        for t in [*state["f32"], *state["bf16"], state["i64"], state["t"]]:
+            t.add_(1)
+        state["mask"].logical_not_()
+    state["bn"].train()
+    state["bn"](torch.randn(4, 8) + 3.0)
+
+
+async def test_repeated_lazy_saves_of_one_structure_copy_what_forward_changes_early(
+    tmp_path: Path,
+) -> None:
+    """Lazy saves of one structure, each held from staging by an earlier eager
+    save's paused write, while every small tensor and the module's running
+    stats change: each checkpoint holds the values at its ``save()``, bit for
+    bit, from the structure's first lazy save (its early copies cloned), to
+    later ones (copied into the structure's reused buffer), to two lazy saves
+    made before either is staged (the second finds the buffer lent)."""
+    gates: list[threading.Event] = []
+
+    def hold() -> Any:
+        gates[-1].wait(60)
+        return PROCEED
+
+    fs = FaultyFS("write", hold, where=lambda p: p.endswith(".safetensors"))
+    state = _many_small_state()
+    expected: dict[int, Any] = {}
+
+    def snapshot() -> Any:
+        return clone_tree({**state, "bn": dict(state["bn"].state_dict())})
+
+    async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
+        step = 0
+        for lazies in (1, 1, 1, 2, 1):
+            gates.append(threading.Event())
+            step += 1
+            blocker = await ckpt.save(step, state)  # staged; its write waits
+            handles = []
+            for _ in range(lazies):
+                step += 1
+                expected[step] = snapshot()
+                handle = await ckpt.save(step, state, lazy=True)
+                assert not handle.is_staged()
+                handles.append(handle)
+                _forward_changes(state)
+            gates[-1].set()
+            await blocker
+            for handle in handles:
+                await handle
+    for step, expect in expected.items():
+        loaded = asyncsave.load(tmp_path / f"step_{step}")
+        loaded["bn"] = dict(loaded["bn"])
+        assert_tree_equal(expect, loaded)
