@@ -27,7 +27,7 @@ import pickle
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from ._errors import (
     UnsupportedTypeError,
 )
 from ._types import Tagged, gc_paused
+
+if TYPE_CHECKING:  # _stage imports this module
+    from ._stage import EarlyCopies
 
 __all__ = [
     "Entry",
@@ -142,7 +145,7 @@ class ViewCache(dict[tuple[int, int], list[torch.Tensor]]):
     all_plain: bool | None = None
     # The structure's host buffer for the early copies of lazy saves
     # (``_stage.EarlyCopies``), made at the structure's second lazy save.
-    early: Any = None
+    early: EarlyCopies | None = None
 
     def __eq__(self, other: object) -> bool:
         return self is other

@@ -630,13 +630,12 @@ def _snapshot_eager(plan: Plan, ready: dict[torch.device, Any] | None) -> int:
     if not early.take(plan):  # an earlier lazy save still stages from it
         return _clone_early(plan, range(len(plan.entries)), ready)
     try:
-        copied = early.copy(plan.entries)
+        return early.copy(plan.entries) + _clone_early(plan, early.others, ready)
     except BaseException:
         release, plan.release_early = plan.release_early, None
         if release is not None:  # the buffer back; the save fails in save()
             release()
         raise
-    return copied + _clone_early(plan, early.others, ready)
 
 
 class EarlyCopies:
@@ -667,8 +666,11 @@ class EarlyCopies:
         self._lock = threading.Lock()
 
     def stale(self, plan: Plan) -> bool:
-        """Whether ``plan`` is not of the structure the picks were made for
-        (another number of entries: the cache went to another template)."""
+        """Whether ``plan`` is not of the structure the picks were made for.
+        The number of entries is enough: the cache holding this object is one
+        template's (``_replan``: the plans bound to it have its entries, equal
+        signatures, the same module buffers), and a plan with entries of its
+        own (an incremental save's chunks) gets a cache of its own."""
         return len(plan.entries) != self.entries
 
     def take(self, plan: Plan) -> bool:
@@ -695,8 +697,9 @@ class EarlyCopies:
         if not self._views:
             self._make(picked)
         step = FOREACH_CHUNK
-        for i in range(0, len(srcs), step):
-            torch._foreach_copy_(self._views[i : i + step], srcs[i : i + step])  # type: ignore[arg-type]
+        with torch.no_grad():  # the buffer never records a graph of the sources
+            for i in range(0, len(srcs), step):
+                torch._foreach_copy_(self._views[i : i + step], srcs[i : i + step])  # type: ignore[arg-type]
         for e, view in zip(picked, self._views, strict=True):
             e.source = view
         return sum(e.nbytes for e in picked)

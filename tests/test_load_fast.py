@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -230,3 +232,65 @@ def test_a_stopped_read_ahead_reads_no_further(tmp_path: Path) -> None:
     with fs.read_ahead(tmp_path / "missing") as none:
         pass
     assert none.paths == [] and none.read_bytes == 0
+
+
+_FEW_DESCRIPTORS = r"""
+import os, resource, sys, time, threading
+from pathlib import Path
+import asyncsave
+d = Path(sys.argv[1])
+limit = len(os.listdir("/proc/self/fd")) + 6  # the read-ahead needs two
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+with asyncsave.LocalFileSystem().read_ahead(d) as ahead:
+    deadline = time.monotonic() + 60
+    while any(t.name == "asyncsave-read-ahead" for t in threading.enumerate()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+print(ahead.read_bytes)
+"""
+
+
+def test_the_read_ahead_holds_two_descriptors_whatever_the_number_of_files(
+    tmp_path: Path,
+) -> None:
+    """300 files read whole under a descriptor limit of the process's open
+    ones plus 6 (a child process): one file is open at a time (opening them all
+    first failed with ``EMFILE`` and skipped most of them)."""
+    d = tmp_path / "step_1"
+    d.mkdir()
+    for i in range(300):
+        (d / f"data-{i:03d}").write_bytes(b"x" * (4096 + i))
+    out = subprocess.run(
+        [sys.executable, "-c", _FEW_DESCRIPTORS, str(d)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert int(out.stdout) == sum(4096 + i for i in range(300))
+
+
+async def test_a_load_stops_its_read_ahead_once_the_manifest_is_read(tmp_path: Path) -> None:
+    """The read-ahead is stopped between the manifest's read and the data's
+    (the page cache it fills is bounded by the parse), not only at the end."""
+    path = await saved(tmp_path, state_of())
+    events: list[str] = []
+
+    class Stopping(_Recording):
+        def read_ahead(self, directory: Path) -> Any:
+            ahead = super().read_ahead(directory)
+            stop = ahead.stop
+
+            def recorded() -> None:
+                events.append("stop")
+                stop()
+
+            ahead.stop = recorded
+            return ahead
+
+        def read_bytes(self, p: Path) -> bytes:
+            events.append(p.name)
+            return super().read_bytes(p)
+
+    asyncsave.load(path, filesystem=Stopping())
+    assert events[-1] == "stop" and "manifest.json" in events[:-1]
