@@ -443,9 +443,9 @@ class PlainJob(Job):
         # Entries a planner lent from its pool go back to it (Plan.recycle).
         entries, leaves = self.plan.entries, self.plan.leaves
         self.plan.leaves, self.plan.tree = [], {}
-        self.plan.recycle()
-        release_in_chunks(entries)
-        release_in_chunks(leaves)
+        if not self.plan.recycle():  # lent lists live on in the planner
+            release_in_chunks(entries)
+            release_in_chunks(leaves)
         return doc
 
     def eager_copies(self) -> str:

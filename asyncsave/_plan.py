@@ -184,15 +184,20 @@ class Plan:
     # Hands the structure's early-copy buffer back (see release_sources).
     release_early: Callable[[], None] | None = dataclasses.field(default=None, repr=False)
 
-    def recycle(self) -> None:
+    def recycle(self) -> bool:
         """The save is done with its entries (its manifest holds what it needs
         of them): a planner that lent them from its pool (``_replan``) may bind
         them to a later save. Call it at most once, from the thread that ends
-        the save's use of the plan, after which ``entries`` is empty."""
+        the save's use of the plan, after which ``entries`` is empty. Returns
+        whether the entries and leaves lists were the planner's own (lent):
+        then the caller must not empty them (``release_in_chunks``), as it
+        does its own lists."""
         give_back, self._give_back = self._give_back, None
         self.entries = []
-        if give_back is not None:
-            give_back()
+        if give_back is None:
+            return False
+        give_back()
+        return True
 
     @property
     def nbytes(self) -> int:

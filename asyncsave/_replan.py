@@ -373,7 +373,12 @@ class Planner:
         saves makes no Python object per tensor."""
         pooled = t.free.pop() if t.free else [_copy(e) for e in t.entries]
         _attach(t, pooled, m.tensors)
-        plan = _bound(t, list(pooled), m.tree, list(t.bare_leaves), m.buffer_storages)
+        # The pooled list and the template's leaves themselves, not copies: two
+        # young lists of 100,000 items fewer per save, each traversed by the
+        # collector's next young pass (8-10 ms of held GIL at 100,000 tensors
+        # for three such lists). Nothing changes them in place: the job that
+        # ends the save leaves lent lists to the planner (Plan.recycle).
+        plan = _bound(t, pooled, m.tree, t.bare_leaves, m.buffer_storages)
         plan.shares_tree = m.shares_tree
         plan._give_back = functools.partial(_give_back, t, pooled)
         return plan
@@ -386,6 +391,8 @@ def _give_back(t: _Template, pooled: list[Entry]) -> None:
         e.source, e.parts, e.digest = None, (), ""
     if len(t.free) < POOLED_ENTRY_SETS:
         t.free.append(pooled)
+    else:  # a pool already full: freed a slice at a time, not in one call
+        release_in_chunks(pooled)
 
 
 def _attach(t: _Template, entries: list[Entry], tensors: list[torch.Tensor]) -> None:
