@@ -303,11 +303,7 @@ class Checkpointer:
         buffers of ``nn.Module`` objects in ``state`` (BatchNorm running stats)
         and every tensor of at most 64 KiB whose storage no larger saved tensor
         shares; a large buffer, or a small view of a large saved storage, mutated
-        in forward and passed as a plain tensor needs ``staged()`` first. From a
-        structure's second lazy save on, those copies of host tensors go into a
-        buffer kept for the structure (host memory of their size, held as the
-        staging arena is), so a state of only small tensors blocks about as
-        long as an eager save.
+        in forward and passed as a plain tensor needs ``staged()`` first.
 
         :param step: the last trained step (a non-negative int). Step 0 is skipped
             unless ``save_step_zero``; a step already committed or in flight is a

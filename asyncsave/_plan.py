@@ -27,7 +27,7 @@ import pickle
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -38,9 +38,6 @@ from ._errors import (
     UnsupportedTypeError,
 )
 from ._types import Tagged, gc_paused
-
-if TYPE_CHECKING:  # _stage imports this module
-    from ._stage import EarlyCopies
 
 __all__ = [
     "Entry",
@@ -145,7 +142,7 @@ class ViewCache(dict[tuple[int, int], list[torch.Tensor]]):
     all_plain: bool | None = None
     # The structure's host buffer for the early copies of lazy saves
     # (``_stage.EarlyCopies``), made at the structure's second lazy save.
-    early: EarlyCopies | None = None
+    early: Any = None  # an EarlyCopies (_stage imports this module, not the reverse)
 
     def __eq__(self, other: object) -> bool:
         return self is other
