@@ -76,6 +76,12 @@ BUGS=(
 # decide again); training_info refused by the trainer's save(), early or not.
 "34|asyncsave/_slots.py|        if type(obj) in _NUMBERS:|        if False:|tests/test_memory_tier.py -k numbers_changed"
 "35|asyncsave/_memtier.py|        check_training_info(training_info, step)\n|\n|tests/test_memory_tier.py -k numbers_changed"
+# Loads read ahead while the manifest is parsed; lazy saves' early copies into a
+# reused buffer (tests/test_load_fast.py, tests/test_lazy.py).
+"36|asyncsave/_load.py|        ahead.stop()\n|\n|tests/test_load_fast.py -k stops_its_read_ahead"
+"37|asyncsave/_fs.py|        return os.sendfile(sink, fd, offset, READ_AHEAD_CHUNK)|        return 0|tests/test_load_fast.py -k whole_and_nothing_else"
+"38|asyncsave/_stage.py|                torch._foreach_copy_(self._views[i : i + step], srcs[i : i + step])  # type: ignore[arg-type]|                pass|tests/test_lazy.py -k repeated_lazy_saves"
+"39|asyncsave/_stage.py|            if self._holder is not None:\n                return False|            pass|tests/test_lazy.py -k repeated_lazy_saves"
 # The same bugs of the one pipeline, caught on 2 ranks (issue 11).
 "4r|asyncsave/_phases.py|            self.committing = True\n|            self.committing = True\n            await self.saver.track(self.step)\n|tests/test_crash_ranks.py"
 "5r|asyncsave/_commit.py|        if is_temp_name(name) and _remove_unless_held(|        if False and _remove_unless_held(|tests/test_crash_ranks.py"

@@ -16,7 +16,7 @@ import anyio
 import anyio.to_thread
 import pytest
 import torch
-from faults import PROCEED, FaultyFS, pause, raise_errno
+from faults import FaultyFS, pause, raise_errno
 
 import asyncsave
 from asyncsave.testing import on_early_copy
@@ -412,18 +412,23 @@ async def test_repeated_lazy_saves_of_one_structure_copy_what_forward_changes_ea
     tmp_path: Path,
 ) -> None:
     """Lazy saves of one structure, each held from staging by an earlier eager
-    save's paused write, while every small tensor and the module's running
-    stats change: each checkpoint holds the values at its ``save()``, bit for
-    bit, from the structure's first lazy save (its early copies cloned), to
-    later ones (copied into the structure's reused buffer), to two lazy saves
-    made before either is staged (the second finds the buffer lent)."""
-    gates: list[threading.Event] = []
+    save whose fsyncs wait on a gate (it holds the one staging arena until it
+    is written), while every small tensor and the module's running stats
+    change: each checkpoint holds the values at its ``save()``, bit for bit,
+    from the structure's first lazy save (its early copies cloned), to later
+    ones (copied into the structure's reused buffer), to two lazy saves made
+    before either is staged (the second finds the buffer lent)."""
 
-    def hold() -> Any:
-        gates[-1].wait(60)
-        return PROCEED
+    class Held(asyncsave.LocalFileSystem):
+        gate: threading.Event | None = None
 
-    fs = FaultyFS("write", hold, where=lambda p: p.endswith(".safetensors"))
+        def fsync(self, fd: int) -> None:
+            gate = self.gate
+            if gate is not None:
+                assert gate.wait(60)
+            super().fsync(fd)
+
+    fs = Held()
     state = _many_small_state()
     expected: dict[int, Any] = {}
 
@@ -433,7 +438,7 @@ async def test_repeated_lazy_saves_of_one_structure_copy_what_forward_changes_ea
     async with asyncsave.Checkpointer(tmp_path, filesystem=fs) as ckpt:
         step = 0
         for lazies in (1, 1, 1, 2, 1):
-            gates.append(threading.Event())
+            fs.gate = gate = threading.Event()
             step += 1
             blocker = await ckpt.save(step, state)  # staged; its write waits
             handles = []
@@ -441,10 +446,11 @@ async def test_repeated_lazy_saves_of_one_structure_copy_what_forward_changes_ea
                 step += 1
                 expected[step] = snapshot()
                 handle = await ckpt.save(step, state, lazy=True)
-                assert not handle.is_staged()
                 handles.append(handle)
                 _forward_changes(state)
-            gates[-1].set()
+            assert not any(h.is_staged() for h in handles)  # the arena is held
+            fs.gate = None
+            gate.set()
             await blocker
             for handle in handles:
                 await handle
