@@ -232,14 +232,19 @@ class Plan:
         self._smallest = (self.entries, nbytes)
         return nbytes
 
+    def give_back_early(self) -> None:
+        """Hand back the structure's early-copy buffer this save borrowed, if any
+        (at most once)."""
+        release, self.release_early = self.release_early, None
+        if release is not None:
+            release()
+
     def release_sources(self) -> None:
         """Drop every reference to the caller's tensors once they are staged, so
         that their memory (device memory too) is freed when the caller drops them,
         not when the save commits; a lazy save's early copies held in its
         structure's buffer (``_stage.EarlyCopies``) are handed back with them."""
-        release, self.release_early = self.release_early, None
-        if release is not None:
-            release()
+        self.give_back_early()
         for e in self.entries:
             e.source = None
             e.parts = ()

@@ -632,9 +632,7 @@ def _snapshot_eager(plan: Plan, ready: dict[torch.device, Any] | None) -> int:
     try:
         return early.copy(plan.entries) + _clone_early(plan, early.others, ready)
     except BaseException:
-        release, plan.release_early = plan.release_early, None
-        if release is not None:  # the buffer back; the save fails in save()
-            release()
+        plan.give_back_early()  # the save fails in save(): nothing will stage
         raise
 
 
