@@ -659,6 +659,7 @@ class EarlyCopies:
         self.others = [i for i in early if i not in picked]
         self.entries = len(plan.entries)
         self._views: list[torch.Tensor] = []
+        self._nbytes = 0
         self._buffer: torch.Tensor | None = None
         self._holder: object | None = None
         self._lock = threading.Lock()
@@ -700,7 +701,7 @@ class EarlyCopies:
                 torch._foreach_copy_(self._views[i : i + step], srcs[i : i + step])  # type: ignore[arg-type]
         for e, view in zip(picked, self._views, strict=True):
             e.source = view
-        return sum(e.nbytes for e in picked)
+        return self._nbytes
 
     def _make(self, picked: list[Entry]) -> None:
         offsets, end = [], 0
@@ -708,6 +709,7 @@ class EarlyCopies:
             end += -end % 64  # every view aligned for its dtype
             offsets.append(end)
             end += e.nbytes
+        self._nbytes = sum(e.nbytes for e in picked)  # the same at every save
         self._buffer = buffer = torch.empty(max(end, 1), dtype=torch.uint8)
         self._views = [
             buffer[o : o + e.nbytes].view(e.dtype).view(e.shape)
