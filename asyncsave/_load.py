@@ -183,8 +183,12 @@ def load_tensors(
     """Read only some tensors of a checkpoint, without reading the rest of it.
 
     ``keys`` are key paths as :func:`load` would reach them (``"model/wte.weight"``;
-    the separator is ``/``), or a prefix of them (``"optim/state/3"`` gives every
-    tensor under it). Only the bytes of the selected tensors are read (and, with
+    the separator is ``/``), or a prefix of whole segments (``"optim/state/3"``
+    or ``"optim/state/3/"`` gives every tensor under it). A module's
+    ``state_dict()`` keys are one segment each (``"model/h.0.attn.weight"``), so
+    ``"model/h.0"`` is no prefix of them: the error for a key that names no
+    tensor lists the key paths that begin with it (or its parent's, or the
+    first ones). Only the bytes of the selected tensors are read (and, with
     ``verify``, checked against their checksums); a tensor that shares a storage
     with others brings that storage's bytes.
 
@@ -216,14 +220,17 @@ def _select_tensors(manifest: Manifest, keys: Iterable[str], p: Path) -> set[int
     if isinstance(keys, str):
         raise TypeError("keys must be an iterable of key paths, not one str")
     chosen: set[int] = set()
-    for k in dict.fromkeys(keys):
+    for asked in dict.fromkeys(keys):
+        k = asked.rstrip("/") if asked.endswith("/") and asked.strip("/") else asked
         hit = {
             ri
             for ri, rec in enumerate(manifest.tensors)
             if rec["key"] == k or str(rec["key"]).startswith(k + "/")
         }
         if not hit:
-            raise MissingItemError(f"checkpoint {p} has no tensor at {k!r}", path=p, key=k)
+            raise MissingItemError(
+                f"checkpoint {p} has no tensor at {asked!r}{_near(manifest, k)}", path=p, key=asked
+            )
         chosen |= hit
     seen: dict[str, int] = {}
     for ri in sorted(chosen):
@@ -238,6 +245,22 @@ def _select_tensors(manifest: Manifest, keys: Iterable[str], p: Path) -> set[int
             )
         seen[key] = ri
     return chosen
+
+
+def _near(manifest: Manifest, k: str, shown: int = 8) -> str:
+    """A hint for a key path that names no tensor: the key paths that begin with
+    it (``"model/h.0"`` -> ``"model/h.0.attn.weight"``), else those under its
+    parent, else the first ones; at most ``shown``, then how many more."""
+    keys = [str(rec["key"]) for rec in manifest.tensors]
+    parent = k.rpartition("/")[0]
+    near = [x for x in keys if x.startswith(k)] or (
+        [x for x in keys if x.startswith(parent + "/")] if parent else []
+    )
+    near = near or keys
+    if not near:
+        return " (it holds no tensor)"
+    more = f" and {len(near) - shown} more" if len(near) > shown else ""
+    return f"; key paths near it: {', '.join(map(repr, near[:shown]))}{more}"
 
 
 def _open_checkpoint(

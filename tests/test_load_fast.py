@@ -294,3 +294,29 @@ async def test_a_load_stops_its_read_ahead_once_the_manifest_is_read(tmp_path: P
 
     asyncsave.load(path, filesystem=Stopping())
     assert events[-1] == "stop" and "manifest.json" in events[:-1]
+
+
+async def test_load_tensors_takes_a_trailing_slash_and_names_the_key_paths_near_a_missing_one(
+    tmp_path: Path,
+) -> None:
+    """``"model/"`` is the prefix ``"model"``; a module's ``state_dict()`` keys
+    are one segment each, so ``"model/1"`` names no tensor of
+    ``"model/1.weight"``: the error lists the key paths that begin with it; a
+    key with no such path lists its parent's, else the first ones."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    path = await saved(tmp_path, {"model": net, "opt": {"lr": torch.tensor(0.1)}})
+    assert set(asyncsave.load_tensors(path, ["model/"])) == {f"model/{k}" for k in net.state_dict()}
+    assert set(asyncsave.load_tensors(path, ["opt//"])) == {"opt/lr"}
+    with pytest.raises(asyncsave.MissingItemError) as info:
+        asyncsave.load_tensors(path, ["model/1"])
+    assert info.value.key == "model/1"
+    assert "'model/1.weight'" in str(info.value) and "'model/0.weight'" not in str(info.value)
+    with pytest.raises(asyncsave.MissingItemError) as info:
+        asyncsave.load_tensors(path, ["model/2.weight"])
+    assert "'model/0.weight'" in str(info.value)  # the parent's paths
+    with pytest.raises(asyncsave.MissingItemError) as info:
+        asyncsave.load_tensors(path, ["nothing/here"])
+    assert "'model/0.weight'" in str(info.value) and "'opt/lr'" in str(info.value)
+    with pytest.raises(asyncsave.MissingItemError):
+        asyncsave.load_tensors(path, ["/"])
