@@ -34,6 +34,7 @@ import threading
 from pathlib import Path
 
 from ._errors import LockUnavailableError
+from ._paths import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class LocalFileSystem:
         manifest. A hint only: nothing it reads is kept, and a file it cannot
         read is skipped (the load itself reports it)."""
         try:
-            names = [n for n in os.listdir(directory) if n != "manifest.json"]
+            names = [n for n in os.listdir(directory) if n != MANIFEST_NAME]
         except OSError:
             names = []
         return ReadAhead(sorted(directory / n for n in names))

@@ -625,10 +625,10 @@ def _snapshot_eager(plan: Plan, ready: dict[torch.device, Any] | None) -> int:
     if early is None or early.stale(plan):
         # The structure's first lazy save: its picks found, its copies cloned
         # (a buffer made now would be new memory, no faster than the clones).
-        cache.early = EarlyCopies(plan)
-        return _clone_early(plan, range(len(plan.entries)), ready)
+        early = cache.early = EarlyCopies(plan)
+        return _clone_early(plan, early.picks + early.others, ready)
     if not early.take(plan):  # an earlier lazy save still stages from it
-        return _clone_early(plan, range(len(plan.entries)), ready)
+        return _clone_early(plan, early.picks + early.others, ready)
     try:
         return early.copy(plan.entries) + _clone_early(plan, early.others, ready)
     except BaseException:
