@@ -114,19 +114,15 @@ def export_hf(
     dict's own names, ``transformer.h.0.attn.c_attn.weight``; deeper levels of
     nested dicts joined with ``.``). Tied weights are written under each of their
     names (``from_pretrained`` re-ties them; other readers find every weight by
-    name), each name's bytes once per name. Memory: one output shard at a time
-    (see the module docstring): the peak above what the process held is about
-    ``max_shard_bytes`` (or the largest tensor, which gets a shard of its own),
-    whatever the size of the model or of the rest of the checkpoint (measured by
-    ``bench/export_hf.py``: +22 MiB for 16 MiB shards of a 256 MiB model saved
-    with a 512 MiB optimizer state, +270 MiB for one file).
+    name), each name's bytes once per name. Memory: one output shard at a time,
+    about ``max_shard_bytes`` (or the largest tensor) above what the process
+    held, whatever the size of the checkpoint (measured: the Hugging Face guide).
 
     :param path: a committed checkpoint directory (``runs/exp1/step_40``) or URL;
         ``filesystem`` and ``storage_options`` as for :func:`asyncsave.load`.
-    :param out_dir: the local directory to write (created if absent); it must
-        hold no ``model*.safetensors`` or index yet, and lie in no checkpoint
-        directory. Each file is written under a temporary name, fsynced and
-        renamed into place (the directory fsynced).
+    :param out_dir: the local directory to write (created if absent), holding
+        no ``model*.safetensors`` or index yet, in no checkpoint directory. Each
+        file is written under a temporary name, fsynced, renamed into place.
     :param key: the key path (``/``-separated) of the model's state dict in the
         saved tree. Default: the top-level item ``model`` if the state has one,
         else the whole state when every leaf of it is a tensor.
@@ -135,13 +131,11 @@ def export_hf(
     :param max_shard_bytes: bytes per shard file, or a size such as ``"5GB"``
         (the default, as ``save_pretrained``); a tensor larger than it is a shard
         of its own.
-    :param dtype: cast the ``float16``, ``bfloat16``, ``float32`` and ``float64``
-        tensors to this dtype, one of those four (e.g. ``torch.bfloat16``); others
-        (integers, the 8- and 4-bit floats of quantized weights and their
-        scales) are written as saved. With ``config``, the ``config.json``
-        written says this dtype (``"dtype"``, and ``"torch_dtype"`` where the
-        config has it), as ``save_pretrained`` does, so ``from_pretrained``
-        loads the model in it.
+    :param dtype: cast the ``float16/bfloat16/float32/float64`` tensors to this
+        one of the four; others (integers, quantized weights' 8- and 4-bit floats
+        and scales) are written as saved. ``config.json`` then says this dtype
+        (``"dtype"``, and ``"torch_dtype"`` where the config has it), as
+        ``save_pretrained`` does, so ``from_pretrained`` loads the model in it.
     :param verify: check the XXH3-64 checksum of every byte read.
     :returns: the files written, weights first, then the index and config if any.
     :raises MissingItemError: ``key`` names no tensor, or no default applies.
@@ -154,9 +148,8 @@ def export_hf(
         (pipeline stages, tensor-parallel shards: rank 0's would be a part of
         the model), naming the key and rank.
     :raises FileExistsError: ``out_dir`` holds model weights already.
-    :raises ValueError: ``max_shard_bytes`` is not a size; ``dtype`` is not one
-        of the four it casts to; ``out_dir`` is a URL, or a checkpoint directory
-        or inside one (retention would delete the export with it).
+    :raises ValueError: ``max_shard_bytes`` is not a size; ``dtype`` not one of
+        the four; ``out_dir`` a URL, or in a checkpoint (retention would delete it).
     :raises TypeError: ``config`` is not a config, dict or path; ``dtype`` is
         not a ``torch.dtype``.
     :raises CorruptCheckpointError: (or :class:`ChecksumMismatchError`) the bytes
@@ -164,22 +157,11 @@ def export_hf(
     :raises ImportError: ``safetensors`` is not installed (``pip install
         'asyncsave[hf]'``).
     """
-    try:
-        from safetensors.torch import save_file
-    except ImportError as exc:
-        raise ImportError(
-            "export_hf writes its files with safetensors: pip install 'asyncsave[hf]'"
-        ) from exc
+    save_file = _safetensors_save_file()
     limit = parse_size(max_shard_bytes)
     _check_dtype(dtype)
     fs, p = open_root(path, filesystem=filesystem, storage_options=storage_options, what="path")
-    manifest = read_checkpoint(fs, p, expect_step=step_of_name(p))
-    source = _source(fs, p, manifest, verify=verify)
-    prefix = _prefix(source.items, key, source.all_tensors, p)
-    items = _selected(source.items, prefix, p)
-    source.check_replicated(items, prefix)
-    for item in items:
-        _check_nameable(item, dtype, p)
+    source, items = _export_items(fs, p, key, dtype, verify)
     doc = None if config is None else _config_dict(config, dtype)
     out = _local_dir(out_dir)
     _check_out(out)
@@ -193,6 +175,33 @@ def export_hf(
             f.unlink(missing_ok=True)
         raise
     return written
+
+
+def _safetensors_save_file() -> Any:
+    """``safetensors.torch.save_file``, or the ``ImportError`` naming the extra."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise ImportError(
+            "export_hf writes its files with safetensors: pip install 'asyncsave[hf]'"
+        ) from exc
+    return save_file
+
+
+def _export_items(
+    fs: LocalFileSystem, p: Path, key: str | None, dtype: torch.dtype | None, verify: bool
+) -> tuple[Any, list[Any]]:
+    """The checkpoint at ``p`` as a source of tensors, and the items of
+    :func:`export_hf` under ``key``, each checked (replicated over ranks,
+    nameable by safetensors in ``dtype``)."""
+    manifest = read_checkpoint(fs, p, expect_step=step_of_name(p))
+    source = _source(fs, p, manifest, verify=verify)
+    prefix = _prefix(source.items, key, source.all_tensors, p)
+    items = _selected(source.items, prefix, p)
+    source.check_replicated(items, prefix)
+    for item in items:
+        _check_nameable(item, dtype, p)
+    return source, items
 
 
 def _write_shards(
